@@ -1,0 +1,25 @@
+# Two commands do all set-up on a fresh clone: `make demo` and `make test`.
+# Each creates .venv (pinned by constraints.txt, so torch is the CPU build) if needed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lab]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/attnlab demo
+
+bench: $(STAMP)
+	$(VENV)/bin/attnlab bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,148 @@
+"""Every user-facing mask form, converted once per call into attnlab's one convention.
+
+Inside attnlab a mask is a bool tensor broadcastable to ``(B, H, T_q, T_k)`` where
+**True = may attend** (as in ``F.scaled_dot_product_attention``), plus an optional float
+``bias`` added to the scores. At the API:
+
+* ``attn_mask`` bool: True = may attend. *Opposite* of ``nn.MultiheadAttention``, where True
+  blocks; pass ``~mask`` when porting code from it.
+* ``attn_mask`` float: added to the scores (``0`` keeps, ``-inf`` blocks, anything else biases).
+* ``key_padding_mask`` ``(B, T_k)`` bool: **True = padding**, never attended (as in PyTorch).
+* ``is_causal=True``: query i sees keys j <= i, aligned bottom-right when ``T_q < T_k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .functional import causal_keep
+
+__all__ = ["Masks", "prepare_masks"]
+
+
+@dataclass(frozen=True)
+class Masks:
+    """The converted masks handed to a backend (see :mod:`attnlab.functional`)."""
+
+    keep: Tensor | None = None  # bool, broadcastable to (B, H, T_q, T_k), True = may attend
+    bias: Tensor | None = None  # float, broadcastable likewise, added to the scores
+    causal: bool = False  # square causal masking left to the backend (SDPA's is_causal)
+
+
+def _as_4d(mask: Tensor, batch: int, heads: int, q_len: int, k_len: int) -> Tensor:
+    """View an attn_mask of shape (T_q, T_k), (B, T_q, T_k) or 4-D as 4-D, checking it broadcasts."""
+    target = (batch, heads, q_len, k_len)
+    if mask.dim() == 2:
+        mask4 = mask[None, None]  # (1, 1, T_q, T_k)
+    elif mask.dim() == 3:
+        mask4 = mask[:, None]  # (B, 1, T_q, T_k)
+    elif mask.dim() == 4:
+        mask4 = mask
+    else:
+        mask4 = None
+    if mask4 is None or any(m not in (1, t) for m, t in zip(mask4.shape, target)):
+        raise ValueError(
+            f"attn_mask has shape {tuple(mask.shape)}, which does not broadcast to the scores' "
+            f"(B, H, T_q, T_k) = {target}; pass (T_q, T_k) = ({q_len}, {k_len}), "
+            f"(B, T_q, T_k) = ({batch}, {q_len}, {k_len}), or a 4-D mask whose every dim is 1 or "
+            f"the one in {target} (a mask of shape (B*H, T_q, T_k) must be viewed as (B, H, T_q, T_k))."
+        )
+    return mask4
+
+
+def _check_float_mask_values(mask: Tensor) -> None:
+    """Refuse a float mask of 0s and 1s: meant as keep/block, it would silently mask nothing."""
+    if mask.device.type != "cpu" or mask.requires_grad or mask.numel() == 0:
+        return  # looking at a GPU mask's values would force a device sync on every call
+    ones_and_zeros = (mask == 0) | (mask == 1)
+    if bool(ones_and_zeros.all()) and bool((mask == 1).any()):
+        raise ValueError(
+            "attn_mask is a float tensor holding only 0s and 1s; a float mask is *added* to the "
+            "scores, so this masks nothing and only shifts some scores by 1. For a keep/block "
+            "mask pass attn_mask.bool() (True = may attend); for an additive mask use 0 to keep "
+            "and float('-inf') to block, e.g. torch.zeros_like(m).masked_fill(m == 0, float('-inf'))."
+        )
+
+
+def prepare_masks(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    *,
+    batch: int,
+    heads: int,
+    q_len: int,
+    k_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Masks:
+    """Validate the user's masks and convert them to :class:`Masks` (one pass, once per call)."""
+    keep: Tensor | None = None
+    bias: Tensor | None = None
+
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(
+                f"attn_mask must be a torch.Tensor (bool: True = may attend, or float: added to "
+                f"the scores), got {type(attn_mask).__name__}; wrap it with torch.as_tensor(...)."
+            )
+        if attn_mask.device != device:
+            raise ValueError(
+                f"attn_mask is on {attn_mask.device} but the query is on {device}; move it with "
+                f"attn_mask.to({str(device)!r})."
+            )
+        if attn_mask.dtype == torch.bool:
+            keep = _as_4d(attn_mask, batch, heads, q_len, k_len)
+        elif attn_mask.is_floating_point():
+            _check_float_mask_values(attn_mask)
+            bias4 = _as_4d(attn_mask, batch, heads, q_len, k_len)
+            keep = bias4 != float("-inf")  # so that a fully -inf row is caught as fully masked
+            bias = bias4.to(dtype)
+        else:
+            raise TypeError(
+                f"attn_mask has dtype {attn_mask.dtype}; expected torch.bool (True = may attend) or "
+                f"a float dtype (added to the scores). For a 0/1 integer mask pass attn_mask.bool()."
+            )
+
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor):
+            raise TypeError(
+                f"key_padding_mask must be a bool torch.Tensor of shape (B, T_k) = ({batch}, {k_len}) "
+                f"with True = padding, got {type(key_padding_mask).__name__}."
+            )
+        if key_padding_mask.device != device:
+            raise ValueError(
+                f"key_padding_mask is on {key_padding_mask.device} but the query is on {device}; "
+                f"move it with key_padding_mask.to({str(device)!r})."
+            )
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"key_padding_mask has dtype {key_padding_mask.dtype}; expected torch.bool with "
+                f"True = padding. For a 0/1 mask where 1 marks padding pass key_padding_mask.bool(); "
+                f"for an attention mask where 1 marks real tokens pass attention_mask == 0."
+            )
+        if tuple(key_padding_mask.shape) != (batch, k_len):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected (B, T_k) = "
+                f"({batch}, {k_len}), one flag per key position with True = padding."
+            )
+        not_pad = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, T_k)
+        keep = not_pad if keep is None else keep & not_pad
+
+    causal = False
+    if is_causal:
+        if q_len > k_len:
+            raise ValueError(
+                f"is_causal=True needs T_q <= T_k, got T_q={q_len} queries and T_k={k_len} keys: "
+                f"causal masking aligns the last query with the last key, so the first "
+                f"{q_len - k_len} queries would see no key at all. Pass an explicit attn_mask instead."
+            )
+        if keep is None and q_len == k_len:
+            causal = True  # left to the backend: SDPA's is_causal needs no mask tensor at all
+        else:
+            tri = causal_keep(q_len, k_len, device)  # (T_q, T_k)
+            keep = tri if keep is None else keep & tri
+    return Masks(keep=keep, bias=bias, causal=causal)

@@ -1,0 +1,114 @@
+"""Input checks run before any computation: each failure is one sentence naming the argument,
+what was received, what was expected, and the fix. Mask checks live in :mod:`attnlab.masks`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .attention import MultiHeadAttention
+
+BACKEND_NAMES = ("auto", "math", "sdpa")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
+
+
+def check_init_args(
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    kdim: int,
+    vdim: int,
+    dropout: float,
+    scale: float | None,
+    backend: str,
+) -> None:
+    """Constructor arguments of :class:`attnlab.MultiHeadAttention`."""
+    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                        ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
+        _positive_int(name, value)
+    if embed_dim % num_heads:
+        divisors = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0]
+        near = sorted(divisors, key=lambda h: abs(h - num_heads))[:3]
+        raise ValueError(
+            f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}: every head gets "
+            f"embed_dim // num_heads dims; choose num_heads among the divisors of {embed_dim} "
+            f"(nearest: {sorted(near)}) or change embed_dim to a multiple of {num_heads}."
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}: each K/V head "
+            f"serves an equal group of query heads; choose num_kv_heads among "
+            f"{[g for g in range(1, num_heads + 1) if num_heads % g == 0]}."
+        )
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}; it is the probability of zeroing a weight.")
+    if scale is not None and not float(scale) > 0.0:
+        raise ValueError(f"scale must be a positive float (default 1/sqrt(head_dim)), got {scale!r}.")
+    check_backend(backend)
+
+
+def check_backend(backend: object) -> None:
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}.")
+
+
+def _check_3d(name: str, x: object, width_name: str, width: int) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (B, T, {width_name}={width}), got {type(x).__name__}.")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; expected a floating tensor (B, T, {width_name}={width}). "
+            f"Token ids go through an nn.Embedding first."
+        )
+    if x.dim() == 2 and x.size(-1) == width:
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}, an unbatched (T, {width_name}) input; attnlab is "
+            f"batch-first and expects (B, T, {width_name}): add a batch dimension with {name}.unsqueeze(0)."
+        )
+    if x.dim() != 3:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected 3-D (B, T, {width_name}={width}).")
+    if x.size(-1) != width:
+        hint = " (use kdim/vdim for a context of another width)" if name != "query" else ""
+        raise ValueError(
+            f"{name} has last dimension {x.size(-1)} (shape {tuple(x.shape)}); expected "
+            f"{width_name}={width}{hint}."
+        )
+
+
+def check_forward_inputs(m: MultiHeadAttention, query: Tensor, key: Tensor, value: Tensor) -> None:
+    """Shapes, devices and dtypes of ``query``, ``key``, ``value`` against the module."""
+    _check_3d("query", query, "embed_dim", m.embed_dim)
+    if key is not query:
+        _check_3d("key", key, "kdim", m.kdim)
+    if value is not key:
+        _check_3d("value", value, "vdim", m.vdim)
+    if key.size(0) != query.size(0):
+        raise ValueError(
+            f"key has batch size {key.size(0)} but query has {query.size(0)}; query (B, T_q, E) "
+            f"and key (B, T_k, kdim) must share B (for one shared context, use key.expand({query.size(0)}, -1, -1))."
+        )
+    if value.shape[:2] != key.shape[:2]:
+        raise ValueError(
+            f"value has (B, T_k) = {tuple(value.shape[:2])} but key has {tuple(key.shape[:2])}; "
+            f"every key needs exactly one value."
+        )
+    weight = m.out_proj.weight
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.device != weight.device:
+            raise ValueError(
+                f"{name} is on {x.device} but the module's weights are on {weight.device}; move "
+                f"one of them: {name}.to({str(weight.device)!r}) or mha.to({str(x.device)!r})."
+            )
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one "
+                f"of them ({name}.to({weight.dtype}) or mha.to({x.dtype})), or run under torch.autocast."
+            )

@@ -1,0 +1,97 @@
+"""Mask semantics as properties: no causal leak, padding invariance, fully masked rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import MultiHeadAttention
+
+BACKENDS = ["math", "sdpa"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_no_causal_leak(backend, kv_heads):
+    mha = MultiHeadAttention(16, 4, num_kv_heads=kv_heads, backend=backend)
+    x = torch.randn(2, 8, 16)
+    y = x.clone()
+    y[:, 5:] = torch.randn(2, 3, 16)  # change the future of position 4
+    a, b = mha(x, is_causal=True), mha(y, is_causal=True)
+    assert torch.allclose(a[:, :5], b[:, :5], atol=1e-6)
+    assert not torch.allclose(a[:, 5:], b[:, 5:], atol=1e-3)  # later positions do see the change
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_with_cached_prefix_is_bottom_right(backend):
+    """T_q < T_k: the last T_q positions of a sequence, as in a KV-cache append."""
+    mha = MultiHeadAttention(16, 4, backend=backend)
+    x = torch.randn(2, 9, 16)
+    full = mha(x, is_causal=True)
+    tail = mha(x[:, 6:], x, is_causal=True)  # queries at positions 6, 7, 8 against all 9 keys
+    assert torch.allclose(full[:, 6:], tail, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_invariance(backend, causal):
+    mha = MultiHeadAttention(16, 4, backend=backend)
+    x = torch.randn(2, 7, 16)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, 5:] = True
+    pad[1, 6:] = True
+    y = x.clone()
+    y[0, 5:] = 100 * torch.randn(2, 16)  # garbage at padded positions
+    y[1, 6:] = -50.0
+    a = mha(x, key_padding_mask=pad, is_causal=causal)
+    b = mha(y, key_padding_mask=pad, is_causal=causal)
+    assert torch.allclose(a[0, :5], b[0, :5], atol=1e-5) and torch.allclose(a[1, :6], b[1, :6], atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_three_masks_together(backend):
+    mha = MultiHeadAttention(16, 4, backend=backend)
+    x = torch.randn(2, 6, 16)
+    keep = torch.ones(6, 6, dtype=torch.bool)
+    keep[:, 2] = False
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 0] = True
+    out = mha(x, attn_mask=keep, key_padding_mask=pad, is_causal=True)
+    explicit = torch.ones(6, 6, dtype=torch.bool).tril() & keep
+    explicit = explicit[None, None] & ~pad[:, None, None, :]  # (2, 1, 6, 6)
+    assert torch.allclose(out, mha(x, attn_mask=explicit), atol=1e-6)
+
+
+def _fully_masked_cases():
+    keep = torch.ones(4, 4, dtype=torch.bool)
+    keep[2] = False  # query 2 sees nothing
+    bias = torch.zeros(4, 4)
+    bias[2] = float("-inf")
+    pad = torch.tensor([[True, True, True, True], [False, False, False, True]])  # batch 0 all padding
+    left_pad = torch.tensor([[False] * 4, [True, True, False, False]])  # left padding + causal
+    return {
+        "bool": ({"attn_mask": keep}, [(slice(None), 2)]),
+        "float_-inf": ({"attn_mask": bias}, [(slice(None), 2)]),
+        "padding": ({"key_padding_mask": pad}, [(0, slice(None))]),
+        "left_padding_causal": ({"key_padding_mask": left_pad, "is_causal": True}, [(1, 0), (1, 1)]),
+    }
+
+
+@pytest.mark.parametrize("backend,need_weights", [("math", False), ("sdpa", False), ("auto", False), ("auto", True)])
+@pytest.mark.parametrize("case", list(_fully_masked_cases()))
+def test_fully_masked_rows_are_zero_with_finite_grads(backend, need_weights, case):
+    kw, rows = _fully_masked_cases()[case]
+    mha = MultiHeadAttention(8, 2, backend=backend)
+    with torch.no_grad():
+        mha.out_proj.bias.normal_()
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    res = mha(x, need_weights=need_weights, **kw)
+    out = res[0] if need_weights else res
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in mha.parameters())
+    for b, i in rows:
+        # context is zero, so the output is exactly the output projection's bias
+        assert torch.allclose(out[b, i], mha.out_proj.bias.expand_as(out[b, i]), atol=1e-6)
+        if need_weights:
+            assert torch.all(res[1][b, :, i] == 0)

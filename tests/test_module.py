@@ -1,0 +1,166 @@
+"""The module's public contract: shapes, the seeds' calls, layouts, GQA, backend choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab import MultiHeadAttention
+
+
+def test_seed_000_case_shapes():
+    x = torch.randn(2, 10, 64)
+    mha = MultiHeadAttention(64, 8)
+    out = mha(x, x)  # seed 000: mha(x, x), x_context = x
+    assert out.shape == (2, 10, 64)
+    assert mha.head_dim == 8
+    assert mha.last_backend == "sdpa" and mha.last_backend_reason is None
+
+
+def test_seed_002_call_with_causal_bool_mask():
+    q, k, v = torch.randn(3, 2, 7, 16).unbind(0)
+    mha = MultiHeadAttention(16, 4)
+    causal_bool = torch.tril(torch.ones(7, 7, dtype=torch.bool))
+    out = mha(q, k, v, attn_mask=causal_bool)
+    assert out.shape == (2, 7, 16)
+    assert torch.allclose(out, mha(q, k, v, is_causal=True), atol=1e-6)
+
+
+def test_self_attention_defaults_key_and_value():
+    x = torch.randn(2, 5, 16)
+    mha = MultiHeadAttention(16, 4)
+    ref = mha(x, x, x)
+    assert torch.equal(mha(x), ref)
+    assert torch.equal(mha(x, x), ref)
+
+
+def test_cross_attention_other_length_and_width():
+    mha = MultiHeadAttention(16, 4, kdim=12, vdim=20)
+    q, k, v = torch.randn(2, 5, 16), torch.randn(2, 9, 12), torch.randn(2, 9, 20)
+    out, w = mha(q, k, v, need_weights=True)
+    assert out.shape == (2, 5, 16) and w.shape == (2, 4, 5, 9)
+    assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5))
+    assert not mha.fused_qkv and isinstance(mha.k_proj, nn.Linear) and mha.k_proj.weight.shape == (16, 12)
+
+
+def test_fused_projection_slices_share_storage_with_in_proj():
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2)
+    assert mha.in_proj.weight.shape == (16 + 2 * 8, 16)
+    assert mha.k_proj.weight.shape == (8, 16)
+    with torch.no_grad():
+        mha.k_proj.weight.fill_(3.0)
+    assert torch.all(mha.in_proj.weight[16:24] == 3.0)
+    assert torch.all(mha.in_proj.weight[24:] != 3.0)
+    x = torch.randn(1, 4, 16)
+    assert torch.allclose(mha.k_proj(x), x @ mha.in_proj.weight[16:24].T + mha.in_proj.bias[16:24])
+
+
+def test_init_is_xavier_per_projection_with_zero_bias():
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2)
+    for proj in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj):
+        fan_out, fan_in = proj.weight.shape
+        bound = (6 / (fan_in + fan_out)) ** 0.5
+        assert proj.weight.abs().max() <= bound
+        assert proj.weight.abs().max() > 0.8 * bound  # uniform over the whole range, not a smaller one
+        assert torch.all(proj.bias == 0)
+
+
+def test_gqa_equals_mha_with_repeated_kv_weights():
+    E, H, G = 32, 8, 2
+    gqa = MultiHeadAttention(E, H, num_kv_heads=G)
+    full = MultiHeadAttention(E, H)
+    rep, D = H // G, E // H
+
+    def repeat(t):  # (G*D, ...) -> (H*D, ...): K/V head g serves query heads g*rep .. g*rep+rep-1
+        return t.unflatten(0, (G, D)).repeat_interleave(rep, 0).flatten(0, 1)
+
+    with torch.no_grad():
+        full.q_proj.weight.copy_(gqa.q_proj.weight)
+        full.k_proj.weight.copy_(repeat(gqa.k_proj.weight))
+        full.v_proj.weight.copy_(repeat(gqa.v_proj.weight))
+        full.out_proj.weight.copy_(gqa.out_proj.weight)
+        for a, b in ((full.q_proj, gqa.q_proj), (full.out_proj, gqa.out_proj)):
+            a.bias.copy_(b.bias + torch.randn_like(b.bias))
+            b.bias.copy_(a.bias)
+        full.k_proj.bias.copy_(repeat(gqa.k_proj.bias))
+    x = torch.randn(2, 6, E)
+    for backend in ("math", "sdpa"):
+        gqa.backend = full.backend = backend
+        assert torch.allclose(gqa(x, is_causal=True), full(x, is_causal=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_non_contiguous_inputs(backend):
+    mha = MultiHeadAttention(16, 4, backend=backend)
+    base = torch.randn(7, 2, 16)
+    x = base.transpose(0, 1)  # (2, 7, 16), not contiguous
+    assert not x.is_contiguous()
+    mask = torch.ones(7, 7, dtype=torch.bool).tril().T.T.t()  # a transposed view
+    assert not mask.is_contiguous()
+    out = mha(x, attn_mask=mask.T)
+    assert torch.allclose(out, mha(x.contiguous(), attn_mask=mask.T.contiguous()), atol=1e-6)
+    ctx = torch.randn(16, 2, 9)[:, :, :].permute(1, 2, 0)  # (2, 9, 16), strided
+    assert torch.allclose(mha(x, ctx), mha(x.contiguous(), ctx.contiguous()), atol=1e-6)
+
+
+def test_auto_backend_reports_why_math_ran():
+    mha = MultiHeadAttention(16, 4)
+    x = torch.randn(1, 3, 16)
+    mha(x)
+    assert (mha.last_backend, mha.last_backend_reason) == ("sdpa", None)
+    mha(x, need_weights=True)
+    assert mha.last_backend == "math" and "need_weights" in mha.last_backend_reason
+    mha.backend = "math"
+    mha(x)
+    assert mha.last_backend == "math" and "requested" in mha.last_backend_reason
+
+
+def test_backend_attribute_is_validated_and_sdpa_refuses_weights():
+    mha = MultiHeadAttention(16, 4)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'math', 'sdpa'\), got 'flash'"):
+        mha.backend = "flash"
+    mha.backend = "sdpa"
+    with pytest.raises(ValueError, match="need_weights=True with backend='sdpa'"):
+        mha(torch.randn(1, 3, 16), need_weights=True)
+
+
+def test_dropout_only_in_training():
+    mha = MultiHeadAttention(16, 4, dropout=0.5, backend="math")
+    x = torch.randn(2, 6, 16)
+    mha.eval()
+    assert torch.equal(mha(x), mha(x))
+    mha.train()
+    _, w = mha(x, need_weights=True)
+    assert (w == 0).any()  # some weights were dropped
+    torch.manual_seed(0)
+    a = mha(x)
+    torch.manual_seed(1)
+    assert not torch.allclose(a, mha(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_softmax_runs_in_float32(dtype):
+    mha = MultiHeadAttention(16, 4, backend="math")
+    x = torch.randn(2, 5, 16)
+    ref, w32 = mha(x, need_weights=True)
+    mha_h = MultiHeadAttention(16, 4, backend="math", dtype=dtype)
+    mha_h.load_state_dict(mha.state_dict())
+    out, w = mha_h(x.to(dtype), need_weights=True)
+    assert out.dtype == dtype and w.dtype == dtype
+    assert (out.float() - ref).abs().max() < (0.05 if dtype == torch.bfloat16 else 0.01)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_scale_is_used(backend):
+    custom = MultiHeadAttention(16, 4, scale=0.9, backend=backend)
+    default = MultiHeadAttention(16, 4, backend=backend)
+    default.load_state_dict(custom.state_dict())
+    with torch.no_grad():  # scaling Q by 0.9 * sqrt(D) must equal scaling the scores by 0.9
+        default.q_proj.weight.mul_(0.9 * 2.0)
+        default.q_proj.bias.mul_(0.9 * 2.0)
+    x = torch.randn(2, 5, 16)
+    assert torch.allclose(custom(x), default(x), atol=1e-6)
+    plain = MultiHeadAttention(16, 4, backend=backend)
+    plain.load_state_dict(custom.state_dict())
+    assert not torch.allclose(custom(x), plain(x), atol=1e-3)  # the scale changed the result
