@@ -7,7 +7,7 @@ D = E // H head dim. The module is always batch-first.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,11 @@ from torch import Tensor, nn
 
 from . import functional
 from .masks import prepare_masks
+from .rope import apply_rope
 from .validation import check_backend, check_forward_inputs, check_init_args
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
 
 Backend = Literal["auto", "math", "sdpa"]
 
@@ -203,6 +207,9 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
+        kv_cache: KVCache | None = None,
+        cache_positions: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -215,13 +222,21 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask: ``(B, T_k)`` bool, True = padding (never attended).
             is_causal: causal masking, bottom-right aligned (query i sees keys j <= i + T_k - T_q).
             need_weights: also return the per-head weights ``(B, H, T_q, T_k)`` (math backend).
+            kv_cache: an :class:`attnlab.KVCache` for this layer (self-attention only): this
+                call's K/V are written into it and attention runs over everything cached.
+                ``T_k`` is then the cached length, and masks index cached slots.
+            cache_positions: ``(T_q,)`` int64 cache slots of this call's tokens (position mode,
+                see :mod:`attnlab.kv_cache`: fixed shapes for ``torch.compile``). Needs
+                ``is_causal=True``: a query sees the slots at or before its own.
+            rope: ``(cos, sin)`` from :func:`attnlab.rope.rope_cos_sin`, each ``(T_q, D)`` or
+                ``(B, T_q, D)``: rotary embeddings applied to Q and to this call's K.
 
         Returns:
             ``output (B, T_q, E)``, or ``(output, weights)`` when ``need_weights``.
         """
         key = query if key is None else key
         value = key if value is None else value
-        check_forward_inputs(self, query, key, value)
+        check_forward_inputs(self, query, key, value, kv_cache, cache_positions, rope)
         B, T_q, _ = query.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
 
@@ -229,10 +244,15 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T_q, H, D).transpose(1, 2)  # (B, H, T_q, D): heads become a batch dim
         k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, T_k, D)
         v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, T_k, D)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H, T_q, D), (B, G, T_k, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v, cache_positions)  # (B, G, T_cached, D): all cached keys
 
         masks = prepare_masks(
             attn_mask, key_padding_mask, is_causal,
             batch=B, heads=H, q_len=T_q, k_len=k.size(2), dtype=q.dtype, device=q.device,
+            q_positions=cache_positions,
         )
         backend, reason = self._choose_backend(need_weights)
         if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole

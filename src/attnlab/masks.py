@@ -78,6 +78,7 @@ def prepare_masks(
     k_len: int,
     dtype: torch.dtype,
     device: torch.device,
+    q_positions: Tensor | None = None,
 ) -> Masks:
     """Validate the user's masks and convert them to :class:`Masks` (one pass, once per call)."""
     keep: Tensor | None = None
@@ -133,7 +134,15 @@ def prepare_masks(
         keep = not_pad if keep is None else keep & not_pad
 
     causal = False
-    if is_causal:
+    if q_positions is not None:  # KV cache in position mode: key slot j is visible iff j <= the query's slot
+        if not is_causal:
+            raise ValueError(
+                "cache_positions was given with is_causal=False; position mode attends over the whole "
+                "cache buffer and relies on the causal mask to hide unwritten slots: pass is_causal=True."
+            )
+        tri = torch.arange(k_len, device=device)[None, :] <= q_positions[:, None]  # (T_q, T_k)
+        keep = tri if keep is None else keep & tri
+    elif is_causal:
         if q_len > k_len:
             raise ValueError(
                 f"is_causal=True needs T_q <= T_k, got T_q={q_len} queries and T_k={k_len} keys: "

@@ -83,7 +83,15 @@ def _check_3d(name: str, x: object, width_name: str, width: int) -> None:
         )
 
 
-def check_forward_inputs(m: MultiHeadAttention, query: Tensor, key: Tensor, value: Tensor) -> None:
+def check_forward_inputs(
+    m: MultiHeadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: object = None,
+    cache_positions: Tensor | None = None,
+    rope: object = None,
+) -> None:
     """Shapes, devices and dtypes of ``query``, ``key``, ``value`` against the module."""
     _check_3d("query", query, "embed_dim", m.embed_dim)
     if key is not query:
@@ -111,4 +119,30 @@ def check_forward_inputs(m: MultiHeadAttention, query: Tensor, key: Tensor, valu
             raise TypeError(
                 f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one "
                 f"of them ({name}.to({weight.dtype}) or mha.to({x.dtype})), or run under torch.autocast."
+            )
+    self_attention = key is query and value is query
+    if kv_cache is not None and not self_attention:
+        raise ValueError(
+            "kv_cache was given for cross-attention; the cache appends the keys of the tokens being "
+            "decoded, which only makes sense in self-attention (mha(x, kv_cache=...)). For a fixed "
+            "context, project it once and reuse the module without a cache."
+        )
+    if cache_positions is not None:
+        if kv_cache is None:
+            raise ValueError("cache_positions was given without kv_cache; it names slots of a KVCache, pass kv_cache=... too.")
+        if not isinstance(cache_positions, Tensor) or cache_positions.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"cache_positions must be an int64 tensor of shape (T_q,), got "
+                f"{getattr(cache_positions, 'dtype', type(cache_positions).__name__)}; use torch.arange(start, start + T_q)."
+            )
+    if rope is not None:
+        if not self_attention:
+            raise ValueError("rope was given for cross-attention; rotary embeddings rotate queries and keys of one sequence (self-attention only).")
+        if not (isinstance(rope, tuple) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
+            raise TypeError(f"rope must be a (cos, sin) tuple of tensors from attnlab.rope.rope_cos_sin, got {type(rope).__name__}.")
+        cos = rope[0]
+        if cos.shape[-2:] != (query.size(1), m.head_dim):
+            raise ValueError(
+                f"rope cos/sin have shape {tuple(cos.shape)}; expected (T_q, head_dim) = "
+                f"({query.size(1)}, {m.head_dim}) or (B, T_q, head_dim): one angle set per query position."
             )

@@ -1,0 +1,29 @@
+"""Rotary position embeddings (RoPE), half-split layout as in GPT-NeoX and Llama.
+
+Channel pair ``(c, c + D/2)`` of a head is rotated by ``position * base^(-2c/D)``. Applied to
+queries and keys after the head split, so that ``q_i . k_j`` depends on ``i - j`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos and sin for ``positions`` ``(T,)`` or ``(B, T)``; each ``(..., T, D)``."""
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}; use n_embd // n_head even.")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)  # (D/2,)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (..., T, D): channel c and c + D/2 share an angle
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``(B, heads, T, D)`` by ``cos, sin`` of shape ``(T, D)`` or ``(B, T, D)``."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)  # (B, heads, T, D/2) each
+    rotated = torch.cat((-x2, x1), dim=-1)  # (B, heads, T, D)
+    return x * cos + rotated * sin
