@@ -3,23 +3,34 @@ or dataclass by tyro: no hand-copied flag lists, unknown flags rejected."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 import tyro
 
 from .demo import demo
+from .doctor import doctor
+from .trace import trace_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``attnlab`` and ``python -m attnlab``; returns the exit code."""
     commands = {
         "demo": demo,
+        "trace": trace_command,
+        "doctor": doctor,
     }
-    result = tyro.extras.subcommand_cli_from_dict(
-        commands, prog="attnlab", description="attnlab: multi-head attention, readable, verified, fast.",
-        args=argv,
-    )
+    try:
+        result = tyro.extras.subcommand_cli_from_dict(
+            commands, prog="attnlab", description="attnlab: multi-head attention, readable, verified, fast.",
+            args=argv,
+        )
+    except (ValueError, TypeError) as err:  # attnlab's own input errors: one sentence, no traceback
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        print(f"attnlab: error: {err}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

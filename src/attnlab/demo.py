@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import MultiHeadAttention
+from .trace import trace
 
 
 def demo(batch: int = 2, seq_len: int = 10, embed_dim: int = 64, num_heads: int = 8, seed: int = 0) -> int:
@@ -27,4 +28,9 @@ def demo(batch: int = 2, seq_len: int = 10, embed_dim: int = 64, num_heads: int 
     _, weights = mha(x, need_weights=True)
     print(f"weights : {list(weights.shape)}  (batch, heads, query, key) via backend "
           f"{mha.last_backend!r}: {mha.last_backend_reason}")
+    print("\nEvery stage of the same call on the math backend, shapes read off the real tensors:\n")
+    mha.backend = "math"
+    with trace(mha) as calls:
+        mha(x, x)
+    print(calls[0].to_text())
     return 0

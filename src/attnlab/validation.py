@@ -36,7 +36,7 @@ def check_init_args(
         _positive_int(name, value)
     if embed_dim % num_heads:
         divisors = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0]
-        near = sorted(divisors, key=lambda h: abs(h - num_heads))[:3]
+        near = sorted(divisors, key=lambda h: abs(h - num_heads))[:2]
         raise ValueError(
             f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}: every head gets "
             f"embed_dim // num_heads dims; choose num_heads among the divisors of {embed_dim} "

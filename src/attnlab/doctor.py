@@ -1,0 +1,178 @@
+"""``attnlab doctor``: what this machine can run, found by trying it, and a fix for each problem.
+
+Seed 002 section 4.2's advice, made concrete: match the torch build to the Python version and
+the CUDA driver, pin the version, and prefer ``F.scaled_dot_product_attention`` (whose flash
+and memory-efficient kernels ship inside torch) to compiling FlashAttention from source.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+@dataclass
+class Finding:
+    topic: str
+    status: str  # "ok", "info", "warn" or "fail"
+    detail: str
+    fix: str = ""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:160]
+
+
+def _devices() -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+SDPA_KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "memory-efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def try_sdpa_kernel(kernel: str, device: str) -> tuple[bool, str]:
+    """Run a tiny causal SDPA forward+backward restricted to one kernel; (ran, why not)."""
+    dtype = torch.float16 if device.startswith("cuda") and kernel != "math" else torch.float32
+    try:
+        q, k, v = torch.randn(3, 1, 2, 16, 64, device=device, dtype=dtype, requires_grad=True).unbind(0)
+        with sdpa_kernel([SDPA_KERNELS[kernel]]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+        return bool(torch.isfinite(out).all()), ""
+    except Exception as err:  # noqa: BLE001 - every failure is a finding, not a crash
+        return False, _first_line(err)
+
+
+def try_attnlab() -> tuple[bool, str]:
+    """attnlab's own module on both backends, forward and backward, masks included."""
+    try:
+        from .attention import MultiHeadAttention
+
+        mha = MultiHeadAttention(16, 4)
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+        outs = []
+        for backend in ("math", "sdpa"):
+            mha.backend = backend
+            outs.append(mha(x, key_padding_mask=pad, is_causal=True))
+        outs[1].sum().backward()
+        if not torch.allclose(outs[0], outs[1], atol=1e-5):
+            return False, "the math and sdpa backends disagree on this machine"
+        return True, ""
+    except Exception as err:  # noqa: BLE001
+        return False, _first_line(err)
+
+
+def try_compile() -> tuple[bool, str]:
+    """torch.compile a tiny function on the CPU (inductor needs a working C++ compiler)."""
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a: torch.softmax(a @ a.T, dim=-1), fullgraph=True)
+        a = torch.randn(8, 8)
+        ok = torch.allclose(fn(a), torch.softmax(a @ a.T, dim=-1), atol=1e-6)
+        return ok, "" if ok else "compiled result differs from eager"
+    except Exception as err:  # noqa: BLE001
+        return False, _first_line(err)
+
+
+def diagnose(*, compile_check: bool = True) -> list[Finding]:
+    """Every finding, in the order the report prints them."""
+    found: list[Finding] = []
+    py = sys.version_info
+    found.append(Finding("python", "ok" if py >= (3, 10) else "fail", platform.python_version(),
+                         "" if py >= (3, 10) else "attnlab needs Python >= 3.10; create a venv with a newer Python."))
+    cuda = torch.version.cuda
+    build = f"CUDA {cuda}" if cuda else ("ROCm " + torch.version.hip if getattr(torch.version, "hip", None) else "CPU-only")
+    found.append(Finding("torch", "ok", f"{torch.__version__} ({build} build)"))
+
+    has_nvidia = shutil.which("nvidia-smi") is not None
+    if cuda and not torch.cuda.is_available():
+        found.append(Finding("cuda", "warn", f"torch is a CUDA {cuda} build but no GPU is usable",
+                             "Check the driver with nvidia-smi; the driver must support CUDA "
+                             f"{cuda} (or install the torch wheel built for the driver's CUDA)."))
+    elif not cuda and has_nvidia:
+        found.append(Finding("cuda", "warn", "an NVIDIA GPU is present but torch is a CPU-only build",
+                             f"Install the CUDA build for this Python ({platform.python_version()}) from the "
+                             f"command on pytorch.org's install page, pinned: pip install torch=={torch.__version__.split('+')[0]}."))
+    devices = _devices()
+    names = [torch.cuda.get_device_name(int(d.split(":")[1])) if d.startswith("cuda") else d for d in devices]
+    found.append(Finding("devices", "ok", ", ".join(f"{d} ({n})" if n != d else d for d, n in zip(devices, names))))
+
+    for device in devices:
+        for kernel in SDPA_KERNELS:
+            if device == "cpu" and kernel in ("memory-efficient", "cudnn"):
+                found.append(Finding(f"sdpa {kernel} @ {device}", "info", "CUDA-only kernel"))
+                continue
+            ran, why = try_sdpa_kernel(kernel, device)
+            label = "CPU flash" if (device == "cpu" and kernel == "flash") else kernel
+            found.append(Finding(f"sdpa {label} @ {device}", "ok" if ran else "info",
+                                 "runs" if ran else f"not available: {why}"))
+
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None:
+        found.append(Finding("flash-attn package", "info", "not installed",
+                             "Not needed: SDPA's flash kernel ships inside torch. If you want the package, "
+                             "install a prebuilt wheel matching your torch, CUDA and Python versions; do not "
+                             "compile it from source (ninja/gcc/CUDA-toolkit mismatches)."))
+    else:
+        try:
+            mod = importlib.import_module("flash_attn")
+            found.append(Finding("flash-attn package", "ok", f"importable, version {getattr(mod, '__version__', '?')}"))
+        except Exception as err:  # noqa: BLE001
+            found.append(Finding("flash-attn package", "warn", f"installed but fails to import: {_first_line(err)}",
+                                 "Its binary does not match this torch/CUDA/Python: reinstall the wheel built for "
+                                 f"torch {torch.__version__.split('+')[0]}, or uninstall it and use attnlab's SDPA backend."))
+
+    if compile_check:
+        start = time.perf_counter()
+        ok, why = try_compile()
+        took = time.perf_counter() - start
+        found.append(Finding("torch.compile", "ok" if ok else "warn",
+                             f"works ({took:.1f} s for a tiny function)" if ok else f"fails: {why}",
+                             "" if ok else "Install a C++ compiler (e.g. apt-get install g++) for inductor, or run "
+                                           "eager: attnlab does not need torch.compile."))
+
+    ok, why = try_attnlab()
+    found.append(Finding("attnlab", "ok" if ok else "fail",
+                         "MultiHeadAttention forward+backward, math and sdpa agree" if ok else why,
+                         "" if ok else f"Reinstall with the pinned torch: pip install torch=={torch.__version__.split('+')[0]}, "
+                                       "then pip install -e . (make test does both)."))
+    return found
+
+
+def doctor(no_compile: bool = False) -> int:
+    """Report Python, torch build, devices, the SDPA kernels that actually run here, flash-attn,
+    torch.compile and attnlab itself, with a fix for each problem. Exit code 1 if attnlab cannot run.
+
+    Args:
+        no_compile: skip the torch.compile check (it takes a few seconds).
+    """
+    findings = diagnose(compile_check=not no_compile)
+    width = max(len(f.topic) for f in findings)
+    for f in findings:
+        print(f"[{f.status:>4}] {f.topic.ljust(width)}  {f.detail}")
+        if f.fix:
+            print(f"       {' ' * width}  fix: {f.fix}")
+    failed = [f for f in findings if f.status == "fail"]
+    print("\nattnlab can run here." if not failed else f"\nattnlab cannot run here: {len(failed)} problem(s) above.")
+    return 1 if failed else 0

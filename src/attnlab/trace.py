@@ -1,0 +1,291 @@
+"""Trace the data flow through attention as it actually happens: every stage, its real shape.
+
+``with attnlab.trace(model) as t: model(x)`` records, for every
+:class:`attnlab.MultiHeadAttention` inside ``model`` (or ``model`` itself), each tensor
+operation on the data path — projections, the ``view`` into heads, ``transpose``, scores,
+mask, softmax, dropout, weighted sum, merge, output projection — with the shape of the tensor
+it produced and whether that tensor is a zero-copy view or new memory. Shapes are read off the
+tensors that flowed (a ``TorchFunctionMode`` sees each op), never computed from a formula.
+
+Only ops whose inputs descend from the module's query/key/value are recorded, so mask
+bookkeeping stays out of the table. On the ``"sdpa"`` backend the scores, softmax and
+weighted sum happen inside one fused kernel and appear as a single row.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .attention import MultiHeadAttention
+
+__all__ = ["TraceRow", "AttentionTrace", "trace"]
+
+
+@dataclass
+class TraceRow:
+    stage: str  # the seed's name for the step
+    operation: str  # the call, with the names of the tensors it used
+    shape: list[int] | list[list[int]]  # shape of what it produced (several for a split)
+    axes: str  # what the dims mean
+    memory: str  # "view" (shares storage with its input), "new" (fresh memory) or "input"
+
+
+@dataclass
+class AttentionTrace:
+    """One call of one attention module."""
+
+    module: str
+    backend: str | None = None
+    rows: list[TraceRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        """A plain, aligned table (what ``attnlab trace`` prints)."""
+        head = ("#", "stage", "operation", "shape", "axes", "memory")
+        body = [(str(i), r.stage, r.operation, _fmt_shape(r.shape), r.axes, r.memory) for i, r in enumerate(self.rows, 1)]
+        widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        out = [f"{self.module}  (backend: {self.backend})", line(head), line(tuple("-" * w for w in widths))]
+        return "\n".join(out + [line(r) for r in body])
+
+
+def _fmt_shape(shape: list) -> str:
+    if shape and isinstance(shape[0], list):
+        return " + ".join(str(s) for s in shape)
+    return str(shape)
+
+
+# What each recognised op means: stage, axes of its output. Scores and weights use the seed's
+# reading: scores[b][h][i][j] is query i against key j.
+_AXES = {
+    "input": "(b, t, e): batch, position, features",
+    "proj": "(b, t, features of all heads)",
+    "split": "(b, t, h*d) each",
+    "view_heads": "(b, t, h, d): features cut into h heads of d",
+    "heads_first": "(b, h, t, d): heads become a batch dim",
+    "repeat_kv": "(b, h, t, d): K/V head g shared by its query group",
+    "kT": "(b, h, d, j)",
+    "scores": "scores[b][h][i][j] = query i . key j",
+    "weights": "weights[b][h][i] = distribution over keys j",
+    "context": "context[b][h][i] = weighted mix of values",
+    "heads_back": "(b, i, h, d)",
+    "merge": "(b, i, h*d = e)",
+    "out": "(b, i, e)",
+}
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the ops on the data path of one attention call and names what they produce."""
+
+    def __init__(self, trace_: AttentionTrace, m: MultiHeadAttention, inputs: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.trace, self.m = trace_, m
+        self.names: dict[int, str] = {}
+        self.keep_alive: list[Tensor] = []  # ids stay unique while we hold the tensors
+        self.linears = 0
+        self.core_done = False  # the weighted sum has happened: later transposes merge heads
+        for name, t in inputs.items():
+            self._track(t, name)
+            self.trace.rows.append(TraceRow("input", name, list(t.shape), _AXES["input"], "input"))
+
+    def _track(self, t: Tensor, name: str) -> None:
+        self.names[id(t)] = name
+        self.keep_alive.append(t)
+
+    def _name(self, a: object) -> str:
+        if isinstance(a, Tensor):  # untracked tensors are weights, biases or masks
+            fallback = "mask" if a.dtype == torch.bool else {2: "W", 1: "b"}.get(a.dim(), "t")
+            return self.names.get(id(a), fallback)
+        if isinstance(a, float):
+            return f"{a:.4g}"
+        return repr(a) if not isinstance(a, (list, tuple)) else repr(list(a))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tracked = [a for a in args if isinstance(a, Tensor) and id(a) in self.names]
+        outs = out if isinstance(out, tuple) else (out,)
+        if not tracked or not all(isinstance(o, Tensor) for o in outs) or out is tracked[0]:
+            return out  # not on the data path, not a tensor op, or a no-op (e.g. .to(same dtype))
+        src = tracked[0]
+        fname = getattr(func, "__name__", str(func))
+        stage, name, axes = self._label(fname, src, args, outs)
+        call = f"{fname}({', '.join(self._name(a) for a in args)}{''.join(f', {k}={self._name(v)}' for k, v in kwargs.items())})"
+        shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() if isinstance(out, Tensor) else True
+        shape = [list(o.shape) for o in outs] if isinstance(out, tuple) else list(out.shape)
+        names = name.split(",")
+        for i, o in enumerate(outs):
+            self._track(o, names[min(i, len(names) - 1)])
+        self.trace.rows.append(TraceRow(stage, f"{name} = {call}", shape, axes, "view" if shares else "new"))
+        return out
+
+    def _label(self, fname: str, src: Tensor, args: tuple, outs: tuple) -> tuple[str, str, str]:
+        """(stage, name of the result, axes) for one recorded op."""
+        srcname = self.names[id(src)]
+        m = self.m
+        if fname == "linear":
+            self.linears += 1
+            width = outs[0].size(-1)
+            if self.core_done:
+                return "output projection", "out", _AXES["out"]
+            if width == m.embed_dim + 2 * m.kv_dim:
+                return "Q/K/V projection (one GEMM)", "qkv", _AXES["proj"]
+            if width == 2 * m.kv_dim and srcname != "query" and self.linears > 1:
+                return "K/V projection (one GEMM)", "kv", _AXES["proj"]
+            which = {1: "q", 2: "k", 3: "v"}[min(self.linears, 3)]
+            return f"{which.upper()} projection", which, _AXES["proj"]
+        if fname == "split":
+            return ("split Q, K, V", "q,k,v", _AXES["split"]) if len(outs) == 3 else ("split K, V", "k,v", _AXES["split"])
+        if fname == "view" and outs[0].dim() == 4:
+            return "split heads (view)", srcname, _AXES["view_heads"]
+        if fname == "transpose" and not self.core_done and tuple(args[1:]) == (1, 2):
+            return "heads to dim 1 (transpose)", srcname, _AXES["heads_first"]
+        if fname == "repeat_interleave":
+            return "GQA: repeat K/V heads", srcname, _AXES["repeat_kv"]
+        if fname == "transpose" and tuple(args[1:]) == (-2, -1):
+            return "K^T (transpose)", f"{srcname}T", _AXES["kT"]
+        if fname == "matmul" and not self.core_done and srcname.startswith("q"):
+            return "scores = Q K^T", "scores", _AXES["scores"]
+        if fname == "mul" and srcname == "scores":
+            return f"scale by 1/sqrt(d) = {m.scale:.4g}", "scores", _AXES["scores"]
+        if fname == "add" and srcname == "scores":
+            return "add float mask", "scores", _AXES["scores"]
+        if fname == "masked_fill" and srcname == "scores":
+            return "mask (before softmax)", "scores", _AXES["scores"]
+        if fname == "softmax":
+            return "softmax over keys", "weights", _AXES["weights"]
+        if fname == "masked_fill" and srcname == "weights":
+            return "zero fully-masked rows", "weights", _AXES["weights"]
+        if fname == "dropout":
+            return "dropout on weights", "weights", _AXES["weights"]
+        if fname == "matmul" and srcname == "weights":
+            self.core_done = True
+            return "weighted sum = weights V", "context", _AXES["context"]
+        if fname == "scaled_dot_product_attention":
+            self.core_done = True
+            return "fused SDPA (scores..weighted sum)", "context", _AXES["context"]
+        if fname == "masked_fill" and srcname == "context":
+            return "zero fully-masked rows", "context", _AXES["context"]
+        if fname == "transpose" and self.core_done:
+            return "heads back (transpose)", "context", _AXES["heads_back"]
+        if fname == "contiguous":
+            return "contiguous (copy for view)", "context", _AXES["heads_back"]
+        if fname == "view" and self.core_done:
+            return "merge heads (view)", "context", _AXES["merge"]
+        return fname, srcname, ""
+
+
+@contextmanager
+def trace(model: nn.Module) -> Iterator[list[AttentionTrace]]:
+    """Record every call of every :class:`MultiHeadAttention` in ``model`` while the block runs.
+
+    Yields a list that fills with one :class:`AttentionTrace` per call::
+
+        with attnlab.trace(model) as calls:
+            model(x)
+        print(calls[0].to_text())
+    """
+    calls: list[AttentionTrace] = []
+    active: list[_Recorder] = []
+    handles = []
+
+    def before(mod: MultiHeadAttention, args: tuple, kwargs: dict) -> None:
+        q = args[0] if args else kwargs["query"]
+        k = args[1] if len(args) > 1 else kwargs.get("key")
+        v = args[2] if len(args) > 2 else kwargs.get("value")
+        inputs = {"query": q}
+        if k is not None and k is not q:
+            inputs["key"] = k
+        if v is not None and v is not k and v is not q:
+            inputs["value"] = v
+        name = next((n for n, sub in model.named_modules() if sub is mod), "") or type(mod).__name__
+        call = AttentionTrace(module=name)
+        calls.append(call)
+        rec = _Recorder(call, mod, inputs)
+        rec.__enter__()
+        active.append(rec)
+
+    def after(mod: MultiHeadAttention, args: tuple, kwargs: dict, out: object) -> None:
+        rec = active.pop()
+        rec.__exit__(None, None, None)
+        rec.trace.backend = mod.last_backend
+
+    for sub in model.modules():
+        if isinstance(sub, MultiHeadAttention):
+            handles.append(sub.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(sub.register_forward_hook(after, with_kwargs=True))
+    if not handles:
+        raise ValueError(
+            f"trace(model) found no attnlab.MultiHeadAttention inside {type(model).__name__}; "
+            f"pass the module (or a model containing it) whose attention you want to see."
+        )
+    try:
+        yield calls
+    finally:
+        while active:  # the forward raised: leave no recorder installed
+            active.pop().__exit__(None, None, None)
+        for h in handles:
+            h.remove()
+
+
+def traces_to_json(calls: list[AttentionTrace]) -> str:
+    return _json.dumps([c.to_dict() for c in calls], indent=2)
+
+
+def trace_command(
+    batch: int = 2,
+    seq_len: int = 10,
+    embed_dim: int = 64,
+    num_heads: int = 8,
+    kv_heads: int | None = None,
+    context_len: int | None = None,
+    causal: bool = False,
+    pad: int = 0,
+    dropout: float = 0.0,
+    backend: str = "math",
+    json: bool = False,
+    seed: int = 0,
+) -> int:
+    """Trace every stage of attention on random input (defaults: the seed-000 case).
+
+    Args:
+        batch: B.
+        seq_len: T_q, the query length.
+        embed_dim: E (model_dim).
+        num_heads: H.
+        kv_heads: G key/value heads (GQA; 1 = MQA). Default: num_heads.
+        context_len: T_k of a separate context: cross-attention. Default: self-attention.
+        causal: apply causal masking (is_causal=True).
+        pad: mark the last PAD keys of the first sequence as padding (key_padding_mask).
+        dropout: attention dropout; when > 0 the module runs in training mode so it shows.
+        backend: math (every stage visible), sdpa (one fused kernel) or auto.
+        json: print JSON instead of a table.
+        seed: torch.manual_seed.
+    """
+    torch.manual_seed(seed)
+    mha = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=kv_heads, dropout=dropout, backend=backend)  # type: ignore[arg-type]
+    mha.train(dropout > 0)
+    x = torch.randn(batch, seq_len, embed_dim)
+    ctx = torch.randn(batch, context_len, embed_dim) if context_len else None
+    t_k = context_len or seq_len
+    kpm = None
+    if pad:
+        kpm = torch.zeros(batch, t_k, dtype=torch.bool)
+        kpm[0, t_k - pad:] = True  # the first sequence ends with `pad` padding tokens
+    with trace(mha) as calls:
+        mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
+    if json:
+        print(traces_to_json(calls))
+    else:
+        print(calls[0].to_text())
+    return 0
