@@ -95,3 +95,20 @@ def test_fully_masked_rows_are_zero_with_finite_grads(backend, need_weights, cas
         assert torch.allclose(out[b, i], mha.out_proj.bias.expand_as(out[b, i]), atol=1e-6)
         if need_weights:
             assert torch.all(res[1][b, :, i] == 0)
+
+
+def test_prepared_masks_are_shared_across_layers_unchanged():
+    from attnlab.masks import prepare_masks
+
+    layers = [MultiHeadAttention(16, 4) for _ in range(3)]
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, :2] = True
+    masks = prepare_masks(None, pad, True, batch=2, heads=4, q_len=6, k_len=6, dtype=x.dtype, device=x.device)
+    a = b = x
+    for layer in layers:
+        a = layer(a, attn_mask=masks)
+        b = layer(b, key_padding_mask=pad, is_causal=True)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="attn_mask is an already-converted attnlab Masks, so key_padding_mask"):
+        layers[0](x, attn_mask=masks, is_causal=True)

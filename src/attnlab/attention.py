@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional
-from .masks import prepare_masks
+from .masks import Masks, prepare_masks
 from .rope import apply_rope
 from .validation import check_backend, check_forward_inputs, check_init_args
 
@@ -203,7 +203,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor | None = None,
         value: Tensor | None = None,
         *,
-        attn_mask: Tensor | None = None,
+        attn_mask: Tensor | Masks | None = None,
         key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
@@ -218,7 +218,9 @@ class MultiHeadAttention(nn.Module):
             key: ``(B, T_k, kdim)``; None means self-attention (``key = query``).
             value: ``(B, T_k, vdim)``; None means ``value = key``.
             attn_mask: bool (True = may attend) or float (added to the scores), shape
-                ``(T_q, T_k)``, ``(B, T_q, T_k)`` or broadcastable ``(B, H, T_q, T_k)``.
+                ``(T_q, T_k)``, ``(B, T_q, T_k)`` or broadcastable ``(B, H, T_q, T_k)``. Or an
+                :class:`attnlab.masks.Masks` from :func:`attnlab.masks.prepare_masks`, converted
+                once and shared by every layer of a model.
             key_padding_mask: ``(B, T_k)`` bool, True = padding (never attended).
             is_causal: causal masking, bottom-right aligned (query i sees keys j <= i + T_k - T_q).
             need_weights: also return the per-head weights ``(B, H, T_q, T_k)`` (math backend).

@@ -55,8 +55,8 @@ def _as_4d(mask: Tensor, batch: int, heads: int, q_len: int, k_len: int) -> Tens
 
 def _check_float_mask_values(mask: Tensor) -> None:
     """Refuse a float mask of 0s and 1s: meant as keep/block, it would silently mask nothing."""
-    if mask.device.type != "cpu" or mask.requires_grad or mask.numel() == 0:
-        return  # looking at a GPU mask's values would force a device sync on every call
+    if mask.device.type != "cpu" or mask.requires_grad or mask.numel() == 0 or torch.compiler.is_compiling():
+        return  # reading a GPU mask's values would sync the device; a compiled graph cannot branch on them
     ones_and_zeros = (mask == 0) | (mask == 1)
     if bool(ones_and_zeros.all()) and bool((mask == 1).any()):
         raise ValueError(
@@ -68,7 +68,7 @@ def _check_float_mask_values(mask: Tensor) -> None:
 
 
 def prepare_masks(
-    attn_mask: Tensor | None,
+    attn_mask: Tensor | Masks | None,
     key_padding_mask: Tensor | None,
     is_causal: bool,
     *,
@@ -80,7 +80,18 @@ def prepare_masks(
     device: torch.device,
     q_positions: Tensor | None = None,
 ) -> Masks:
-    """Validate the user's masks and convert them to :class:`Masks` (one pass, once per call)."""
+    """Validate the user's masks and convert them to :class:`Masks` (one pass, once per call).
+
+    A model whose layers share masks converts them once and passes the :class:`Masks` to
+    every layer as ``attn_mask``; it is then used as it is.
+    """
+    if isinstance(attn_mask, Masks):
+        if key_padding_mask is not None or is_causal or q_positions is not None:
+            raise ValueError(
+                "attn_mask is an already-converted attnlab Masks, so key_padding_mask, is_causal and "
+                "cache_positions must be left unset: fold them in when calling prepare_masks(...)."
+            )
+        return attn_mask
     keep: Tensor | None = None
     bias: Tensor | None = None
 

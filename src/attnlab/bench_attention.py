@@ -1,0 +1,452 @@
+"""``attnlab bench``: attention forward and forward+backward, side by side, in one run.
+
+Every runner computes the same function with the same weights (checked before timing):
+
+* ``attnlab``          attnlab's module, backend "auto" (SDPA, causal passed as ``is_causal``)
+* ``attnlab-math``     attnlab's explicit reference backend
+* ``attnlab-compiled`` ``torch.compile(attnlab module)``
+* ``torch-mha``        ``torch.nn.MultiheadAttention(need_weights=False)``
+* ``floor``            three ``nn.Linear`` + SDPA + ``nn.Linear``: the least work possible
+* ``seed-000``         the module exactly as seed 000 wrote it (``masked_fill`` + softmax)
+* ``flash-attn``       the ``flash-attn`` package's kernel, on a GPU where it is installed
+
+Timings are interleaved (each repeat runs every runner once, in a rotated order), after a
+warm-up, with the device synchronised around each; the median is reported. Tokens per
+batch are fixed, so ``B = tokens // T``. FLOPs count the four projections and only the causal
+half of the two attention matmuls; forward+backward is counted as 3x forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import torch.nn.functional as F
+import tyro
+from torch import Tensor, nn
+
+from .attention import MultiHeadAttention
+from .seed_module import SeedMultiHeadAttention
+
+RUNNERS = ("attnlab", "attnlab-math", "attnlab-compiled", "torch-mha", "floor", "seed-000", "flash-attn")
+
+
+@dataclass
+class BenchConfig:
+    """Attention benchmark settings (CPU fp32 by default, bf16 on a GPU)."""
+
+    embed_dim: int = 512
+    """E."""
+    num_heads: int = 8
+    """H."""
+    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    """sequence lengths T to run (8192 fits the fused runners; the math ones are capped by --math-max-len)."""
+    tokens: int = 8192
+    """tokens per batch: B = tokens // T."""
+    repeats: int = 5
+    """timed repeats per runner and length (median reported)."""
+    warmup: int = 1
+    """untimed runs first."""
+    runners: tuple[str, ...] = RUNNERS
+    """which runners (unavailable ones are skipped with the reason)."""
+    math_max_len: int = 4096
+    """longest T for runners that materialise (B, H, T, T) scores (attnlab-math, seed-000)."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    dtype: str = "auto"
+    """float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)."""
+    memory: bool = True
+    """measure peak memory of one forward+backward per runner and length."""
+    out: Path = Path("bench_results")
+    """directory for bench_attention.json and bench_attention.png."""
+    seed: int = 0
+
+
+# -- runners ---------------------------------------------------------------------------------
+class Floor(nn.Module):
+    """The least work possible: three Linear, SDPA with is_causal, one Linear."""
+
+    def __init__(self, E: int, H: int) -> None:
+        super().__init__()
+        self.H = H
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, E = x.shape
+        q = self.q(x).view(B, T, self.H, -1).transpose(1, 2)  # (B, H, T, D)
+        k = self.k(x).view(B, T, self.H, -1).transpose(1, 2)  # (B, H, T, D)
+        v = self.v(x).view(B, T, self.H, -1).transpose(1, 2)  # (B, H, T, D)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return self.o(o.transpose(1, 2).reshape(B, T, E))  # (B, T, E)
+
+
+class FlashAttnPeer(Floor):
+    """Same projections, the flash-attn package's kernel in the middle (GPU only)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+
+        B, T, E = x.shape
+        q = self.q(x).view(B, T, self.H, -1)  # (B, T, H, D): flash-attn's layout, no transpose
+        k = self.k(x).view(B, T, self.H, -1)
+        v = self.v(x).view(B, T, self.H, -1)
+        return self.o(flash_attn_func(q, k, v, causal=True).reshape(B, T, E))  # (B, T, E)
+
+
+def _copy_weights(ours: MultiHeadAttention, linears: tuple[nn.Linear, ...]) -> None:
+    with torch.no_grad():
+        for src, dst in zip((ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj), linears):
+            dst.weight.copy_(src.weight)
+            dst.bias.copy_(src.bias)
+
+
+def build_runners(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> tuple[dict[str, Callable[[Tensor, int], Tensor]], dict[str, str]]:
+    """name -> fn(x, T) computing causal self-attention; plus name -> why skipped."""
+    E, H = cfg.embed_dim, cfg.num_heads
+    f = {"device": device, "dtype": dtype}
+    ours = MultiHeadAttention(E, H, **f)
+    with torch.no_grad():
+        for p in ours.parameters():  # nonzero biases, so that every runner must really use them
+            p.add_(0.02 * torch.randn_like(p))
+    runners: dict[str, Callable[[Tensor, int], Tensor]] = {}
+    skipped: dict[str, str] = {}
+    masks: dict[int, Tensor] = {}
+
+    def causal_float(T: int) -> Tensor:
+        if T not in masks:
+            masks[T] = torch.ones(1, 1, T, T, device=device, dtype=dtype).tril()  # seed 000: 1 = keep
+        return masks[T]
+
+    for name in cfg.runners:
+        if name == "attnlab":
+            runners[name] = lambda x, T: ours(x, is_causal=True)
+        elif name == "attnlab-math":
+            math_m = MultiHeadAttention(E, H, backend="math", **f)
+            math_m.load_state_dict(ours.state_dict())
+            runners[name] = lambda x, T, m=math_m: m(x, is_causal=True)
+        elif name == "attnlab-compiled":
+            comp_m = MultiHeadAttention(E, H, **f)
+            comp_m.load_state_dict(ours.state_dict())
+            compiled = torch.compile(comp_m)
+            runners[name] = lambda x, T, m=compiled: m(x, is_causal=True)
+        elif name == "torch-mha":
+            t = ours.to_torch(batch_first=True)
+            sq: dict[int, Tensor] = {}
+
+            def run_torch(x: Tensor, T: int, t: nn.MultiheadAttention = t) -> Tensor:
+                if T not in sq:  # torch wants the mask too; with need_weights=False it takes SDPA's is_causal path
+                    sq[T] = nn.Transformer.generate_square_subsequent_mask(T, device=device, dtype=dtype)
+                return t(x, x, x, attn_mask=sq[T], is_causal=True, need_weights=False)[0]
+
+            runners[name] = run_torch
+        elif name == "floor":
+            floor = Floor(E, H).to(**f)
+            _copy_weights(ours, (floor.q, floor.k, floor.v, floor.o))
+            runners[name] = lambda x, T, m=floor: m(x)
+        elif name == "seed-000":
+            seed = SeedMultiHeadAttention(E, H).to(**f)
+            _copy_weights(ours, (seed.w_q, seed.w_k, seed.w_v, seed.w_o))
+            runners[name] = lambda x, T, m=seed: m(x, None, causal_float(T))
+        elif name == "flash-attn":
+            try:
+                import flash_attn  # type: ignore[import-not-found]  # noqa: F401
+            except Exception as err:  # noqa: BLE001
+                skipped[name] = f"flash-attn not importable ({type(err).__name__})"
+                continue
+            if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+                skipped[name] = "flash-attn runs on CUDA in fp16/bf16 only"
+                continue
+            peer = FlashAttnPeer(E, H).to(**f)
+            _copy_weights(ours, (peer.q, peer.k, peer.v, peer.o))
+            runners[name] = lambda x, T, m=peer: m(x)
+        else:
+            raise ValueError(f"runners contains {name!r}; expected names among {RUNNERS}.")
+    return runners, skipped
+
+
+# -- measuring -------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _zero_grads(x: Tensor) -> None:
+    x.grad = None
+    gc.collect()
+
+
+class PeakMemory:
+    """Peak bytes above the starting point during a block: CUDA allocator stats on a GPU;
+    on Linux CPUs the process's peak resident set (VmHWM, reset through /proc/self/clear_refs),
+    in :meth:`exact_mode`, after returning freed heap pages with malloc_trim."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.available = device.type == "cuda"
+        self._libc = None
+        if device.type == "cpu":
+            try:
+                self._libc = ctypes.CDLL("libc.so.6")
+                with open("/proc/self/clear_refs", "w") as fh:
+                    fh.write("5")
+                self.available = True
+            except OSError:
+                self.available = False
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as fh:
+            m = re.search(rf"{key}:\s+(\d+) kB", fh.read())
+        return int(m.group(1)) * 1024 if m else 0
+
+    def exact_mode(self) -> None:
+        """Make every allocation of 64 KiB or more its own mmap, returned to the OS when freed, so
+        that the resident set follows live tensors (glibc otherwise caches freed heap memory)."""
+        if self._libc is not None:
+            M_MMAP_THRESHOLD = -3
+            self._libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+
+    def measure(self, fn: Callable[[], None]) -> float | None:
+        if not self.available:
+            return None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            fn()
+            torch.cuda.synchronize(self.device)
+            return float(torch.cuda.max_memory_allocated(self.device) - base)
+        assert self._libc is not None
+        self._libc.malloc_trim(0)
+        base = self._status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        fn()
+        return float(self._status("VmHWM") - base)
+
+
+def gemm_gflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """This run's large-GEMM rate: a square matmul, median of a few runs."""
+    n = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times[1:]) / 1e9
+
+
+def attention_flops(B: int, T: int, E: int) -> float:
+    """Forward FLOPs: 4 projections (2*B*T*E*E each) + causal half of QK^T and PV (B*T*T*E each)."""
+    return 8 * B * T * E * E + 2 * B * T * T * E
+
+
+@dataclass
+class Row:
+    T: int
+    B: int
+    runner: str
+    fwd_ms: float | None = None
+    fwd_bwd_ms: float | None = None
+    fwd_gflops: float | None = None
+    peak_mib: float | None = None
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    config: dict
+    device: str
+    dtype: str
+    torch: str
+    gemm_gflops: float
+    rows: list[Row] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(cfg.seed)
+    runners, skipped = build_runners(cfg, device, dtype)
+    mem = PeakMemory(device)
+    gemm = gemm_gflops(device, dtype)
+    log(f"device {device}, {dtype_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"large-GEMM rate {gemm:.1f} GFLOP/s")
+    result = BenchResult(asdict(cfg) | {"out": str(cfg.out)}, str(device), dtype_name, torch.__version__, gemm,
+                         skipped=dict(skipped))
+    E = cfg.embed_dim
+    checked = False
+    for T in cfg.lengths:
+        B = max(1, cfg.tokens // T)
+        x = torch.randn(B, T, E, device=device, dtype=dtype)
+        grad_out = torch.randn(B, T, E, device=device, dtype=dtype)
+        active = {n: fn for n, fn in runners.items()
+                  if not (n in ("attnlab-math", "seed-000") and T > cfg.math_max_len)}
+        rows = {n: Row(T, B, n) for n in runners}
+        for n in runners.keys() - active.keys():
+            rows[n].note = f"skipped: materialises (B, H, T, T) scores, T > math_max_len={cfg.math_max_len}"
+        if not checked:  # every runner computes the same function, or the timings mean nothing
+            with torch.no_grad():
+                ref = active["attnlab"](x, T) if "attnlab" in active else next(iter(active.values()))(x, T)
+                for n, fn in active.items():
+                    err = (fn(x, T).float() - ref.float()).abs().max().item()
+                    tol = 1e-4 if dtype == torch.float32 else 5e-2
+                    if err > tol:
+                        raise RuntimeError(f"runner {n} disagrees with attnlab by {err:.2e} (> {tol}); the benchmark would compare different functions.")
+            checked = True
+        fwd: dict[str, list[float]] = {n: [] for n in active}
+        fb: dict[str, list[float]] = {n: [] for n in active}
+        names = list(active)
+        for rep in range(cfg.warmup + cfg.repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no runner always first
+            for n in order:
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    active[n](x, T)
+                _sync(device)
+                if rep >= cfg.warmup:
+                    fwd[n].append(time.perf_counter() - t0)
+            for n in order:
+                xg = x.detach().requires_grad_()
+                _sync(device)
+                t0 = time.perf_counter()
+                active[n](xg, T).backward(grad_out)
+                _sync(device)
+                if rep >= cfg.warmup:
+                    fb[n].append(time.perf_counter() - t0)
+                _zero_grads(xg)
+        flops = attention_flops(B, T, E)
+        for n in active:
+            r = rows[n]
+            r.fwd_ms = 1e3 * statistics.median(fwd[n])
+            r.fwd_bwd_ms = 1e3 * statistics.median(fb[n])
+            r.fwd_gflops = flops / (r.fwd_ms / 1e3) / 1e9
+        result.rows.extend(rows.values())
+        log(f"T={T:5d} B={B:3d}  " + "  ".join(f"{n} {rows[n].fwd_bwd_ms:.1f}ms" for n in active))
+
+    if cfg.memory and mem.available:  # after all timings: the allocator setting below slows allocation
+        mem.exact_mode()
+        for r in result.rows:
+            if r.fwd_ms is None:
+                continue
+            x = torch.randn(r.B, r.T, E, device=device, dtype=dtype, requires_grad=True)
+            grad_out = torch.randn_like(x)
+            peak = mem.measure(lambda fn=runners[r.runner], x=x, T=r.T, g=grad_out: fn(x, T).backward(g))
+            r.peak_mib = None if peak is None else peak / 2**20
+            _zero_grads(x)
+        log("peak memory measured")
+    return result
+
+
+# -- reporting -------------------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def markdown(res: BenchResult) -> str:
+    by = {(r.T, r.runner): r for r in res.rows}
+    lines = [
+        f"Device {res.device}, {res.dtype}, torch {res.torch}; large-GEMM rate {res.gemm_gflops:.1f} GFLOP/s. "
+        f"Ratios < 1 are faster / smaller than the peer.",
+        "",
+        "| T | B | runner | fwd ms | fwd+bwd ms | fwd+bwd / floor | fwd+bwd / torch-mha | fwd GFLOP/s | fwd % of GEMM | peak MiB | peak / floor |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in res.rows:
+        if r.fwd_ms is None:
+            lines.append(f"| {r.T} | {r.B} | {r.runner} | {r.note} | | | | | | | |")
+            continue
+        floor, tm = by.get((r.T, "floor")), by.get((r.T, "torch-mha"))
+        lines.append(
+            f"| {r.T} | {r.B} | {r.runner} | {r.fwd_ms:.1f} | {r.fwd_bwd_ms:.1f} | "
+            f"{_ratio(r.fwd_bwd_ms, floor and floor.fwd_bwd_ms)} | {_ratio(r.fwd_bwd_ms, tm and tm.fwd_bwd_ms)} | "
+            f"{r.fwd_gflops:.1f} | {100 * r.fwd_gflops / res.gemm_gflops:.0f}% | "
+            f"{'' if r.peak_mib is None else f'{r.peak_mib:.0f}'} | {_ratio(r.peak_mib, floor and floor.peak_mib)} |"
+        )
+    for name, why in res.skipped.items():
+        lines.append(f"\n{name}: skipped, {why}.")
+    return "\n".join(lines)
+
+
+def goals(res: BenchResult) -> str:
+    """The performance issue's goals, each with the figure measured in this run."""
+    by = {(r.T, r.runner): r for r in res.rows}
+    out = []
+    for T in sorted({r.T for r in res.rows}):
+        a, fl, tm = by.get((T, "attnlab")), by.get((T, "floor")), by.get((T, "torch-mha"))
+        if T < 256 or not (a and fl and tm and a.fwd_bwd_ms):
+            continue
+        rf, rt = a.fwd_bwd_ms / fl.fwd_bwd_ms, a.fwd_bwd_ms / tm.fwd_bwd_ms
+        out.append(f"T={T}: attnlab fwd+bwd = {rf:.3f}x floor (goal <= 1.05: {'met' if rf <= 1.05 else 'MISSED'}), "
+                   f"{rt:.3f}x torch-mha (goal <= 1.0: {'met' if rt <= 1.0 else 'MISSED'})")
+    a2048 = by.get((2048, "attnlab"))
+    if a2048 and a2048.fwd_gflops:
+        share = a2048.fwd_gflops / res.gemm_gflops
+        out.append(f"T=2048: attnlab forward {a2048.fwd_gflops:.1f} GFLOP/s = {100 * share:.0f}% of this run's GEMM rate "
+                   f"(goal >= 85%: {'met' if share >= 0.85 else 'MISSED'})")
+    longest = max(r.T for r in res.rows)
+    a, fl = by.get((longest, "attnlab")), by.get((longest, "floor"))
+    if a and fl and a.peak_mib and fl.peak_mib:
+        rm = a.peak_mib / fl.peak_mib
+        out.append(f"T={longest}: attnlab peak memory = {rm:.3f}x floor (goal <= 1.1: {'met' if rm <= 1.1 else 'MISSED'})")
+    return "\n".join(out)
+
+
+def plot(res: BenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(r.runner for r in res.rows):
+        pts = [(r.T, r.fwd_bwd_ms, r.peak_mib) for r in res.rows if r.runner == name and r.fwd_bwd_ms]
+        if not pts:
+            continue
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        if all(p[2] is not None for p in pts):
+            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+    for ax, title in zip(axes, ("forward+backward time (ms)", "peak memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T (tokens per batch fixed)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"causal self-attention, E={res.config['embed_dim']}, H={res.config['num_heads']}, {res.device} {res.dtype}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
+    """Benchmark attention: attnlab (auto, math, compiled) vs torch.nn.MultiheadAttention, the
+    SDPA floor and the seed-000 module; prints a Markdown table, writes JSON and a PNG."""
+    res = run_bench(cfg)
+    table, summary = markdown(res), goals(res)
+    print("\n" + table + "\n\n" + summary)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    data = asdict(res)
+    (cfg.out / "bench_attention.json").write_text(json.dumps(data, indent=2))
+    (cfg.out / "bench_attention.md").write_text(table + "\n\n" + summary + "\n")
+    plot(res, cfg.out / "bench_attention.png")
+    print(f"\nwrote {cfg.out / 'bench_attention.json'}, {cfg.out / 'bench_attention.md'}, {cfg.out / 'bench_attention.png'}")
+    return 0

@@ -1,0 +1,73 @@
+"""torch.compile(fullgraph=True) captures the module whole: no graph break, with every mask
+kind, GQA, cross-attention and the cache; forward and backward agree with eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from attnlab import KVCache, MultiHeadAttention
+
+from conftest import make_masks
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float", "causal+padding"])
+def test_forward_and_backward_compile_without_graph_breaks(backend, mask):
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend)
+    compiled = torch.compile(mha, fullgraph=True)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    kw = make_masks(mask, 2, 6, 6)
+    out = compiled(x, **kw)
+    out.sum().backward()
+    grad_compiled = x.grad.clone()
+    x.grad = None
+    ref = mha(x, **kw)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_compiled, x.grad, atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_cross_attention_compiles():
+    mha = MultiHeadAttention(16, 4, kdim=12, vdim=12)
+    compiled = torch.compile(mha, fullgraph=True)
+    q, ctx = torch.randn(2, 5, 16), torch.randn(2, 7, 12)
+    torch.testing.assert_close(compiled(q, ctx), mha(q, ctx), atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_compiled_forward_with_cache_in_append_mode():
+    """Append mode changes the attended length every call: allowed to recompile, never to break."""
+    mha = MultiHeadAttention(16, 4).eval()
+    cache = KVCache.for_module(mha, 1, 8)
+    compiled = torch.compile(mha, fullgraph=True)
+    x = torch.randn(1, 8, 16)
+    with torch.no_grad():
+        outs = [compiled(x[:, :4], kv_cache=cache, is_causal=True)]
+        outs += [compiled(x[:, i:i + 1], kv_cache=cache, is_causal=True) for i in range(4, 8)]
+    torch.testing.assert_close(torch.cat(outs, 1), mha(x, is_causal=True), atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]
+
+
+def test_autocast_under_compile():
+    mha = MultiHeadAttention(16, 4)
+    compiled = torch.compile(mha, fullgraph=True)
+    x = torch.randn(2, 6, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - mha(x, is_causal=True)).abs().max() < 0.05
+    assert not counters["graph_break"]
