@@ -1,0 +1,22 @@
+"""``attnlab check``: audit any attention module against attnlab's float64 reference.
+
+Library use, e.g. in a pytest suite::
+
+    from attnlab.check import run_checks
+    run_checks(my_attention_module).raise_if_failed()
+
+``run_checks`` takes an adapter (see :mod:`attnlab.check.adapters` for the protocol), a
+``torch.nn.MultiheadAttention``, or an ``nn.Module`` following attnlab's calling convention,
+and returns a :class:`Report` of :class:`CheckResult` rows (pass / fail / skip, the measured
+figure, the tolerance, and how it was measured or why it was skipped).
+"""
+
+from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported, as_adapter
+from .reference import plain_attention, reference_attention
+from .result import CheckResult, Report
+from .suite import CHECKS, run_checks
+
+__all__ = [
+    "CHECKS", "AttentionAdapter", "CheckResult", "ModuleAdapter", "Projections", "Report",
+    "TorchMHAAdapter", "Unsupported", "as_adapter", "plain_attention", "reference_attention", "run_checks",
+]

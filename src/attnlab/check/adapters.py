@@ -1,0 +1,290 @@
+"""Adapters: how ``attnlab check`` calls an attention module and reads its weights.
+
+Notation: B batch, T_q query positions, T_k key positions, E embed_dim, H query heads,
+G key/value heads, D = E // H head dim.
+
+The checks compare a target with attnlab's float64 reference, which recomputes the expected
+output from the target's own weights. So an adapter gives the checks two things: the
+weights in attnlab's layout, and one calling convention. The protocol, all an adapter needs:
+
+Required:
+    ``name: str``; ``embed_dim``, ``num_heads``, ``num_kv_heads``, ``kdim``, ``vdim: int``;
+    ``scale: float`` (multiplier of Q K^T; 1/sqrt(D) for standard attention);
+    ``projections() -> Projections``: the q/k/v/out weights and biases as
+    ``nn.Linear`` would hold them, Q rows ordered head by head (head h is rows
+    ``[h*D, (h+1)*D)``; K/V rows likewise for G heads);
+    ``__call__(query (B, T_q, E), key (B, T_k, kdim), value (B, T_k, vdim), *,
+    keep_mask=None, key_padding_mask=None, is_causal=False) -> (B, T_q, E)``, where
+    ``keep_mask`` is bool ``(T_q, T_k)`` or ``(B, T_q, T_k)`` with **True = may attend**,
+    ``key_padding_mask`` is bool ``(B, T_k)`` with **True = padding**, and ``is_causal``
+    is bottom-right aligned (query i sees keys ``j <= i + T_k - T_q``). For self-attention
+    the checks pass one tensor object as query, key and value.
+
+Optional (each missing one skips the checks that need it, with the reason):
+    ``supports_float64``, ``supports_cross_attention: bool`` (default True);
+    ``bool_mask_convention``: ``"keep"`` or ``"block"``, what a bool mask means to the
+    module's own API (None: unknown, only reported);
+    ``dropout_p: float`` and ``set_training(mode: bool)``;
+    ``raw_bool_mask(query, mask) -> output``: self-attention with a bool ``(T_q, T_k)`` mask
+    handed to the module untranslated, for the mask-semantics probe;
+    ``decode_with_cache(x, chunks) -> (B, T, E)``: causal self-attention of ``x`` fed in
+    chunks of the given lengths through the module's KV cache;
+    ``cast(dtype) -> adapter``: a copy of the target in another dtype.
+    A capability method may raise :class:`Unsupported` with the reason instead.
+
+Subclass :class:`AttentionAdapter` to get those defaults. A plain ``nn.Module`` that follows
+attnlab's convention (``forward(query, key, value, *, attn_mask, key_padding_mask,
+is_causal)``, bool ``attn_mask`` True = may attend, and ``q_proj``/``k_proj``/``v_proj``/
+``out_proj`` exposing ``.weight``/``.bias``) is wrapped by :class:`ModuleAdapter`;
+``torch.nn.MultiheadAttention`` by :class:`TorchMHAAdapter`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..functional import causal_keep
+from ..kv_cache import KVCache
+
+__all__ = ["AttentionAdapter", "ModuleAdapter", "Projections", "TorchMHAAdapter", "Unsupported", "as_adapter"]
+
+
+class Unsupported(Exception):
+    """Raised by an adapter's capability method: the target lacks the feature (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Projections:
+    """Weights in ``nn.Linear`` layout (``y = x @ W.T + b``); a bias may be None."""
+
+    q_weight: Tensor  # (H*D, E)
+    k_weight: Tensor  # (G*D, kdim)
+    v_weight: Tensor  # (G*D, vdim)
+    out_weight: Tensor  # (E, H*D)
+    q_bias: Tensor | None = None  # (H*D,)
+    k_bias: Tensor | None = None  # (G*D,)
+    v_bias: Tensor | None = None  # (G*D,)
+    out_bias: Tensor | None = None  # (E,)
+
+    def to(self, dtype: torch.dtype) -> Projections:
+        """Detached copies in ``dtype``: the reference must not feed gradients into the target."""
+        def cast(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.detach().to(dtype)
+
+        return Projections(*(cast(getattr(self, f)) for f in self.__dataclass_fields__))  # type: ignore[arg-type]
+
+
+class AttentionAdapter:
+    """Base class of adapters: the protocol above with every optional capability declined."""
+
+    name: str = "target"
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    kdim: int
+    vdim: int
+    supports_float64: bool = True
+    supports_cross_attention: bool = True
+    bool_mask_convention: Literal["keep", "block"] | None = None
+    dropout_p: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.embed_dim // self.num_heads)
+
+    def projections(self) -> Projections:
+        raise NotImplementedError(f"{type(self).__name__}.projections() must return the target's weights as Projections.")
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, keep_mask: Tensor | None = None,
+                 key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.__call__ must run the target (see attnlab.check.adapters).")
+
+    def set_training(self, mode: bool) -> None:
+        """Train or eval mode; a target without modes ignores it."""
+
+    def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
+        raise Unsupported(f"{type(self).__name__} does not implement raw_bool_mask")
+
+    def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
+        raise Unsupported(f"{type(self).__name__} does not implement decode_with_cache (no KV cache)")
+
+    def cast(self, dtype: torch.dtype) -> AttentionAdapter:
+        raise Unsupported(f"{type(self).__name__} does not implement cast(dtype)")
+
+
+def _first(out: Tensor | tuple) -> Tensor:
+    """The output of a module that may return ``(output, weights)``."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _module_dropout(module: nn.Module) -> float:
+    """The module's attention dropout: a float ``dropout`` attribute, else its first ``nn.Dropout``."""
+    p = getattr(module, "dropout", None)
+    if isinstance(p, float | int) and not isinstance(p, bool):
+        return float(p)
+    return next((float(m.p) for m in module.modules() if isinstance(m, nn.Dropout)), 0.0)
+
+
+class ModuleAdapter(AttentionAdapter):
+    """Any ``nn.Module`` following attnlab's calling convention (attnlab's own included).
+
+    Args:
+        module: has ``embed_dim`` and ``num_heads`` (``num_kv_heads``, ``kdim``, ``vdim`` and
+            ``scale`` optional) and ``q_proj``/``k_proj``/``v_proj``/``out_proj`` with
+            ``.weight``/``.bias``; ``forward(query, key, value, *, attn_mask, key_padding_mask,
+            is_causal)`` with a bool ``attn_mask`` where True = may attend. A ``kv_cache``
+            keyword in ``forward`` enables the KV-cache check (an :class:`attnlab.KVCache` is used).
+        name: shown in the report.
+    """
+
+    bool_mask_convention = "keep"
+
+    def __init__(self, module: nn.Module, *, name: str | None = None) -> None:
+        missing = [a for a in ("embed_dim", "num_heads", "q_proj", "k_proj", "v_proj", "out_proj") if not hasattr(module, a)]
+        if missing:
+            raise TypeError(
+                f"module {type(module).__name__} lacks {missing}; a plain nn.Module is checked only if it "
+                f"follows attnlab's convention (see attnlab.check.adapters), otherwise wrap it in an AttentionAdapter."
+            )
+        self.module = module
+        backend = getattr(module, "backend", None)
+        self.name = name or type(module).__name__ + (f"(backend={backend!r})" if isinstance(backend, str) else "")
+        self.embed_dim, self.num_heads = int(module.embed_dim), int(module.num_heads)
+        self.num_kv_heads = int(getattr(module, "num_kv_heads", self.num_heads))
+        self.kdim = int(getattr(module, "kdim", self.embed_dim))
+        self.vdim = int(getattr(module, "vdim", self.embed_dim))
+        self._scale = getattr(module, "scale", None)
+        self.dropout_p = _module_dropout(module)
+
+    @property
+    def scale(self) -> float:
+        return float(self._scale) if isinstance(self._scale, float | int) else super().scale
+
+    def projections(self) -> Projections:
+        m = self.module
+        return Projections(
+            m.q_proj.weight, m.k_proj.weight, m.v_proj.weight, m.out_proj.weight,
+            m.q_proj.bias, m.k_proj.bias, m.v_proj.bias, m.out_proj.bias,
+        )
+
+    def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        return _first(self.module(query, key, value, attn_mask=keep_mask,
+                                  key_padding_mask=key_padding_mask, is_causal=is_causal))
+
+    def set_training(self, mode: bool) -> None:
+        self.module.train(mode)
+
+    def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
+        return _first(self.module(query, query, query, attn_mask=mask))
+
+    def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
+        if "kv_cache" not in inspect.signature(self.module.forward).parameters:
+            raise Unsupported(f"{self.name}.forward has no kv_cache argument")
+        cache = KVCache.for_module(self.module, x.size(0), x.size(1))
+        outs, start = [], 0
+        for n in chunks:
+            piece = x[:, start : start + n]  # (B, n, E): this step's tokens
+            outs.append(_first(self.module(piece, kv_cache=cache, is_causal=True)))  # (B, n, E)
+            start += n
+        return torch.cat(outs, dim=1)  # (B, T, E)
+
+    def cast(self, dtype: torch.dtype) -> ModuleAdapter:
+        return type(self)(copy.deepcopy(self.module).to(dtype), name=self.name)
+
+
+class TorchMHAAdapter(AttentionAdapter):
+    """``torch.nn.MultiheadAttention``, either ``batch_first``, through its own conventions.
+
+    Its bool masks mean True = *blocked*; a per-batch mask must be ``(B*H, T_q, T_k)``; it
+    returns ``(output, weights)``; its ``is_causal`` is only a hint that needs the mask too.
+
+    Args:
+        module: the module to check.
+        need_weights: passed on every call. PyTorch's default is True, which also decides
+            which of its code paths runs (and what a fully masked row gives).
+    """
+
+    bool_mask_convention = "block"
+
+    def __init__(self, module: nn.MultiheadAttention, *, need_weights: bool = True) -> None:
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"TorchMHAAdapter expects a torch.nn.MultiheadAttention, got {type(module).__name__}.")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError(
+                "TorchMHAAdapter got add_bias_kv=True or add_zero_attn=True; the reference has no extra "
+                "learned key/value row, so build the module without them to check it."
+            )
+        self.module, self.need_weights = module, need_weights
+        self.name = f"torch.nn.MultiheadAttention(need_weights={need_weights})"
+        self.embed_dim, self.num_heads = module.embed_dim, module.num_heads
+        self.num_kv_heads = module.num_heads
+        self.kdim, self.vdim = module.kdim, module.vdim
+        self.dropout_p = float(module.dropout)
+
+    def projections(self) -> Projections:
+        m = self.module
+        if m._qkv_same_embed_dim:
+            wq, wk, wv = m.in_proj_weight.chunk(3)  # (E, E) each
+        else:
+            wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight  # (E, E), (E, kdim), (E, vdim)
+        bq = bk = bv = None
+        if m.in_proj_bias is not None:
+            bq, bk, bv = m.in_proj_bias.chunk(3)  # (E,) each
+        return Projections(wq, wk, wv, m.out_proj.weight, bq, bk, bv, m.out_proj.bias)
+
+    def _run(self, query: Tensor, key: Tensor, value: Tensor, **kw) -> Tensor:
+        seq_first = not self.module.batch_first
+        if seq_first:  # (B, T, E) -> (T, B, E), keeping self-attention's one tensor object
+            q = query.transpose(0, 1)
+            k = q if key is query else key.transpose(0, 1)
+            v = k if value is key else value.transpose(0, 1)
+        else:
+            q, k, v = query, key, value
+        out = _first(self.module(q, k, v, need_weights=self.need_weights, **kw))
+        return out.transpose(0, 1) if seq_first else out  # (B, T_q, E)
+
+    def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        B, T_q, T_k = query.size(0), query.size(1), key.size(1)
+        keep = keep_mask
+        if is_causal:  # torch's is_causal is a hint that requires the mask itself: build it
+            tri = causal_keep(T_q, T_k, query.device)  # (T_q, T_k)
+            keep = tri if keep is None else keep & tri
+        blocked = None
+        if keep is not None:
+            blocked = ~keep  # torch: True = blocked
+            if blocked.dim() == 3:  # (B, T_q, T_k) -> (B*H, T_q, T_k), batch-major as torch expects
+                blocked = blocked.repeat_interleave(self.num_heads, dim=0)
+        return self._run(query, key, value, attn_mask=blocked, key_padding_mask=key_padding_mask)
+
+    def set_training(self, mode: bool) -> None:
+        self.module.train(mode)
+
+    def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
+        return self._run(query, query, query, attn_mask=mask)
+
+    def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
+        raise Unsupported("torch.nn.MultiheadAttention has no KV cache")
+
+    def cast(self, dtype: torch.dtype) -> TorchMHAAdapter:
+        return TorchMHAAdapter(copy.deepcopy(self.module).to(dtype), need_weights=self.need_weights)
+
+
+def as_adapter(target: object) -> AttentionAdapter:
+    """``target`` as an adapter: adapters pass through, modules are wrapped by their kind."""
+    if isinstance(target, nn.MultiheadAttention):
+        return TorchMHAAdapter(target)
+    if isinstance(target, nn.Module):
+        return ModuleAdapter(target)
+    if callable(target) and hasattr(target, "projections"):
+        return target  # type: ignore[return-value]  # duck-typed adapter following the protocol
+    raise TypeError(
+        f"attnlab check got a {type(target).__name__}; expected an nn.Module or an adapter with "
+        f"projections() and __call__ (see attnlab.check.adapters)."
+    )

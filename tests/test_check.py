@@ -1,0 +1,284 @@
+"""``attnlab check``: attnlab passes, deliberately broken modules are caught, torch's MHA as found."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from check_factories import TinyAttention
+from torch import nn
+
+from attnlab import MultiHeadAttention
+from attnlab.check import CHECKS, ModuleAdapter, TorchMHAAdapter, run_checks
+from attnlab.cli import main
+
+
+def attnlab_module(backend: str, **kw) -> MultiHeadAttention:
+    m = MultiHeadAttention(16, 4, dropout=0.1, backend=backend, **kw)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return m
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_attnlab_passes_every_check(backend, num_kv_heads):
+    report = run_checks(attnlab_module(backend, num_kv_heads=num_kv_heads))
+    statuses = {r.name: r.status for r in report.results}
+    assert list(statuses) == list(CHECKS)
+    assert all(s == "pass" for s in statuses.values()), report.results
+    assert report["mask_semantics"].measured == "True = may attend"
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_attnlab_cross_attention_with_kdim(backend):
+    """A context of another width: cross-attention parity runs, the self-attention checks skip with the reason."""
+    report = run_checks(attnlab_module(backend, kdim=12, vdim=10))
+    assert report["parity_cross"].status == "pass"
+    skipped = [r for r in report.results if r.status == "skip"]
+    assert len(skipped) == len(CHECKS) - 1 and "cannot attend to its own input" in skipped[0].detail
+
+
+def test_reference_check_is_not_circular_for_attnlab():
+    """The reference agrees with torch's independent implementation on the same weights."""
+    ours = attnlab_module("math")
+    theirs = TorchMHAAdapter(ours.to_torch(), need_weights=False)
+    report = run_checks(theirs, checks=["parity_self", "parity_cross", "parity_masked"])
+    assert report.ok, report.failures
+
+
+# -- deliberately broken modules, each a one-method change of a correct TinyAttention ----------
+class NoScale(TinyAttention):
+    def score_scale(self):
+        return 1.0  # forgot 1/sqrt(d)
+
+
+class MaskAfterSoftmax(TinyAttention):
+    def softmax(self, scores, keep):
+        return torch.softmax(scores, dim=-1).masked_fill(~keep, 0.0)  # blocked keys still shared the denominator
+
+
+class CausalOffByOne(TinyAttention):
+    def causal(self, T_q, T_k):
+        return torch.ones(T_q, T_k, dtype=torch.bool).tril(T_k - T_q + 1)  # sees one token ahead
+
+
+class PaddingIgnored(TinyAttention):
+    def keep(self, attn_mask, key_padding_mask, is_causal, B, T_q, T_k):
+        return super().keep(attn_mask, None, is_causal, B, T_q, T_k)
+
+
+class MergeWithoutTranspose(TinyAttention):
+    def merge(self, context):
+        B, H, T, D = context.shape
+        return context.reshape(B, T, H * D)  # (B, H, T, D) read as (B, T, H*D): heads and positions mixed
+
+
+class FloatZeroOneMask(TinyAttention):
+    def forward(self, query, key=None, value=None, *, attn_mask=None, **kw):
+        # the user's bool mask turned into 0/1 floats and *added*: masks nothing
+        self._bias = None if attn_mask is None else attn_mask.float()
+        return super().forward(query, key, value, **kw)
+
+    def softmax(self, scores, keep):
+        if self._bias is not None:
+            scores = scores + (self._bias if self._bias.dim() == 2 else self._bias[:, None])
+        return super().softmax(scores, keep)
+
+
+class NaNOnFullyMaskedRows(TinyAttention):
+    def softmax(self, scores, keep):
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)  # all -inf row -> NaN
+
+
+class DropoutInEval(TinyAttention):
+    def softmax(self, scores, keep):
+        return F.dropout(super().softmax(scores, keep), self.dropout, training=True)  # ignores eval()
+
+
+class _IdentityGradSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.softmax(x, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # wrong: the Jacobian of softmax is not the identity
+
+
+class WrongBackward(TinyAttention):
+    def softmax(self, scores, keep):
+        return _IdentityGradSoftmax.apply(scores.masked_fill(~keep, torch.finfo(scores.dtype).min))
+
+
+class LossyLowPrecision(TinyAttention):
+    def softmax(self, scores, keep):
+        if scores.dtype in (torch.bfloat16, torch.float16):  # "fp8 is enough for scores"
+            scores = scores.to(torch.float8_e4m3fn).to(scores.dtype)
+        return super().softmax(scores, keep)
+
+
+BROKEN = [
+    (NoScale, "parity_self"),
+    (MaskAfterSoftmax, "no_causal_leak"),
+    (CausalOffByOne, "no_causal_leak"),
+    (PaddingIgnored, "padding_invariance"),
+    (MergeWithoutTranspose, "permutation_equivariance"),
+    (FloatZeroOneMask, "mask_semantics"),
+    (NaNOnFullyMaskedRows, "fully_masked_rows"),
+    (DropoutInEval, "dropout_off_in_eval"),
+    (WrongBackward, "gradcheck[plain]"),
+    (WrongBackward, "grad_parity"),
+    (LossyLowPrecision, "low_precision[bf16]"),
+]
+
+
+@pytest.mark.parametrize(("broken", "check"), BROKEN, ids=[f"{b.__name__}-{c}" for b, c in BROKEN])
+def test_broken_module_is_caught_by_its_check(broken, check):
+    torch.manual_seed(0)
+    good = run_checks(TinyAttention(), checks=[check])[check]
+    torch.manual_seed(0)
+    bad = run_checks(broken(), checks=[check])[check]
+    assert good.status == "pass", good
+    assert bad.status == "fail", bad
+
+
+def test_broken_modules_fail_parity_too():
+    """The bugs that change the output are also caught by plain parity against the reference."""
+    for broken in (NoScale, MaskAfterSoftmax, CausalOffByOne, PaddingIgnored, MergeWithoutTranspose, FloatZeroOneMask):
+        torch.manual_seed(0)
+        report = run_checks(broken(), checks=["parity_self", "parity_masked"])
+        assert not report.ok, broken.__name__
+    assert run_checks(TinyAttention(), checks=["parity_self", "parity_masked"]).ok
+
+
+def test_mask_semantics_reports_what_it_finds():
+    """A module whose bool mask means 'blocked' is reported as such, and fails only if it declared otherwise."""
+    torch.manual_seed(0)
+
+    class Blocking(TinyAttention):
+        def forward(self, query, key=None, value=None, *, attn_mask=None, **kw):
+            return super().forward(query, key, value, attn_mask=None if attn_mask is None else ~attn_mask, **kw)
+
+    adapter = ModuleAdapter(Blocking())
+    adapter.bool_mask_convention = None  # undeclared: only reported
+    row = run_checks(adapter, checks=["mask_semantics"])["mask_semantics"]
+    assert (row.status, row.measured) == ("pass", "True = blocked")
+    adapter.bool_mask_convention = "keep"  # declared keep, found block: a failure
+    assert run_checks(adapter, checks=["mask_semantics"])["mask_semantics"].status == "fail"
+
+
+def test_a_crashing_target_fails_the_row_instead_of_the_suite():
+    class Crashes(TinyAttention):
+        def forward(self, *a, is_causal=False, **kw):
+            if is_causal:
+                raise RuntimeError("causal not supported")
+            return super().forward(*a, **kw)
+
+    row = run_checks(Crashes(), checks=["no_causal_leak"])["no_causal_leak"]
+    assert row.status == "fail" and "RuntimeError: causal not supported" in row.detail
+
+
+# -- torch.nn.MultiheadAttention, as found with torch 2.13 on this machine ----------------------
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_mha_findings(batch_first):
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 4, dropout=0.1, batch_first=batch_first)
+    report = run_checks(TorchMHAAdapter(m, need_weights=True))
+    statuses = {r.name: r.status for r in report.results}
+    # Found: with need_weights=True (torch's default) a fully masked query row is NaN, with or
+    # without autograd (pytorch issues 41508, 152028). Everything else agrees with the reference.
+    assert statuses.pop("fully_masked_rows") == "fail"
+    nan_row = 2 * 16  # query 2 of both sequences, all E=16 features: exactly the fully masked row
+    assert report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
+    assert statuses.pop("kv_cache") == "skip"
+    assert set(statuses.values()) == {"pass"}, statuses
+    assert report["mask_semantics"].measured == "True = blocked"
+
+
+def test_torch_mha_fully_masked_rows_without_weights():
+    """Found: need_weights=False gives the zero context under autograd but NaN under no_grad,
+    where torch takes its inference fast path."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 4, batch_first=True)
+    row = run_checks(TorchMHAAdapter(m, need_weights=False), checks=["fully_masked_rows"])["fully_masked_rows"]
+    assert row.status == "fail"
+    assert row.detail.startswith("autograd: finite, err ")
+    assert row.detail.endswith("no_grad: 32 NaN/inf outputs")  # query 2 of B=2 sequences, E=16
+
+
+# -- library use -----------------------------------------------------------------------------------
+def test_raise_if_failed_names_the_failing_check():
+    run_checks(TinyAttention(), checks=["parity_self"]).raise_if_failed()
+    with pytest.raises(AssertionError, match="parity_self"):
+        run_checks(NoScale(), checks=["parity_self"]).raise_if_failed()
+
+
+def test_same_seed_same_figures_and_global_rng_untouched():
+    m = attnlab_module("math")
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    first = run_checks(m, checks=["parity_self", "dropout_off_in_eval"])
+    after = torch.rand(3)
+    assert torch.equal(before, after)
+    assert [r.measured for r in first.results] == [r.measured for r in run_checks(m, checks=["parity_self", "dropout_off_in_eval"]).results]
+
+
+# -- the command line ------------------------------------------------------------------------------
+def _json_run(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(["check", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_cli_attnlab_both_backends_pass(capsys):
+    code, data = _json_run(capsys, "--embed-dim", "16")
+    assert code == 0 and data["ok"]
+    assert [r["target"] for r in data["reports"]] == ["MultiHeadAttention(backend='math')", "MultiHeadAttention(backend='sdpa')"]
+    for report in data["reports"]:
+        assert {row["status"] for row in report["results"]} == {"pass"}
+
+
+def test_cli_torch_exits_1_on_its_fully_masked_rows(capsys):
+    code, data = _json_run(capsys, "--target", "torch", "--embed-dim", "16")
+    assert code == 1 and not data["ok"]
+    failed = [row for row in data["reports"][0]["results"] if row["status"] == "fail"]
+    assert [row["name"] for row in failed] == ["fully_masked_rows"]
+    assert failed[0]["measured"] == "inf"  # JSON has no inf: written as a string
+
+
+@pytest.mark.parametrize("factory", ["check_factories:tiny", "check_factories:seq_first_adapter"])
+def test_cli_user_factory(capsys, factory):
+    code, data = _json_run(capsys, "--target", factory, "--embed-dim", "8")
+    assert code == 0, data
+    report = data["reports"][0]
+    skipped = {row["name"] for row in report["results"] if row["status"] == "skip"}
+    assert skipped == {"kv_cache"}  # the user's module has no cache: skipped with a reason
+    if factory.endswith(":tiny"):
+        assert report["config"]["embed_dim"] == 8  # --embed-dim reached the factory
+
+
+def test_cli_table(capsys):
+    assert main(["check", "--backend", "sdpa", "--checks", "parity_self", "low_precision[bf16]"]) == 0
+    out = capsys.readouterr().out
+    assert "low_precision[bf16]" in out and "PASS" in out and "OK: 2 passed, 0 failed, 0 skipped" in out
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("nonsense", "is not 'attnlab', 'torch' or 'package.module:factory'"),
+        ("no_such_module_xyz:make", "cannot be imported"),
+        ("check_factories:missing", "has no callable 'missing'"),
+        ("check_factories:SeqFirstAdapter", "calling SeqFirstAdapter() raised TypeError"),  # needs a module
+    ],
+)
+def test_cli_bad_target_is_one_sentence(capsys, target, message):
+    assert main(["check", "--target", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnlab check: error: --target") or "error:" in err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
