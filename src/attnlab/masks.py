@@ -53,6 +53,11 @@ def _as_4d(mask: Tensor, batch: int, heads: int, q_len: int, k_len: int) -> Tens
     return mask4
 
 
+def _check_device(name: str, mask: Tensor, device: torch.device) -> None:
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the query is on {device}; move it with {name}.to({str(device)!r}).")
+
+
 def _check_float_mask_values(mask: Tensor) -> None:
     """Refuse a float mask of 0s and 1s: meant as keep/block, it would silently mask nothing."""
     if mask.device.type != "cpu" or mask.requires_grad or mask.numel() == 0 or torch.compiler.is_compiling():
@@ -101,11 +106,7 @@ def prepare_masks(
                 f"attn_mask must be a torch.Tensor (bool: True = may attend, or float: added to "
                 f"the scores), got {type(attn_mask).__name__}; wrap it with torch.as_tensor(...)."
             )
-        if attn_mask.device != device:
-            raise ValueError(
-                f"attn_mask is on {attn_mask.device} but the query is on {device}; move it with "
-                f"attn_mask.to({str(device)!r})."
-            )
+        _check_device("attn_mask", attn_mask, device)
         if attn_mask.dtype == torch.bool:
             keep = _as_4d(attn_mask, batch, heads, q_len, k_len)
         elif attn_mask.is_floating_point():
@@ -125,11 +126,7 @@ def prepare_masks(
                 f"key_padding_mask must be a bool torch.Tensor of shape (B, T_k) = ({batch}, {k_len}) "
                 f"with True = padding, got {type(key_padding_mask).__name__}."
             )
-        if key_padding_mask.device != device:
-            raise ValueError(
-                f"key_padding_mask is on {key_padding_mask.device} but the query is on {device}; "
-                f"move it with key_padding_mask.to({str(device)!r})."
-            )
+        _check_device("key_padding_mask", key_padding_mask, device)
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(
                 f"key_padding_mask has dtype {key_padding_mask.dtype}; expected torch.bool with "
