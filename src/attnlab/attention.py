@@ -258,11 +258,11 @@ class MultiHeadAttention(nn.Module):
         )
         backend, reason = self._choose_backend(need_weights)
         if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
-            self.last_backend, self.last_backend_reason = backend, reason
+            self.__dict__.update(last_backend=backend, last_backend_reason=reason)  # plain attrs, no Module.__setattr__ cost
         attend = functional.math_attention if backend == "math" else functional.sdpa_attention
         context, weights = attend(
             q, k, v,
-            keep=masks.keep, bias=masks.bias, causal=masks.causal,
+            keep=masks.keep, bias=masks.bias, causal=masks.causal, empty_rows=masks.empty_rows,
             scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
         )  # context: (B, H, T_q, D)

@@ -11,7 +11,9 @@ and masks already in attnlab's one internal convention (see :mod:`attnlab.masks`
 * ``bias``: float, broadcastable likewise, added to the scores (``-inf`` entries are also
   False in ``keep``);
 * ``causal``: square causal masking that was *not* materialised into ``keep`` (``T_q == T_k``,
-  no other mask), so that SDPA can take its ``is_causal`` fast path.
+  no other mask), so that SDPA can take its ``is_causal`` fast path;
+* ``empty_rows``: whether ``keep`` may block every key of some query (key padding, user masks;
+  never causal masking alone), so that such rows must be zeroed.
 
 A query row whose keys are all masked attends to nothing: its context is zeros, never NaN.
 """
@@ -43,6 +45,7 @@ def math_attention(
     keep: Tensor | None = None,
     bias: Tensor | None = None,
     causal: bool = False,
+    empty_rows: bool = True,
     scale: float,
     dropout_p: float = 0.0,
     need_weights: bool = False,
@@ -68,7 +71,7 @@ def math_attention(
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     # Softmax in float32 at least (fp16/bf16 exp() saturates); float64 stays float64.
     weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    if keep is not None:
+    if keep is not None and empty_rows:
         weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # fully masked rows
     weights = weights.to(v.dtype)
     if dropout_p > 0.0:
@@ -85,6 +88,7 @@ def sdpa_attention(
     keep: Tensor | None = None,
     bias: Tensor | None = None,
     causal: bool = False,
+    empty_rows: bool = True,
     scale: float,
     dropout_p: float = 0.0,
     need_weights: bool = False,
@@ -109,7 +113,7 @@ def sdpa_attention(
         scale=scale,
         enable_gqa=q.size(1) != k.size(1),
     )  # (B, H, T_q, D)
-    if keep is not None:
+    if keep is not None and empty_rows:
         # Zero rows with no visible key ourselves: whether a kernel returns 0 or NaN there
         # differs across kernels and torch releases.
         context = context.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)

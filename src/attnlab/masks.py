@@ -30,6 +30,7 @@ class Masks:
     keep: Tensor | None = None  # bool, broadcastable to (B, H, T_q, T_k), True = may attend
     bias: Tensor | None = None  # float, broadcastable likewise, added to the scores
     causal: bool = False  # square causal masking left to the backend (SDPA's is_causal)
+    empty_rows: bool = False  # whether `keep` may block every key of some query (padding, user masks)
 
 
 def _as_4d(mask: Tensor, batch: int, heads: int, q_len: int, k_len: int) -> Tensor:
@@ -99,6 +100,7 @@ def prepare_masks(
         return attn_mask
     keep: Tensor | None = None
     bias: Tensor | None = None
+    empty_rows = attn_mask is not None or key_padding_mask is not None  # causal alone never empties a row
 
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
@@ -157,9 +159,11 @@ def prepare_masks(
                 f"causal masking aligns the last query with the last key, so the first "
                 f"{q_len - k_len} queries would see no key at all. Pass an explicit attn_mask instead."
             )
-        if keep is None and q_len == k_len:
+        if q_len == 1:
+            pass  # one query at the last position sees every key: nothing to mask (the decode step)
+        elif keep is None and q_len == k_len:
             causal = True  # left to the backend: SDPA's is_causal needs no mask tensor at all
         else:
             tri = causal_keep(q_len, k_len, device)  # (T_q, T_k)
             keep = tri if keep is None else keep & tri
-    return Masks(keep=keep, bias=bias, causal=causal)
+    return Masks(keep=keep, bias=bias, causal=causal, empty_rows=empty_rows)
