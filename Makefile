@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lab]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -9,6 +9,10 @@ from collections.abc import Sequence
 
 import tyro
 
+from .bench_attention import bench
+from .bench_decode import bench_decode
+from .check.cli import check
+from .cli_generate import generate_command
 from .demo import demo
 from .doctor import doctor
 from .trace import trace_command
@@ -18,8 +22,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``attnlab`` and ``python -m attnlab``; returns the exit code."""
     commands = {
         "demo": demo,
+        "check": check,
         "trace": trace_command,
         "doctor": doctor,
+        "bench": bench,
+        "generate": generate_command,
+        "bench-decode": bench_decode,
     }
     try:
         result = tyro.extras.subcommand_cli_from_dict(

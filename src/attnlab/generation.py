@@ -1,0 +1,271 @@
+"""Autoregressive generation for :class:`attnlab.TinyGPT`: prefill, decode steps, sampling (``attnlab.generate``).
+
+Shapes: B batch, T prompt length (left-padded to the longest), S = T + max_new_tokens cache
+slots, V vocabulary. Slot ``s`` of every row holds token ``s`` of the padded sequence; a row's
+*position* (what ``wpe``/RoPE see) is its slot minus its padding, as Hugging Face derives
+``position_ids = attention_mask.cumsum(-1) - 1``.
+
+With the cache, both the prefill and each decode step run the KV cache in position mode
+(:mod:`attnlab.kv_cache`): every step has the same shapes, so :func:`decode_step` compiles once
+with ``torch.compile(fullgraph=True)``; the padding mask covers all ``S`` slots and never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .model import TinyGPT
+
+__all__ = ["left_pad", "prefill", "decode_step", "sample_next", "generate_steps", "generate", "compiled_decode_step", "compiled_cache_len"]
+
+
+def left_pad(prompts: Sequence[Sequence[int] | Tensor], pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Stack prompts of different lengths, padded on the left: ``(idx (B, T), key_padding_mask (B, T))``.
+
+    Left, so that every row's last prompt token sits in the same column and all rows decode
+    in lockstep; ``key_padding_mask`` is True on the padding.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id sequences; every row needs at least one token.")
+    T = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)  # (B, T)
+    pad = torch.ones(len(prompts), T, dtype=torch.bool)  # (B, T)
+    for b, p in enumerate(prompts):
+        idx[b, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        pad[b, T - len(p):] = False
+    return idx, pad
+
+
+def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
+    """``(B, T)`` position of each token: count of real tokens before it; padding gets 0 (as HF)."""
+    real = (~key_padding_mask).long()  # (B, T)
+    return (real.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+
+
+def prefill(model: TinyGPT, idx: Tensor, positions: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
+    """Run the prompt ``idx (B, T)`` through the model, filling cache slots ``0 .. T-1``.
+
+    ``key_padding_mask`` is ``(B, S)`` over all cache slots. Returns the last position's logits ``(B, V)``.
+    """
+    slots = torch.arange(idx.size(1), device=idx.device)  # (T,)
+    logits = model(idx, positions=positions, key_padding_mask=key_padding_mask, caches=caches, cache_positions=slots, only_last=True)
+    return logits[:, -1]  # (B, V)
+
+
+def decode_step(model: TinyGPT, tok: Tensor, position: Tensor, slot: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
+    """One token per row: ``tok (B, 1)`` at ``position (B, 1)``, written at cache ``slot (1,)``; logits ``(B, V)``.
+
+    Every argument keeps its shape from step to step (the slot is a tensor, not an int), so
+    this is the function to compile.
+    """
+    logits = model(tok, positions=position, key_padding_mask=key_padding_mask, caches=caches, cache_positions=slot, only_last=True)
+    return logits[:, -1]  # (B, V)
+
+
+_compiled_decode_step = None
+
+
+def compiled_decode_step():
+    """:func:`decode_step` under ``torch.compile(fullgraph=True)``, built once per process."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(decode_step, fullgraph=True)
+    return _compiled_decode_step
+
+
+def compiled_cache_len(needed: int, block_size: int) -> int:
+    """Cache slots for the compiled path: ``needed`` rounded up to a power of two >= 64, capped at ``block_size``.
+
+    The cache buffers are module buffers, whose shapes torch.compile treats as static: every new
+    ``max_len`` is a new graph (and ``fullgraph=True`` fails after 8). Rounding up bounds the
+    graphs at ~6 per batch size for a 1024-token model; the unused slots are hidden by the
+    causal mask of position mode, at the price of attending over up to 2x more slots.
+    """
+    return min(block_size, max(64, 1 << (needed - 1).bit_length()))
+
+
+def sample_next(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ``(B,)`` from logits ``(B, V)``: greedy at ``temperature == 0``, else sampled.
+
+    ``top_k`` keeps the k most likely tokens; ``top_p`` keeps the smallest set of most likely
+    tokens whose probability reaches p (nucleus). Both may be combined (top-k first).
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V) each
+        probs = sorted_logits.softmax(dim=-1)  # (B, V)
+        # Drop a token when the tokens more likely than it already reach top_p; the first always stays.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # (B, V)
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # (B, V) back in vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated token per row and the logits it was chosen from."""
+
+    tokens: Tensor  # (B,) int64
+    logits: Tensor  # (B, V) float, before temperature/top-k/top-p
+
+
+def _check_generate_args(model: TinyGPT, idx: Tensor, max_new_tokens: int, temperature: float, top_k, top_p, key_padding_mask) -> None:
+    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"idx must be an int64 tensor (B, T) of prompt token ids, got "
+            f"{getattr(idx, 'dtype', type(idx).__name__)} of shape {tuple(getattr(idx, 'shape', ()))}; "
+            f"for one prompt use torch.tensor([ids]), for several use attnlab.left_pad(prompts)."
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+    T, block = idx.size(1), model.config.block_size
+    if T + max_new_tokens > block:
+        raise ValueError(
+            f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds "
+            f"block_size={block}, the longest sequence the model has positions for; keep the prompt's "
+            f"last {max(block - max_new_tokens, 1)} tokens or ask for at most {max(block - T, 0)} new tokens."
+        )
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or key_padding_mask.shape != idx.shape):
+        raise ValueError(
+            f"key_padding_mask must be bool with the prompt's shape (B, T) = {tuple(idx.shape)} (True = padding), "
+            f"got {key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}; attnlab.left_pad builds both."
+        )
+    if key_padding_mask is not None and bool(key_padding_mask[:, -1].any()):
+        raise ValueError(
+            "key_padding_mask marks a row's last prompt token as padding; prompts must be padded on the "
+            "left so that every row's last token is real (use attnlab.left_pad)."
+        )
+
+
+def generate_steps(
+    model: TinyGPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    key_padding_mask: Tensor | None = None,
+    compile: bool = False,
+) -> Iterator[Step]:
+    """An iterator of one :class:`Step` per new token; stops early once every row has emitted ``eos_token_id``.
+
+    Arguments as :func:`generate`. The arguments are checked here, at the call, not at the first
+    ``next()``. Runs without autograd; the caller's grad mode is untouched between steps.
+    """
+    _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, key_padding_mask)
+    if compile and not use_cache:
+        raise ValueError("compile=True with use_cache=False: only the cached decode step has fixed shapes to compile; pass use_cache=True.")
+    return _steps(model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator, key_padding_mask, compile)
+
+
+def _steps(
+    model: TinyGPT, idx: Tensor, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+    eos_token_id: int | None, use_cache: bool, generator: torch.Generator | None, key_padding_mask: Tensor | None,
+    compile: bool,
+) -> Iterator[Step]:
+    B, T = idx.shape
+    device = idx.device
+    idx = idx.long()
+    prompt_pad = torch.zeros(B, T, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.to(device)
+    S = T + max_new_tokens
+    if compile:  # a few cache sizes for all prompts, so that the compiled step is reused across calls
+        S = compiled_cache_len(S, model.config.block_size)
+    pad = torch.cat([prompt_pad, prompt_pad.new_zeros(B, S - T)], dim=1)  # (B, S): new tokens are never padding
+    positions = positions_from_padding(pad)  # (B, S): position of every slot, fixed for the whole run
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    pick = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    if max_new_tokens == 0:
+        return
+
+    with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
+        if use_cache:
+            caches = model.setup_caches(B, S)
+            logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
+        else:
+            seq = idx  # (B, T), grows by one column per step
+            logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[:, -1]  # (B, V)
+    step_fn = compiled_decode_step() if compile else decode_step
+
+    for i in range(max_new_tokens):
+        tok = sample_next(logits, **pick)  # (B,)
+        if eos_token_id is not None:
+            tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
+            finished = finished | (tok == eos_token_id)
+        yield Step(tokens=tok, logits=logits)
+        if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+            return
+        s = T + i  # slot of the token just chosen
+        with torch.no_grad():
+            if use_cache:
+                slot = torch.tensor([s], device=device)  # (1,)
+                logits = step_fn(model, tok[:, None], positions[:, s : s + 1], slot, pad, caches)  # (B, V)
+            else:  # recompute: the whole sequence again, no cache
+                seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
+                logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[:, -1]  # (B, V)
+
+
+def generate(
+    model: TinyGPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    key_padding_mask: Tensor | None = None,
+    compile: bool = False,
+) -> Tensor:
+    """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
+
+    Args:
+        model: a :class:`TinyGPT` (put it in ``eval()`` mode for deterministic output).
+        idx: ``(B, T)`` int64 prompt ids; rows of different lengths are left-padded
+            (:func:`left_pad`) and flagged in ``key_padding_mask``.
+        max_new_tokens: tokens to add; ``T + max_new_tokens`` must not exceed ``block_size``.
+        temperature: 0 is greedy decoding; otherwise logits are divided by it before sampling.
+        top_k, top_p: restrict sampling to the k most likely tokens / the nucleus of mass p.
+        eos_token_id: a row that emits it keeps emitting it; generation stops early (``n <
+            max_new_tokens``) once every row has.
+        use_cache: prefill a KV cache, then decode one token per step; False recomputes the
+            whole sequence for every token (the reference, and the benchmark's baseline).
+        generator: a ``torch.Generator`` for sampling; a fixed seed reproduces the tokens.
+        key_padding_mask: ``(B, T)`` bool, True = left padding of the prompt.
+        compile: run the decode step under ``torch.compile(fullgraph=True)`` (cached path only).
+    """
+    steps = [s.tokens for s in generate_steps(
+        model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+        use_cache=use_cache, generator=generator, key_padding_mask=key_padding_mask, compile=compile,
+    )]
+    if not steps:
+        return idx.clone()
+    return torch.cat([idx, torch.stack(steps, dim=1).to(idx.dtype)], dim=1)  # (B, T + n)

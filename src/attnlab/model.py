@@ -1,0 +1,264 @@
+"""``TinyGPT``: GPT-2's decoder-only language model, its attention being attnlab's.
+
+Reads top-down: config, MLP, block, model. Shapes: B batch, T tokens of this call, E = n_embd,
+V = vocab_size, H = n_head, G = n_kv_head, D = E // H. Token ids are int64 ``(B, T)``.
+
+Exactly GPT-2 (token + learned position embeddings, pre-LayerNorm blocks, tanh-GELU MLP of
+width 4E, final LayerNorm, output embedding tied to the token embedding), with two options
+GPT-2 lacks: ``n_kv_head < n_head`` (grouped-query attention, a smaller KV cache) and
+``position="rotary"`` (RoPE on Q and K instead of the ``wpe`` table).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import MultiHeadAttention
+from .kv_cache import KVCache
+from .rope import rope_cos_sin
+
+__all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
+
+
+@dataclass
+class GPTConfig:
+    """Hyper-parameters of :class:`TinyGPT`; field names follow nanoGPT (and so GPT-2)."""
+
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary; a char-level model needs ~65
+    block_size: int = 1024  # longest sequence: rows of wpe, and the cap on prompt + new tokens
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # query heads H; must divide n_embd
+    n_embd: int = 768  # residual width E
+    dropout: float = 0.0  # one rate for embeddings, attention weights and residual branches, as nanoGPT
+    bias: bool = True  # biases in Linear layers and LayerNorms (GPT-2 has them)
+    n_kv_head: int | None = None  # key/value heads G (GQA, 1 = MQA); None means n_head, as GPT-2
+    position: Literal["learned", "rotary"] = "learned"  # GPT-2's wpe table, or RoPE on Q/K
+    rope_base: float = 10000.0  # RoPE frequency base, used when position == "rotary"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.position not in ("learned", "rotary"):
+            raise ValueError(
+                f"GPTConfig.position must be 'learned' (GPT-2's wpe table) or 'rotary' (RoPE), got {self.position!r}."
+            )
+        if self.position == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"GPTConfig.position='rotary' needs an even head dim, got n_embd // n_head = "
+                f"{self.n_embd} // {self.n_head} = {self.n_embd // self.n_head}; change n_embd or n_head."
+            )
+        # divisibility of n_embd by n_head and of n_head by n_kv_head is checked by MultiHeadAttention
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+class MLP(nn.Module):
+    """GPT-2's feed-forward: E -> 4E, tanh-approximated GELU (GPT-2's ``gelu_new``), 4E -> E."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, E) -> (B, T, 4E) -> (B, T, E)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.attn = MultiHeadAttention(
+            config.n_embd, config.n_head, num_kv_heads=config.n_kv_head, dropout=config.dropout, bias=config.bias
+        )
+        self.resid_dropout = nn.Dropout(config.dropout)  # GPT-2's dropout after the attention's c_proj
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        cache_positions: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        a = self.attn(
+            self.ln_1(x), is_causal=True, key_padding_mask=key_padding_mask,
+            kv_cache=kv_cache, cache_positions=cache_positions, rope=rope,
+        )  # (B, T, E)
+        x = x + self.resid_dropout(a)
+        return x + self.mlp(self.ln_2(x))  # (B, T, E)
+
+
+class TinyGPT(nn.Module):
+    """GPT-2 with attnlab attention; ``model(idx)`` returns logits ``(B, T, V)``.
+
+    Args:
+        config: a :class:`GPTConfig`, kept whole as ``model.config``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+        ))
+        if config.position == "learned":
+            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        # The output embedding is wte itself (F.linear in forward), not a second nn.Linear
+        # sharing its storage: one state_dict key, so safetensors can save it as is.
+        # wte.weight is (V, E) as in GPT-2 but stored column-major, an (E, V) tensor seen
+        # transposed: decoding multiplies one row x (1, E) by weight.T, and MKL's kernel for a
+        # contiguous (E, V) right operand is ~3x faster than for a transposed one (measured on
+        # AMD EPYC, V=50257, E=256: 2.2 ms vs 6.9 ms), the largest matmul of a decode step.
+        # Lookups, load_state_dict (copy_), .to() and optimizers all keep this layout.
+        self.transformer.wte.weight = nn.Parameter(torch.empty(config.n_embd, config.vocab_size).t())  # (V, E) view
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's init: N(0, 0.02) weights, zero biases, residual projections N(0, 0.02 / sqrt(2 n_layer))."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # two residual branches per block
+        with torch.no_grad():
+            for name, module in self.named_modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    is_residual = name.endswith(("attn.out_proj", "mlp.c_proj"))
+                    nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else 0.02)
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, nn.LayerNorm):
+                    nn.init.ones_(module.weight)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Parameters, counting the tied embedding once."""
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """KV-cache bytes one token costs per sequence, all layers: 2 (K, V) * n_layer * G * D * itemsize."""
+        c = self.config
+        itemsize = self.transformer.wte.weight.element_size()
+        return 2 * c.n_layer * c.n_kv_head * c.head_dim * itemsize
+
+    def setup_caches(self, batch_size: int, max_len: int) -> nn.ModuleList:
+        """One :class:`KVCache` per block, ``(B, G, max_len, D)`` each, on the model's device and dtype."""
+        if max_len > self.config.block_size:
+            raise ValueError(
+                f"max_len={max_len} exceeds block_size={self.config.block_size}: the model has no position "
+                f"beyond {self.config.block_size - 1}; use max_len <= {self.config.block_size}."
+            )
+        return nn.ModuleList(KVCache.for_module(block.attn, batch_size, max_len) for block in self.transformer.h)
+
+    def _check_idx(self, idx: Tensor, positions: Tensor | None) -> None:
+        if not isinstance(idx, Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
+            raise TypeError(
+                f"idx must be an int64 tensor of token ids with shape (B, T), got "
+                f"{getattr(idx, 'dtype', type(idx).__name__)} of shape {tuple(getattr(idx, 'shape', ()))}; "
+                f"add a batch dimension with idx.unsqueeze(0) or cast with idx.long()."
+            )
+        T = idx.size(1)
+        if positions is None and T > self.config.block_size:
+            raise ValueError(
+                f"idx has T={T} tokens but block_size={self.config.block_size}; crop it to its last "
+                f"{self.config.block_size} tokens (idx[:, -{self.config.block_size}:])."
+            )
+        if positions is not None and positions.shape[-1] != T:
+            raise ValueError(
+                f"positions has shape {tuple(positions.shape)}; expected (T,) or (B, T) with T={T}, one position per token."
+            )
+        if positions is not None and positions.device.type == "cpu" and positions.numel():
+            hi = int(positions.max())  # free on CPU; skipped on GPU to avoid a device sync per step
+            if hi >= self.config.block_size or int(positions.min()) < 0:
+                raise ValueError(
+                    f"positions reach {hi} but block_size={self.config.block_size} allows 0 .. "
+                    f"{self.config.block_size - 1}; shorten the sequence."
+                )
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        caches: nn.ModuleList | None = None,
+        cache_positions: Tensor | None = None,
+        only_last: bool = False,
+    ) -> Tensor:
+        """Logits of the next token at every position.
+
+        Args:
+            idx: ``(B, T)`` int64 token ids.
+            key_padding_mask: ``(B, T_k)`` bool, True = padding, over the keys attended: the
+                ``T`` tokens of this call without a cache, the ``max_len`` cache slots with one.
+            positions: ``(T,)`` or ``(B, T)`` int64 position of each token (per row under left
+                padding). Default: ``cache_positions`` if given, else ``0 .. T-1``.
+            caches: from :meth:`setup_caches`; with ``cache_positions`` ``(T,)`` (the slots this
+                call writes) attention runs over the cache in position mode (fixed shapes).
+            only_last: return the logits of the last position only, ``(B, 1, V)``: generation
+                needs no others, and the output projection is the largest matmul of a step.
+
+        Returns:
+            ``(B, T, V)`` logits (``(B, 1, V)`` with ``only_last``).
+        """
+        if not torch.compiler.is_compiling():
+            self._check_idx(idx, positions)
+        if positions is None:
+            positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
+        if caches is not None and len(caches) != self.config.n_layer:
+            raise ValueError(f"caches has {len(caches)} entries; expected one per layer, {self.config.n_layer} (use model.setup_caches).")
+
+        x = self.transformer.wte(idx)  # (B, T, E)
+        rope = None
+        if self.config.position == "learned":
+            x = x + self.transformer.wpe(positions)  # (B, T, E) + (T, E) or (B, T, E)
+        else:
+            rope = rope_cos_sin(positions, self.config.head_dim, base=self.config.rope_base, dtype=x.dtype)  # (..., T, D) each
+        x = self.transformer.drop(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(
+                x, key_padding_mask=key_padding_mask, rope=rope,
+                kv_cache=None if caches is None else caches[i], cache_positions=cache_positions,
+            )  # (B, T, E)
+        if only_last:
+            x = x[:, -1:]  # (B, 1, E)
+        x = self.transformer.ln_f(x)
+        return F.linear(x, self.transformer.wte.weight)  # (B, T, E) @ (E, V) -> (B, T, V): tied output embedding
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """See :func:`attnlab.generate`; returns ``(B, T + new)`` ids, prompt first."""
+        from .generation import generate
+
+        return generate(self, idx, max_new_tokens, **kwargs)
+
+    @classmethod
+    def from_hf_gpt2(cls, model_or_state_dict, *, n_head: int | None = None) -> TinyGPT:
+        """A TinyGPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (or its state dict).
+
+        A state dict does not say how many heads it has: pass ``n_head`` with one.
+        """
+        from .hf_gpt2 import from_hf_gpt2
+
+        return from_hf_gpt2(model_or_state_dict, n_head=n_head)

@@ -1,0 +1,147 @@
+"""Generation: cached == recomputed, left padding, sampling, eos, errors, compiled decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from attnlab import GPTConfig, TinyGPT
+from attnlab.generation import generate, generate_steps, left_pad, sample_next
+
+FLAGS = [dict(n_kv_head=g, position=p) for g in (4, 2, 1) for p in ("learned", "rotary")]
+IDS = [f"{'mha' if f['n_kv_head'] == 4 else 'gqa' if f['n_kv_head'] == 2 else 'mqa'}-{f['position']}" for f in FLAGS]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from 2 threads, and on a busy 2-core box their OpenMP barriers stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(**overrides) -> TinyGPT:
+    kw = dict(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_embd=32) | overrides
+    return TinyGPT(GPTConfig(**kw)).eval()
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=IDS)
+def test_cached_greedy_equals_recompute(flags):
+    model = tiny(**flags)
+    idx = torch.randint(0, 50, (2, 5))
+    cached = list(generate_steps(model, idx, 12, temperature=0))
+    recomputed = list(generate_steps(model, idx, 12, temperature=0, use_cache=False))
+    assert len(cached) == len(recomputed) == 12
+    for a, b in zip(cached, recomputed):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=IDS)
+@pytest.mark.parametrize("chunks", [(1,) * 9, (4, 1, 3, 1), (2, 5, 2)], ids=["1-token", "mixed", "multi-token"])
+def test_cache_appends_of_any_size_equal_full_forward(flags, chunks):
+    """Chunks of several tokens at once (speculative/multi-token appends) see the same logits."""
+    model = tiny(**flags)
+    idx = torch.randint(0, 50, (2, 9))
+    full = model(idx)  # (2, 9, 50)
+    caches = model.setup_caches(2, 16)
+    outs, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            slots = torch.arange(start, start + size)
+            outs.append(model(idx[:, start:start + size], caches=caches, cache_positions=slots))
+            start += size
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags", FLAGS[::2] + FLAGS[3:4], ids=IDS[::2] + IDS[3:4])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_left_padded_batch_equals_each_prompt_alone(flags, use_cache):
+    model = tiny(**flags)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3], [5]]
+    idx, pad = left_pad(prompts, pad_token_id=0)
+    batch = generate(model, idx, 8, temperature=0, key_padding_mask=pad, use_cache=use_cache)
+    assert batch.shape == (3, 7 + 8)
+    assert torch.equal(batch[:, :7], idx)  # the prompt comes back first, padding included
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, torch.tensor([prompt]), 8, temperature=0, use_cache=use_cache)
+        assert torch.equal(batch[row, 7:], alone[0, len(prompt):]), f"row {row}"
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 4))
+
+    def run(seed, **kw):
+        return generate(model, idx, 16, temperature=1.5, generator=torch.Generator().manual_seed(seed), **kw)
+
+    assert torch.equal(run(0), run(0))
+    assert torch.equal(run(0, top_k=5, top_p=0.9), run(0, top_k=5, top_p=0.9))
+    assert not torch.equal(run(0), run(1))
+    assert torch.equal(run(3), run(3, use_cache=False))  # same draws with and without the cache
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]).expand(2000, -1)  # (2000, 6)
+    g = torch.Generator().manual_seed(0)
+    k3 = sample_next(logits, temperature=1.0, top_k=3, generator=g)
+    assert set(k3.tolist()) == {0, 1, 2}  # all of the top 3 drawn, nothing else
+    probs = logits[0].softmax(-1)  # 0.64, 0.24, 0.09, ...: the nucleus of 0.85 is tokens {0, 1}
+    assert probs[:1].sum() < 0.85 <= probs[:2].sum()
+    p = sample_next(logits, temperature=1.0, top_p=0.85, generator=g)
+    assert set(p.tolist()) == {0, 1}
+    assert torch.equal(sample_next(logits, temperature=1.0, top_k=1, generator=g), torch.zeros(2000, dtype=torch.long))
+    assert torch.equal(sample_next(logits, temperature=0), torch.zeros(2000, dtype=torch.long))
+
+
+def test_finished_rows_keep_emitting_eos_and_generation_stops_when_all_finish():
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 4))
+    free = generate(model, idx, 10, temperature=0)
+    eos = int(free[0, 4 + 2])  # row 0 emits it at step 2
+    steps = list(generate_steps(model, idx, 10, temperature=0, eos_token_id=eos))
+    tokens = torch.stack([s.tokens for s in steps], dim=1)  # (2, n)
+    first = (free[0, 4:] == eos).nonzero()[0].item()
+    assert torch.all(tokens[0, first:] == eos)
+    assert torch.equal(tokens[0, :first], free[0, 4:4 + first])
+    row1_hits = (free[1, 4:] == eos).nonzero()
+    if len(row1_hits):  # both rows finish: generation stops at the later one
+        assert tokens.size(1) == max(first, row1_hits[0].item()) + 1
+    else:
+        assert tokens.size(1) == 10 and torch.equal(tokens[1], free[1, 4:])
+
+
+def test_generation_errors_name_the_argument_and_the_fix():
+    model = tiny()
+    with pytest.raises(ValueError, match=r"prompt length 30 \+ max_new_tokens 5 = 35 exceeds block_size=32, .*keep the prompt's last 27 tokens or ask for at most 2 new tokens"):
+        generate(model, torch.zeros(1, 30, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="prompts must be padded on the left"):
+        generate(model, torch.zeros(2, 3, dtype=torch.long), 2, key_padding_mask=torch.tensor([[False, False, True]] * 2))
+    with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -1"):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1)
+    with pytest.raises(TypeError, match=r"idx must be an int64 tensor \(B, T\).*left_pad"):
+        generate(model, torch.zeros(3), 2)
+    with pytest.raises(ValueError, match="every row needs at least one token"):
+        left_pad([[1], []])
+
+
+def test_decode_step_compiles_once_fullgraph_and_matches_eager():
+    torch._dynamo.reset()
+    model = tiny(n_kv_head=2, position="rotary")
+    prompts = [[3, 1, 4, 1], [5, 9]]
+    idx, pad = left_pad(prompts)
+    counters.clear()
+    compiled = list(generate_steps(model, idx, 8, temperature=0, key_padding_mask=pad, compile=True))
+    assert counters["stats"]["unique_graphs"] == 1  # 7 decode steps, one graph: shapes never change
+    assert not counters["graph_break"]
+    eager = list(generate_steps(model, idx, 8, temperature=0, key_padding_mask=pad))
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    other = generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0, compile=True)  # new B, T and length
+    again = generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0, compile=True)
+    assert torch.equal(other, generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0))
+    assert torch.equal(other, again)
+    assert counters["stats"]["unique_graphs"] == 2  # one more for batch size 1; the same cache size reused
