@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("safetensors")
+
 
 from attnlab import ByteTokenizer, CharTokenizer, GPTConfig, TinyGPT, generate, load_checkpoint, save_checkpoint  # noqa: E402
 from attnlab.checkpoint import CheckpointError  # noqa: E402

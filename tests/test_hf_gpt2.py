@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from attnlab import GPTConfig, TinyGPT  # noqa: E402

@@ -110,5 +110,5 @@ def test_prepared_masks_are_shared_across_layers_unchanged():
         a = layer(a, attn_mask=masks)
         b = layer(b, key_padding_mask=pad, is_causal=True)
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="attn_mask is an already-converted attnlab Masks, so key_padding_mask"):
+    with pytest.raises(ValueError, match="attn_mask is an already-converted attnlab Masks, so key_padding_mask and is_causal must be left unset"):
         layers[0](x, attn_mask=masks, is_causal=True)

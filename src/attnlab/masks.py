@@ -91,11 +91,11 @@ def prepare_masks(
     A model whose layers share masks converts them once and passes the :class:`Masks` to
     every layer as ``attn_mask``; it is then used as it is.
     """
-    if isinstance(attn_mask, Masks):
-        if key_padding_mask is not None or is_causal or q_positions is not None:
+    if isinstance(attn_mask, Masks):  # q_positions then only say where a KV cache writes
+        if key_padding_mask is not None or is_causal:
             raise ValueError(
-                "attn_mask is an already-converted attnlab Masks, so key_padding_mask, is_causal and "
-                "cache_positions must be left unset: fold them in when calling prepare_masks(...)."
+                "attn_mask is an already-converted attnlab Masks, so key_padding_mask and is_causal "
+                "must be left unset: fold them in when calling prepare_masks(...)."
             )
         return attn_mask
     keep: Tensor | None = None

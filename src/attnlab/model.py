@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
 from .kv_cache import KVCache
+from .masks import Masks, prepare_masks
 from .rope import rope_cos_sin
 
 __all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
@@ -94,15 +95,15 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
+        masks: Masks,
         *,
-        key_padding_mask: Tensor | None = None,
         kv_cache: KVCache | None = None,
         cache_positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
+        """``masks``: causal (+ padding) masks, converted once per model call by :class:`TinyGPT`."""
         a = self.attn(
-            self.ln_1(x), is_causal=True, key_padding_mask=key_padding_mask,
-            kv_cache=kv_cache, cache_positions=cache_positions, rope=rope,
+            self.ln_1(x), attn_mask=masks, kv_cache=kv_cache, cache_positions=cache_positions, rope=rope,
         )  # (B, T, E)
         x = x + self.resid_dropout(a)
         return x + self.mlp(self.ln_2(x))  # (B, T, E)
@@ -236,10 +237,18 @@ class TinyGPT(nn.Module):
         else:
             rope = rope_cos_sin(positions, self.config.head_dim, base=self.config.rope_base, dtype=x.dtype)  # (..., T, D) each
         x = self.transformer.drop(x)
+        B, T = idx.shape
+        if caches is None:
+            k_len = T
+        else:  # position mode attends over every slot; append mode over the filled ones after this call
+            k_len = caches[0].max_len if cache_positions is not None else caches[0].length + T
+        masks = prepare_masks(  # once per call, shared by every layer
+            None, key_padding_mask, True, batch=B, heads=self.config.n_head, q_len=T, k_len=k_len,
+            dtype=x.dtype, device=x.device, q_positions=cache_positions,
+        )
         for i, block in enumerate(self.transformer.h):
             x = block(
-                x, key_padding_mask=key_padding_mask, rope=rope,
-                kv_cache=None if caches is None else caches[i], cache_positions=cache_positions,
+                x, masks, rope=rope, kv_cache=None if caches is None else caches[i], cache_positions=cache_positions,
             )  # (B, T, E)
         if only_last:
             x = x[:, -1:]  # (B, 1, E)
