@@ -10,7 +10,6 @@ from attnlab.cli import main
 
 
 def test_bench_decode_writes_a_table_and_json(tmp_path, capsys):
-    pytest.importorskip("transformers")
     args = ["bench-decode", "--contexts", "8", "16", "--new-tokens", "3", "--recompute-new-tokens", "3", "--repeats", "1",
             "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--vocab-size", "64", "--out-dir", str(tmp_path)]
     assert main(args) == 0

@@ -15,6 +15,7 @@ from .check.cli import check
 from .cli_generate import generate_command
 from .demo import demo
 from .doctor import doctor
+from .lab.cli import ablate_command, lab_main, train_command
 from .trace import trace_command
 
 
@@ -28,8 +29,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": bench,
         "generate": generate_command,
         "bench-decode": bench_decode,
+        "train": train_command,
+        "ablate-heads": ablate_command,
     }
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args and args[0] in ("train", "ablate-heads"):  # they also take --config FILE as tyro defaults: see lab/cli.py
+            return lab_main(args)
         result = tyro.extras.subcommand_cli_from_dict(
             commands, prog="attnlab", description="attnlab: multi-head attention, readable, verified, fast.",
             args=argv,

@@ -1,0 +1,13 @@
+"""The training lab: seed 002's minimal experiment, tasks only attention can solve, the head-count study.
+
+* :mod:`.config`: the dataclasses the ``attnlab train`` / ``ablate-heads`` flags are derived from.
+* :mod:`.data`: data sources, each a pure function of ``(seed, step, rank)``.
+* :mod:`.models`: seed 002's ``MinimalFormerBlock``, its stack, and a ``TinyGPT`` builder.
+* :mod:`.train`: the loop (single process or ``torchrun``/DDP); :mod:`.checkpointing`: its checkpoints.
+* :mod:`.ablate`: the head-count experiment of seed 002 section 4.4.
+"""
+
+from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig, demo_config
+from .train import RunResult, train
+
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "RunResult", "demo_config", "train"]

@@ -1,0 +1,55 @@
+"""PNG figures of the lab: one run's loss/accuracy curve, and the head-count overlay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a server or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+__all__ = ["plot_run", "plot_ablation"]
+
+
+def plot_run(history: list[dict[str, Any]], path: Path, *, chance_acc: float, loss_floor: float | None = None,
+             title: str = "") -> Path:
+    """Training loss per step and held-out loss/accuracy per evaluation, side by side."""
+    train = [r for r in history if "loss" in r]
+    evals = [r for r in history if "eval_acc" in r]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8, alpha=0.6, label="train")
+    ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=3, label="held-out")
+    if loss_floor is not None:
+        ax_loss.axhline(loss_floor, color="gray", ls="--", lw=1, label=f"ln(vocab) = {loss_floor:.3f}")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
+    ax_loss.legend()
+    ax_acc.plot([r["step"] for r in evals], [r["eval_acc"] for r in evals], "o-", ms=3, color="C1", label="held-out")
+    ax_acc.axhline(chance_acc, color="gray", ls="--", lw=1, label=f"chance = {chance_acc:.3f}")
+    ax_acc.set(xlabel="step", ylabel="accuracy (scored positions)", title="accuracy", ylim=(0, 1.02))
+    ax_acc.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ablation(curves: dict[int, list[list[float]]], steps: list[int], path: Path, *, title: str) -> Path:
+    """Mean held-out loss per head count, with a min-max band over the seeds."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (heads, runs) in enumerate(sorted(curves.items())):
+        n = min(len(r) for r in runs)  # runs stopped at different steps are compared on their common prefix
+        arr = np.array([r[:n] for r in runs])  # (seeds, evals)
+        x = steps[:n]
+        ax.plot(x, arr.mean(0), color=f"C{i}", label=f"{heads} head{'s' if heads > 1 else ''}")
+        ax.fill_between(x, arr.min(0), arr.max(0), color=f"C{i}", alpha=0.2)
+    ax.set(xlabel="step", ylabel="held-out cross-entropy", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
