@@ -66,6 +66,8 @@ class BenchConfig:
     """float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)."""
     memory: bool = True
     """measure peak memory of one forward+backward per runner and length."""
+    train: bool = True
+    """also measure training throughput of the lab's default model (attnlab vs torch attention)."""
     out: Path = Path("bench_results")
     """directory for bench_attention.json and bench_attention.png."""
     seed: int = 0
@@ -276,6 +278,7 @@ class BenchResult:
     gemm_gflops: float
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    train_throughput: dict | None = None
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
@@ -442,6 +445,13 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
     SDPA floor and the seed-000 module; prints a Markdown table, writes JSON and a PNG."""
     res = run_bench(cfg)
     table, summary = markdown(res), goals(res)
+    if cfg.train:
+        from .bench_train import train_throughput
+
+        tp = train_throughput()
+        res.train_throughput = asdict(tp) | {"ratio": tp.ratio}
+        summary += (f"\ntraining throughput ({tp.model}): attnlab {tp.attnlab_tok_s:,.0f} tok/s, "
+                    f"torch.nn.MultiheadAttention {tp.torch_tok_s:,.0f} tok/s, ratio {tp.ratio:.2f}x")
     print("\n" + table + "\n\n" + summary)
     cfg.out.mkdir(parents=True, exist_ok=True)
     data = asdict(res)
