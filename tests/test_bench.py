@@ -32,7 +32,7 @@ def test_flop_count_counts_the_causal_half():
 @pytest.mark.slow
 def test_bench_cli_writes_table_json_and_png(tmp_path, capsys):
     args = ["bench", "--lengths", "16", "32", "--tokens", "64", "--repeats", "1", "--embed-dim", "32",
-            "--num-heads", "4", "--no-train", "--out", str(tmp_path)]
+            "--num-heads", "4", "--gemm-size", "128", "--no-train", "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| T | B | runner |" in out and "| 32 | 2 | attnlab |" in out

@@ -47,7 +47,7 @@ def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: 
             f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {model.config.vocab_size}; "
             f"build the model with GPTConfig(vocab_size >= {tokenizer.vocab_size})."
         )
-    from safetensors.torch import save  # the "lab" extra: imported only when saving
+    from safetensors.torch import save  # imported only when saving: ``import attnlab`` stays light
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def load_checkpoint(directory: str | os.PathLike, *, device: str | torch.device 
     unknown = sorted(set(meta["config"]) - known)
     if unknown:
         raise CheckpointError(f"{str(config_path)!r} has config keys {unknown} that GPTConfig does not know; upgrade attnlab to the version that wrote it.")
-    from safetensors.torch import load_file  # the "lab" extra: imported only when loading
+    from safetensors.torch import load_file  # imported only when loading
 
     model = TinyGPT(GPTConfig(**meta["config"]))
     state = load_file(str(weights_path), device=str(device))

@@ -27,7 +27,7 @@ FORMAT = "attnlab.lab.train_state"
 def save_train_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                      config: dict[str, Any]) -> Path:
     """Write model, optimizer, RNG and ``step`` (the number of steps done) to ``path`` atomically."""
-    from safetensors.torch import save_file  # the "lab" extra: imported when a run writes, not by ``attnlab --help``
+    from safetensors.torch import save_file  # imported when a run writes: ``attnlab --help`` stays fast
 
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
