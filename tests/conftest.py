@@ -32,3 +32,13 @@ def make_masks(kind: str, B: int, T_q: int, T_k: int, *, dtype=torch.float32, ge
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from 2 threads, and OpenMP threads spinning against another
+    process's on the same 2 cores slow a step 20-40x (measured): one thread keeps tests steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

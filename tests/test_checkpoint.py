@@ -16,13 +16,7 @@ from attnlab.cli import main  # noqa: E402
 TEXT = "to be, or not to be: that is the question.\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from 2 threads, and on a busy 2-core box their OpenMP barriers stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def char_model(**overrides) -> tuple[TinyGPT, CharTokenizer]:

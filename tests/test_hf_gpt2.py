@@ -13,13 +13,7 @@ from attnlab.generation import generate, left_pad  # noqa: E402
 from attnlab.hf_gpt2 import to_hf_gpt2  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from 2 threads, and on a busy 2-core box their OpenMP barriers stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

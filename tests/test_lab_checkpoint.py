@@ -18,14 +18,7 @@ from attnlab.lab import checkpointing
 from attnlab.lab.checkpointing import CKPT_NAME, load_train_state, save_train_state
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from 2 threads, and OpenMP threads spinning against another
-    process's on the same 2 cores slow a step 20-40x (measured); one thread keeps tests steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 ROOT = Path(__file__).resolve().parents[1]

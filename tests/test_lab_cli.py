@@ -11,14 +11,7 @@ from attnlab.cli import main
 from attnlab.lab.config import DataConfig, TrainConfig, config_from_dict, config_to_dict, load_config, save_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from 2 threads, and OpenMP threads spinning against another
-    process's on the same 2 cores slow a step 20-40x (measured); one thread keeps tests steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 TINY = ["--steps", "12", "--eval-every", "6", "--ckpt-every", "0", "--model.n-embd", "32", "--no-progress"]

@@ -13,14 +13,7 @@ from attnlab.lab import DataConfig, ModelConfig, OptimConfig, TrainConfig, demo_
 from attnlab.lab.train import lr_at
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from 2 threads, and OpenMP threads spinning against another
-    process's on the same 2 cores slow a step 20-40x (measured); one thread keeps tests steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _cfg(tmp_path, **kw) -> TrainConfig:

@@ -19,13 +19,7 @@ def tiny(**overrides) -> TinyGPT:
 FLAGS = [dict(n_kv_head=g, position=p) for g in (4, 2, 1) for p in ("learned", "rotary")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from 2 threads, and on a busy 2-core box their OpenMP barriers stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: f"kv{f['n_kv_head']}-{f['position']}")
