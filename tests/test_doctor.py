@@ -26,11 +26,14 @@ def test_sdpa_kernel_probe_reports_failures():
     assert doctor_mod.try_sdpa_kernel("math", "cpu") == (True, "")
 
 
-def test_flash_attn_missing_gets_the_seed_advice(capsys):
+def test_flash_attn_missing_gets_the_seed_advice(monkeypatch):
+    real_find_spec = doctor_mod.importlib.util.find_spec
+    monkeypatch.setattr(doctor_mod.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
     findings = {f.topic: f for f in doctor_mod.diagnose(compile_check=False)}
     fa = findings["flash-attn package"]
-    if fa.detail == "not installed":
-        assert "prebuilt wheel" in fa.fix and "from source" in fa.fix
+    assert fa.detail == "not installed"
+    assert "prebuilt wheel" in fa.fix and "from source" in fa.fix
 
 
 def test_doctor_exits_nonzero_when_attnlab_cannot_run(monkeypatch, capsys):

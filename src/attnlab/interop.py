@@ -12,15 +12,21 @@ if TYPE_CHECKING:
     from .attention import Backend, MultiHeadAttention
 
 
-def from_torch_mha(cls: type[MultiHeadAttention], m: nn.MultiheadAttention, *, backend: Backend = "auto") -> MultiHeadAttention:
+def check_representable(m: object, who: str) -> None:
+    """Refuse what attnlab's attention cannot express: not a torch MHA, or one with an extra
+    learned key/value row (``add_bias_kv``) or an all-zero one (``add_zero_attn``)."""
     if not isinstance(m, nn.MultiheadAttention):
-        raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}.")
+        raise TypeError(f"{who} expects a torch.nn.MultiheadAttention, got {type(m).__name__}.")
     if m.bias_k is not None or m.add_zero_attn:
         raise ValueError(
-            "from_torch got an nn.MultiheadAttention built with add_bias_kv=True or add_zero_attn=True; "
-            "attnlab has no learned extra key/value row, so the outputs could not agree. Convert a "
+            f"{who} got an nn.MultiheadAttention built with add_bias_kv=True or add_zero_attn=True; "
+            "attnlab has no learned extra key/value row, so its outputs could not agree. Use a "
             "module built without them."
         )
+
+
+def from_torch_mha(cls: type[MultiHeadAttention], m: nn.MultiheadAttention, *, backend: Backend = "auto") -> MultiHeadAttention:
+    check_representable(m, "from_torch")
     weight = m.out_proj.weight
     ours = cls(
         m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim, dropout=m.dropout,

@@ -214,13 +214,9 @@ class TorchMHAAdapter(AttentionAdapter):
     bool_mask_convention = "block"
 
     def __init__(self, module: nn.MultiheadAttention, *, need_weights: bool = True) -> None:
-        if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(f"TorchMHAAdapter expects a torch.nn.MultiheadAttention, got {type(module).__name__}.")
-        if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError(
-                "TorchMHAAdapter got add_bias_kv=True or add_zero_attn=True; the reference has no extra "
-                "learned key/value row, so build the module without them to check it."
-            )
+        from ..interop import check_representable
+
+        check_representable(module, "TorchMHAAdapter")  # the reference is attnlab's math: same limits
         self.module, self.need_weights = module, need_weights
         self.name = f"torch.nn.MultiheadAttention(need_weights={need_weights})"
         self.embed_dim, self.num_heads = module.embed_dim, module.num_heads
