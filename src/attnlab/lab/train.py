@@ -152,7 +152,7 @@ def train(cfg: TrainConfig, *, write: bool = True, quiet: bool = False) -> RunRe
     finally:
         # The DDP wrapper sits in a reference cycle, so it (and the process group its reducer holds) would
         # otherwise die at some later garbage collection, or at interpreter exit, where gloo's still-running
-        # threads abort the process ("terminate called without an active exception", about 1 run in 15
+        # threads abort the process ("terminate called without an active exception", 3 runs in 70
         # on a loaded 2-core machine). Free it now, wait for rank 0's writes, then leave the group.
         gc.collect()
         if dist.is_initialized():
