@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -17,6 +17,12 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/attnlab demo
+
+# ruff (lint + format check) and mypy (strict on src/attnlab/core); `ruff format src tests` fixes formatting
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(VENV)/bin/attnlab bench

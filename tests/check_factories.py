@@ -79,8 +79,14 @@ class SeqFirstAdapter(ModuleAdapter):
     name = "seq-first TinyAttention"
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
-        out = self.module(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                          attn_mask=keep_mask, key_padding_mask=key_padding_mask, is_causal=is_causal)
+        out = self.module(
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            attn_mask=keep_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+        )
         return out.transpose(0, 1)  # (T_q, B, E) -> (B, T_q, E)
 
     def raw_bool_mask(self, query, mask):

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from attnlab import MultiHeadAttention
-
 from conftest import MASK_KINDS, make_masks
 
 
@@ -39,10 +38,10 @@ def test_math_and_sdpa_agree(mask, kv_heads, cross):
     a = _run(mha, "math", q, ctx, kw)
     b = _run(mha, "sdpa", q, ctx, kw)
     torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
-    for ga, gb in zip(a[1:3], b[1:3]):
+    for ga, gb in zip(a[1:3], b[1:3], strict=True):
         if ga is not None:
             torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
-    for ga, gb in zip(a[3], b[3]):
+    for ga, gb in zip(a[3], b[3], strict=True):
         torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
 
 

@@ -8,15 +8,22 @@ import json
 import pytest
 import torch
 
-from attnlab.bench_attention import BenchConfig, attention_flops, build_runners
-from attnlab.bench_train import train_throughput
+from attnlab.bench.attention import BenchConfig, attention_flops, build_runners
+from attnlab.bench.train import train_throughput
 from attnlab.cli import main
 
 
 def test_every_runner_computes_the_same_causal_attention():
     cfg = BenchConfig(embed_dim=32, num_heads=4)
     runners, skipped = build_runners(cfg, torch.device("cpu"), torch.float32)
-    assert "flash-attn" in skipped and set(runners) == {"attnlab", "attnlab-math", "attnlab-compiled", "torch-mha", "floor", "seed-000"}
+    assert "flash-attn" in skipped and set(runners) == {
+        "attnlab",
+        "attnlab-math",
+        "attnlab-compiled",
+        "torch-mha",
+        "floor",
+        "seed-000",
+    }
     x = torch.randn(2, 12, 32)
     ref = runners["attnlab-math"](x, 12)
     for name, fn in runners.items():
@@ -31,8 +38,25 @@ def test_flop_count_counts_the_causal_half():
 
 @pytest.mark.slow
 def test_bench_cli_writes_table_json_and_png(tmp_path, capsys):
-    args = ["bench", "--lengths", "16", "32", "--tokens", "64", "--repeats", "1", "--embed-dim", "32",
-            "--num-heads", "4", "--gemm-size", "128", "--no-train", "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "--lengths",
+        "16",
+        "32",
+        "--tokens",
+        "64",
+        "--repeats",
+        "1",
+        "--embed-dim",
+        "32",
+        "--num-heads",
+        "4",
+        "--gemm-size",
+        "128",
+        "--no-train",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| T | B | runner |" in out and "| 32 | 2 | attnlab |" in out

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from check_factories import TinyAttention
 from torch import nn
 
 from attnlab import MultiHeadAttention
 from attnlab.check import CHECKS, ModuleAdapter, TorchMHAAdapter, run_checks
 from attnlab.cli import main
+from check_factories import TinyAttention
 
 
 def attnlab_module(backend: str, **kw) -> MultiHeadAttention:
@@ -194,7 +194,9 @@ def test_torch_mha_findings(batch_first):
     # without autograd (pytorch issues 41508, 152028). Everything else agrees with the reference.
     assert statuses.pop("fully_masked_rows") == "fail"
     nan_row = 2 * 16  # query 2 of both sequences, all E=16 features: exactly the fully masked row
-    assert report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
+    assert (
+        report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
+    )
     assert statuses.pop("kv_cache") == "skip"
     assert set(statuses.values()) == {"pass"}, statuses
     assert report["mask_semantics"].measured == "True = blocked"
@@ -226,7 +228,9 @@ def test_same_seed_same_figures_and_global_rng_untouched():
     first = run_checks(m, checks=["parity_self", "dropout_off_in_eval"])
     after = torch.rand(3)
     assert torch.equal(before, after)
-    assert [r.measured for r in first.results] == [r.measured for r in run_checks(m, checks=["parity_self", "dropout_off_in_eval"]).results]
+    assert [r.measured for r in first.results] == [
+        r.measured for r in run_checks(m, checks=["parity_self", "dropout_off_in_eval"]).results
+    ]
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -238,7 +242,10 @@ def _json_run(capsys, *argv: str) -> tuple[int, dict]:
 def test_cli_attnlab_both_backends_pass(capsys):
     code, data = _json_run(capsys, "--embed-dim", "16")
     assert code == 0 and data["ok"]
-    assert [r["target"] for r in data["reports"]] == ["MultiHeadAttention(backend='math')", "MultiHeadAttention(backend='sdpa')"]
+    assert [r["target"] for r in data["reports"]] == [
+        "MultiHeadAttention(backend='math')",
+        "MultiHeadAttention(backend='sdpa')",
+    ]
     for report in data["reports"]:
         assert {row["status"] for row in report["results"]} == {"pass"}
 

@@ -7,11 +7,9 @@ import json
 import pytest
 import torch
 
-
-
-from attnlab import ByteTokenizer, CharTokenizer, GPTConfig, TinyGPT, generate, load_checkpoint, save_checkpoint  # noqa: E402
-from attnlab.checkpoint import CheckpointError  # noqa: E402
-from attnlab.cli import main  # noqa: E402
+from attnlab import ByteTokenizer, CharTokenizer, GPTConfig, TinyGPT, generate, load_checkpoint, save_checkpoint
+from attnlab.cli import main
+from attnlab.models.saved_model import CheckpointError
 
 TEXT = "to be, or not to be: that is the question.\n"
 
@@ -29,7 +27,10 @@ def char_model(**overrides) -> tuple[TinyGPT, CharTokenizer]:
 def test_round_trip_keeps_logits_config_and_tokenizer(tmp_path, flags):
     model, tok = char_model(**flags)
     save_checkpoint(model, tmp_path / "ckpt", tokenizer=tok)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]  # no temp files left
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]  # no temp files left
     loaded, tok2 = load_checkpoint(tmp_path / "ckpt")
     assert loaded.config == model.config and not loaded.training
     assert isinstance(tok2, CharTokenizer) and tok2.chars == tok.chars
@@ -55,7 +56,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
 
 def test_load_errors_are_one_clear_sentence(tmp_path):
-    with pytest.raises(CheckpointError, match=r"does not exist or is not a directory; pass the directory that save_checkpoint wrote"):
+    with pytest.raises(
+        CheckpointError, match=r"does not exist or is not a directory; pass the directory that save_checkpoint wrote"
+    ):
         load_checkpoint(tmp_path / "nowhere")
     model, tok = char_model()
     save_checkpoint(model, tmp_path, tokenizer=tok)
@@ -84,7 +87,22 @@ def test_tokenizers_round_trip_and_refuse_unknown_characters():
 def test_cli_generate_prints_the_greedy_continuation(tmp_path, capsys):
     model, tok = char_model()
     save_checkpoint(model, tmp_path, tokenizer=tok)
-    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "to be", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path),
+                "--prompt",
+                "to be",
+                "--max-new-tokens",
+                "12",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     expected = generate(model, torch.tensor([tok.encode("to be")]), 12, temperature=0)[0].tolist()
     assert out == tok.decode(expected) + "\n"

@@ -8,7 +8,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from attnlab import KVCache, MultiHeadAttention
-
 from conftest import make_masks
 
 
@@ -57,7 +56,7 @@ def test_compiled_forward_with_cache_in_append_mode():
     x = torch.randn(1, 8, 16)
     with torch.no_grad():
         outs = [compiled(x[:, :4], kv_cache=cache, is_causal=True)]
-        outs += [compiled(x[:, i:i + 1], kv_cache=cache, is_causal=True) for i in range(4, 8)]
+        outs += [compiled(x[:, i : i + 1], kv_cache=cache, is_causal=True) for i in range(4, 8)]
     torch.testing.assert_close(torch.cat(outs, 1), mha(x, is_causal=True), atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attnlab import doctor as doctor_mod
 from attnlab.cli import main
+from attnlab.tools import doctor as doctor_mod
 
 
 def test_doctor_on_this_machine(capsys):
@@ -28,8 +28,11 @@ def test_sdpa_kernel_probe_reports_failures():
 
 def test_flash_attn_missing_gets_the_seed_advice(monkeypatch):
     real_find_spec = doctor_mod.importlib.util.find_spec
-    monkeypatch.setattr(doctor_mod.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        doctor_mod.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a),
+    )
     findings = {f.topic: f for f in doctor_mod.diagnose(compile_check=False)}
     fa = findings["flash-attn package"]
     assert fa.detail == "not installed"

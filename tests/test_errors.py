@@ -21,24 +21,33 @@ def mha():
 
 # 1. divisibility ---------------------------------------------------------------------------
 def test_embed_dim_not_divisible_by_heads():
-    with raises(ValueError, "embed_dim=64 is not divisible by num_heads=6: every head gets embed_dim // num_heads "
-                "dims; choose num_heads among the divisors of 64 (nearest: [4, 8]) or change embed_dim to a multiple of 6."):
+    with raises(
+        ValueError,
+        "embed_dim=64 is not divisible by num_heads=6: every head gets embed_dim // num_heads "
+        "dims; choose num_heads among the divisors of 64 (nearest: [4, 8]) or change embed_dim to a multiple of 6.",
+    ):
         MultiHeadAttention(64, 6)
 
 
 def test_heads_not_divisible_by_kv_heads():
-    with raises(ValueError, "num_heads=8 is not divisible by num_kv_heads=3: each K/V head serves an equal group "
-                "of query heads; choose num_kv_heads among [1, 2, 4, 8]."):
+    with raises(
+        ValueError,
+        "num_heads=8 is not divisible by num_kv_heads=3: each K/V head serves an equal group "
+        "of query heads; choose num_kv_heads among [1, 2, 4, 8].",
+    ):
         MultiHeadAttention(64, 8, num_kv_heads=3)
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"embed_dim": 0}, "embed_dim must be a positive int, got 0 (int)."),
-    ({"num_heads": 2.0}, "num_heads must be a positive int, got 2.0 (float)."),
-    ({"dropout": 1.0}, "dropout must be in [0, 1), got 1.0; it is the probability of zeroing a weight."),
-    ({"scale": -1.0}, "scale must be a positive float (default 1/sqrt(head_dim)), got -1.0."),
-    ({"backend": "flash"}, "backend must be one of ('auto', 'math', 'sdpa'), got 'flash'."),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"embed_dim": 0}, "embed_dim must be a positive int, got 0 (int)."),
+        ({"num_heads": 2.0}, "num_heads must be a positive int, got 2.0 (float)."),
+        ({"dropout": 1.0}, "dropout must be in [0, 1), got 1.0; it is the probability of zeroing a weight."),
+        ({"scale": -1.0}, "scale must be a positive float (default 1/sqrt(head_dim)), got -1.0."),
+        ({"backend": "flash"}, "backend must be one of ('auto', 'math', 'sdpa'), got 'flash'."),
+    ],
+)
 def test_constructor_arguments(kw, message):
     args = {"embed_dim": 16, "num_heads": 4} | kw
     with raises((ValueError, TypeError), message):
@@ -47,8 +56,11 @@ def test_constructor_arguments(kw, message):
 
 # 2. input shapes ---------------------------------------------------------------------------
 def test_unbatched_input_says_add_batch_dim(mha):
-    with raises(ValueError, "query has shape (10, 16), an unbatched (T, embed_dim) input; attnlab is batch-first "
-                "and expects (B, T, embed_dim): add a batch dimension with query.unsqueeze(0)."):
+    with raises(
+        ValueError,
+        "query has shape (10, 16), an unbatched (T, embed_dim) input; attnlab is batch-first "
+        "and expects (B, T, embed_dim): add a batch dimension with query.unsqueeze(0).",
+    ):
         mha(torch.randn(10, 16))
 
 
@@ -60,14 +72,20 @@ def test_four_d_input(mha):
 def test_wrong_width(mha):
     with raises(ValueError, "query has last dimension 12 (shape (2, 5, 12)); expected embed_dim=16."):
         mha(torch.randn(2, 5, 12))
-    with raises(ValueError, "key has last dimension 12 (shape (2, 5, 12)); expected kdim=16 (use kdim/vdim for a "
-                "context of another width)."):
+    with raises(
+        ValueError,
+        "key has last dimension 12 (shape (2, 5, 12)); expected kdim=16 (use kdim/vdim for a "
+        "context of another width).",
+    ):
         mha(torch.randn(2, 5, 16), torch.randn(2, 5, 12))
 
 
 def test_batch_mismatch(mha):
-    with raises(ValueError, "key has batch size 3 but query has 2; query (B, T_q, E) and key (B, T_k, kdim) must "
-                "share B (for one shared context, use key.expand(2, -1, -1))."):
+    with raises(
+        ValueError,
+        "key has batch size 3 but query has 2; query (B, T_q, E) and key (B, T_k, kdim) must "
+        "share B (for one shared context, use key.expand(2, -1, -1)).",
+    ):
         mha(torch.randn(2, 5, 16), torch.randn(3, 5, 16))
 
 
@@ -77,8 +95,11 @@ def test_key_value_length_mismatch(mha):
 
 
 def test_integer_input_is_not_embeddings(mha):
-    with raises(TypeError, "query has dtype torch.int64; expected a floating tensor (B, T, embed_dim=16). Token ids "
-                "go through an nn.Embedding first."):
+    with raises(
+        TypeError,
+        "query has dtype torch.int64; expected a floating tensor (B, T, embed_dim=16). Token ids "
+        "go through an nn.Embedding first.",
+    ):
         mha(torch.randint(0, 10, (2, 5, 16)))
 
 
@@ -90,38 +111,50 @@ def test_not_a_tensor(mha):
 # 3. devices and dtypes ---------------------------------------------------------------------
 def test_device_mismatch_input_vs_weights(mha):
     x = torch.randn(2, 5, 16, device="meta")
-    with raises(ValueError, "query is on meta but the module's weights are on cpu; move one of them: "
-                "query.to('cpu') or mha.to('meta')."):
+    with raises(
+        ValueError,
+        "query is on meta but the module's weights are on cpu; move one of them: query.to('cpu') or mha.to('meta').",
+    ):
         mha(x)
 
 
 def test_device_mismatch_mask_vs_query(mha):
     with raises(ValueError, "attn_mask is on meta but the query is on cpu; move it with attn_mask.to('cpu')."):
         mha(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 5, dtype=torch.bool, device="meta"))
-    with raises(ValueError, "key_padding_mask is on meta but the query is on cpu; move it with "
-                "key_padding_mask.to('cpu')."):
+    with raises(
+        ValueError, "key_padding_mask is on meta but the query is on cpu; move it with key_padding_mask.to('cpu')."
+    ):
         mha(torch.randn(2, 5, 16), key_padding_mask=torch.zeros(2, 5, dtype=torch.bool, device="meta"))
 
 
 def test_dtype_mismatch(mha):
-    with raises(TypeError, "query has dtype torch.float64 but the module's weights are torch.float32; cast one of "
-                "them (query.to(torch.float32) or mha.to(torch.float64)), or run under torch.autocast."):
+    with raises(
+        TypeError,
+        "query has dtype torch.float64 but the module's weights are torch.float32; cast one of "
+        "them (query.to(torch.float32) or mha.to(torch.float64)), or run under torch.autocast.",
+    ):
         mha(torch.randn(2, 5, 16, dtype=torch.float64))
 
 
 # 4. mask dtypes ----------------------------------------------------------------------------
 def test_integer_mask(mha):
-    with raises(TypeError, "attn_mask has dtype torch.int64; expected torch.bool (True = may attend) or a float "
-                "dtype (added to the scores). For a 0/1 integer mask pass attn_mask.bool()."):
+    with raises(
+        TypeError,
+        "attn_mask has dtype torch.int64; expected torch.bool (True = may attend) or a float "
+        "dtype (added to the scores). For a 0/1 integer mask pass attn_mask.bool().",
+    ):
         mha(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 5, dtype=torch.long).tril())
 
 
 def test_float_zero_one_mask_is_refused(mha):
     """Seed 000's 0/1 mask passed as float would be *added* to the scores and mask nothing."""
-    with raises(ValueError, "attn_mask is a float tensor holding only 0s and 1s; a float mask is *added* to the "
-                "scores, so this masks nothing and only shifts some scores by 1. For a keep/block mask pass "
-                "attn_mask.bool() (True = may attend); for an additive mask use 0 to keep and float('-inf') to "
-                "block, e.g. torch.zeros_like(m).masked_fill(m == 0, float('-inf'))."):
+    with raises(
+        ValueError,
+        "attn_mask is a float tensor holding only 0s and 1s; a float mask is *added* to the "
+        "scores, so this masks nothing and only shifts some scores by 1. For a keep/block mask pass "
+        "attn_mask.bool() (True = may attend); for an additive mask use 0 to keep and float('-inf') to "
+        "block, e.g. torch.zeros_like(m).masked_fill(m == 0, float('-inf')).",
+    ):
         mha(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 5).tril())
 
 
@@ -134,21 +167,29 @@ def test_float_additive_mask_with_zeros_and_minus_inf_is_fine(mha):
 
 def test_key_padding_mask_dtype_and_shape(mha):
     x = torch.randn(2, 5, 16)
-    with raises(TypeError, "key_padding_mask has dtype torch.int64; expected torch.bool with True = padding. For a "
-                "0/1 mask where 1 marks padding pass key_padding_mask.bool(); for an attention mask where 1 marks "
-                "real tokens pass attention_mask == 0."):
+    with raises(
+        TypeError,
+        "key_padding_mask has dtype torch.int64; expected torch.bool with True = padding. For a "
+        "0/1 mask where 1 marks padding pass key_padding_mask.bool(); for an attention mask where 1 marks "
+        "real tokens pass attention_mask == 0.",
+    ):
         mha(x, key_padding_mask=torch.zeros(2, 5, dtype=torch.long))
-    with raises(ValueError, "key_padding_mask has shape (5,); expected (B, T_k) = (2, 5), one flag per key position "
-                "with True = padding."):
+    with raises(
+        ValueError,
+        "key_padding_mask has shape (5,); expected (B, T_k) = (2, 5), one flag per key position with True = padding.",
+    ):
         mha(x, key_padding_mask=torch.zeros(5, dtype=torch.bool))
 
 
 # 5. mask shapes ----------------------------------------------------------------------------
 def test_mask_that_does_not_broadcast(mha):
-    with raises(ValueError, "attn_mask has shape (5, 6), which does not broadcast to the scores' (B, H, T_q, T_k) "
-                "= (2, 4, 5, 5); pass (T_q, T_k) = (5, 5), (B, T_q, T_k) = (2, 5, 5), or a 4-D mask whose every "
-                "dim is 1 or the one in (2, 4, 5, 5) (a mask of shape (B*H, T_q, T_k) must be viewed as "
-                "(B, H, T_q, T_k))."):
+    with raises(
+        ValueError,
+        "attn_mask has shape (5, 6), which does not broadcast to the scores' (B, H, T_q, T_k) "
+        "= (2, 4, 5, 5); pass (T_q, T_k) = (5, 5), (B, T_q, T_k) = (2, 5, 5), or a 4-D mask whose every "
+        "dim is 1 or the one in (2, 4, 5, 5) (a mask of shape (B*H, T_q, T_k) must be viewed as "
+        "(B, H, T_q, T_k)).",
+    ):
         mha(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"attn_mask has shape \(8, 5, 5\), which does not broadcast"):
         mha(torch.randn(2, 5, 16), attn_mask=torch.ones(8, 5, 5, dtype=torch.bool))  # torch's (B*H, T, T)
@@ -156,16 +197,22 @@ def test_mask_that_does_not_broadcast(mha):
 
 # 6. impossible combinations ----------------------------------------------------------------
 def test_causal_with_more_queries_than_keys(mha):
-    with raises(ValueError, "is_causal=True needs T_q <= T_k, got T_q=6 queries and T_k=4 keys: causal masking "
-                "aligns the last query with the last key, so the first 2 queries would see no key at all. Pass an "
-                "explicit attn_mask instead."):
+    with raises(
+        ValueError,
+        "is_causal=True needs T_q <= T_k, got T_q=6 queries and T_k=4 keys: causal masking "
+        "aligns the last query with the last key, so the first 2 queries would see no key at all. Pass an "
+        "explicit attn_mask instead.",
+    ):
         mha(torch.randn(2, 6, 16), torch.randn(2, 4, 16), is_causal=True)
 
 
 def test_need_weights_on_sdpa(mha):
     mha.backend = "sdpa"
-    with raises(ValueError, "need_weights=True with backend='sdpa': SDPA never materialises the attention weights; "
-                "set mha.backend = 'auto' or 'math' for this call."):
+    with raises(
+        ValueError,
+        "need_weights=True with backend='sdpa': SDPA never materialises the attention weights; "
+        "set mha.backend = 'auto' or 'math' for this call.",
+    ):
         mha(torch.randn(2, 5, 16), need_weights=True)
 
 
@@ -179,9 +226,14 @@ def test_no_input_layout_reaches_a_view_error(backend, kv_heads):
     keep = torch.ones(9, 6, dtype=torch.bool).T  # (6, 9) transposed view
     pad = torch.zeros(9, 2, dtype=torch.bool).T  # (2, 9) transposed view
     keep4 = torch.ones(1, 1, 6, 9, dtype=torch.bool).expand(2, 4, 6, 9)  # broadcast view
-    for args, kw in [((x,), {}), ((x, ctx), {"attn_mask": keep, "key_padding_mask": pad}),
-                     ((x, ctx), {"attn_mask": keep4, "is_causal": True}),
-                     ((x[:, ::2],), {"is_causal": True})]:
+    for args, kw in [
+        ((x,), {}),
+        ((x, ctx), {"attn_mask": keep, "key_padding_mask": pad}),
+        ((x, ctx), {"attn_mask": keep4, "is_causal": True}),
+        ((x[:, ::2],), {"is_causal": True}),
+    ]:
         out = mha(*args, **kw)
-        ref = mha(*(a.contiguous() for a in args), **{k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in kw.items()})
+        ref = mha(
+            *(a.contiguous() for a in args), **{k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in kw.items()}
+        )
         assert torch.allclose(out, ref, atol=1e-6)

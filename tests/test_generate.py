@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from attnlab import GPTConfig, TinyGPT
-from attnlab.generation import generate, generate_steps, left_pad, sample_next
+from attnlab.models.generation import generate, generate_steps, left_pad, sample_next
 
 FLAGS = [dict(n_kv_head=g, position=p) for g in (4, 2, 1) for p in ("learned", "rotary")]
 IDS = [f"{'mha' if f['n_kv_head'] == 4 else 'gqa' if f['n_kv_head'] == 2 else 'mqa'}-{f['position']}" for f in FLAGS]
@@ -28,7 +28,7 @@ def test_cached_greedy_equals_recompute(flags):
     cached = list(generate_steps(model, idx, 12, temperature=0))
     recomputed = list(generate_steps(model, idx, 12, temperature=0, use_cache=False))
     assert len(cached) == len(recomputed) == 12
-    for a, b in zip(cached, recomputed):
+    for a, b in zip(cached, recomputed, strict=True):
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
 
@@ -45,7 +45,7 @@ def test_cache_appends_of_any_size_equal_full_forward(flags, chunks):
     with torch.no_grad():
         for size in chunks:
             slots = torch.arange(start, start + size)
-            outs.append(model(idx[:, start:start + size], caches=caches, cache_positions=slots))
+            outs.append(model(idx[:, start : start + size], caches=caches, cache_positions=slots))
             start += size
     torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-5, rtol=1e-5)
 
@@ -61,7 +61,7 @@ def test_left_padded_batch_equals_each_prompt_alone(flags, use_cache):
     assert torch.equal(batch[:, :7], idx)  # the prompt comes back first, padding included
     for row, prompt in enumerate(prompts):
         alone = generate(model, torch.tensor([prompt]), 8, temperature=0, use_cache=use_cache)
-        assert torch.equal(batch[row, 7:], alone[0, len(prompt):]), f"row {row}"
+        assert torch.equal(batch[row, 7:], alone[0, len(prompt) :]), f"row {row}"
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator():
@@ -99,7 +99,7 @@ def test_finished_rows_keep_emitting_eos_and_generation_stops_when_all_finish():
     tokens = torch.stack([s.tokens for s in steps], dim=1)  # (2, n)
     first = (free[0, 4:] == eos).nonzero()[0].item()
     assert torch.all(tokens[0, first:] == eos)
-    assert torch.equal(tokens[0, :first], free[0, 4:4 + first])
+    assert torch.equal(tokens[0, :first], free[0, 4 : 4 + first])
     row1_hits = (free[1, 4:] == eos).nonzero()
     if len(row1_hits):  # both rows finish: generation stops at the later one
         assert tokens.size(1) == max(first, row1_hits[0].item()) + 1
@@ -109,10 +109,15 @@ def test_finished_rows_keep_emitting_eos_and_generation_stops_when_all_finish():
 
 def test_generation_errors_name_the_argument_and_the_fix():
     model = tiny()
-    with pytest.raises(ValueError, match=r"prompt length 30 \+ max_new_tokens 5 = 35 exceeds block_size=32, .*keep the prompt's last 27 tokens or ask for at most 2 new tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt length 30 \+ max_new_tokens 5 = 35 exceeds block_size=32, .*keep the prompt's last 27 tokens or ask for at most 2 new tokens",
+    ):
         generate(model, torch.zeros(1, 30, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="prompts must be padded on the left"):
-        generate(model, torch.zeros(2, 3, dtype=torch.long), 2, key_padding_mask=torch.tensor([[False, False, True]] * 2))
+        generate(
+            model, torch.zeros(2, 3, dtype=torch.long), 2, key_padding_mask=torch.tensor([[False, False, True]] * 2)
+        )
     with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -1"):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1)
     with pytest.raises(TypeError, match=r"idx must be an int64 tensor \(B, T\).*left_pad"):
@@ -131,7 +136,7 @@ def test_decode_step_compiles_once_fullgraph_and_matches_eager():
     assert counters["stats"]["unique_graphs"] == 1  # 7 decode steps, one graph: shapes never change
     assert not counters["graph_break"]
     eager = list(generate_steps(model, idx, 8, temperature=0, key_padding_mask=pad))
-    for a, b in zip(compiled, eager):
+    for a, b in zip(compiled, eager, strict=True):
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
     other = generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0, compile=True)  # new B, T and length

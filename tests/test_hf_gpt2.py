@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
-import transformers
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-
-from attnlab import GPTConfig, TinyGPT  # noqa: E402
-from attnlab.generation import generate, left_pad  # noqa: E402
-from attnlab.hf_gpt2 import to_hf_gpt2  # noqa: E402
-
+from attnlab import GPTConfig, TinyGPT
+from attnlab.models.generation import generate, left_pad
+from attnlab.models.hf_gpt2 import to_hf_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -21,8 +18,16 @@ def hf_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     # initializer_range 0.5, not GPT-2's 0.02: logits that spread (std ~4) make greedy decoding
     # wander over many tokens instead of repeating one, so that token parity means something.
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=97, n_positions=64,
-                        bos_token_id=None, eos_token_id=None, initializer_range=0.5)
+    config = GPT2Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        vocab_size=97,
+        n_positions=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        initializer_range=0.5,
+    )
     return GPT2LMHeadModel(config).eval()  # random init, nothing downloaded
 
 
@@ -53,7 +58,9 @@ def test_import_from_a_safetensors_state_dict(hf_model, tmp_path, prefix):
 def test_greedy_generate_matches_hf(hf_model):
     ours = TinyGPT.from_hf_gpt2(hf_model).eval()
     idx = torch.randint(0, 97, (2, 7))
-    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=20, pad_token_id=0)
+    theirs = hf_model.generate(
+        idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=20, pad_token_id=0
+    )
     assert all(len(set(row.tolist())) >= 5 for row in theirs[:, 7:])  # a varied continuation, not one token repeated
     assert torch.equal(generate(ours, idx, 20, temperature=0), theirs)
     assert torch.equal(generate(ours, idx, 20, temperature=0, use_cache=False), theirs)
@@ -73,19 +80,26 @@ def test_export_to_hf_round_trips():
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-4, rtol=0)
     back = TinyGPT.from_hf_gpt2(hf)
-    for (k, a), (_, b) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items())):
+    for (k, a), (_, b) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items()), strict=True):
         assert torch.equal(a, b), k
 
 
 def test_configs_gpt2_cannot_express_are_refused(hf_model):
-    with pytest.raises(ValueError, match=r"GPT-2 cannot express this TinyGPT \(n_kv_head=1 vs n_head=2.*only n_kv_head == n_head"):
+    with pytest.raises(
+        ValueError, match=r"GPT-2 cannot express this TinyGPT \(n_kv_head=1 vs n_head=2.*only n_kv_head == n_head"
+    ):
         to_hf_gpt2(TinyGPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8, n_kv_head=1)))
     with pytest.raises(ValueError, match=r"position='rotary'"):
         to_hf_gpt2(TinyGPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8, position="rotary")))
-    odd = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10, n_positions=8, scale_attn_by_inverse_layer_idx=True))
+    odd = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10, n_positions=8, scale_attn_by_inverse_layer_idx=True)
+    )
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True, which TinyGPT cannot express"):
         TinyGPT.from_hf_gpt2(odd)
-    with pytest.raises(ValueError, match=r"n_head=None with a state dict: GPT-2 weights do not record the number of heads; pass n_head="):
+    with pytest.raises(
+        ValueError,
+        match=r"n_head=None with a state dict: GPT-2 weights do not record the number of heads; pass n_head=",
+    ):
         TinyGPT.from_hf_gpt2(hf_model.state_dict())
     sd = dict(hf_model.state_dict())
     sd["transformer.h.0.attn.q_attn.weight"] = torch.zeros(64, 64)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from attnlab import KVCache, MultiHeadAttention
-from attnlab.rope import rope_cos_sin
-from torch._dynamo.utils import counters
+from attnlab.core.rope import rope_cos_sin
 
 
 def _decode(mha, x, chunks, *, mode, rope=False, max_len=16):
@@ -15,7 +15,7 @@ def _decode(mha, x, chunks, *, mode, rope=False, max_len=16):
     cache = KVCache.for_module(mha, x.size(0), max_len)
     outs, start = [], 0
     for size in chunks:
-        xs = x[:, start:start + size]
+        xs = x[:, start : start + size]
         kw = {}
         if rope:
             kw["rope"] = rope_cos_sin(torch.arange(start, start + size), mha.head_dim)
@@ -51,7 +51,10 @@ def test_cache_errors_and_reset():
     mha = MultiHeadAttention(16, 4)
     cache = KVCache.for_module(mha, batch_size=2, max_len=4)
     mha(torch.randn(2, 3, 16), kv_cache=cache, is_causal=True)
-    with pytest.raises(ValueError, match=r"kv_cache overflow: 3 slots are filled and this call appends 2, but max_len=4; build the cache with max_len >= 5 or call reset\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache overflow: 3 slots are filled and this call appends 2, but max_len=4; build the cache with max_len >= 5 or call reset\(\)",
+    ):
         mha(torch.randn(2, 2, 16), kv_cache=cache, is_causal=True)
     with pytest.raises(ValueError, match="kv_cache was built for batch size 2 but this call has batch size 3"):
         mha(torch.randn(3, 1, 16), kv_cache=cache, is_causal=True)
@@ -84,7 +87,7 @@ def test_decode_step_compiles_fullgraph():
     compiled = torch.compile(step, fullgraph=True)
     counters.clear()
     with torch.no_grad():
-        outs = [compiled(x[:, i:i + 1], torch.tensor([i])) for i in range(8)]
+        outs = [compiled(x[:, i : i + 1], torch.tensor([i])) for i in range(8)]
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # fixed shapes: compiled once for all 8 steps
     assert not counters["graph_break"]

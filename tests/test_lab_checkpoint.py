@@ -13,24 +13,39 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attnlab.lab import TrainConfig, train
-from attnlab.lab import checkpointing
-from attnlab.lab.checkpointing import CKPT_NAME, load_train_state, save_train_state
-
+from attnlab.lab import TrainConfig, train, train_state
+from attnlab.lab.train_state import CKPT_NAME, load_train_state, save_train_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 ROOT = Path(__file__).resolve().parents[1]
 # dropout 0.1 so that the torch RNG state matters; 150 steps leave time to kill after the first checkpoint
-ARGS = ["--steps", "150", "--ckpt-every", "20", "--eval-every", "50", "--model.dropout", "0.1",
-        "--model.n-embd", "32", "--no-progress"]
+ARGS = [
+    "--steps",
+    "150",
+    "--ckpt-every",
+    "20",
+    "--eval-every",
+    "50",
+    "--model.dropout",
+    "0.1",
+    "--model.n-embd",
+    "32",
+    "--no-progress",
+]
 
 
 def _attnlab(*args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.Popen([sys.executable, "-m", "attnlab", "train", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "attnlab", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -49,7 +64,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     p_kill.send_signal(signal.SIGKILL)
     p_kill.wait()
     assert not (killed / "summary.json").exists()  # it really died mid-run
-    step_at_kill = int(checkpointing.read_meta(killed / CKPT_NAME)["step"])
+    step_at_kill = int(train_state.read_meta(killed / CKPT_NAME)["step"])
     assert 20 <= step_at_kill < 150
     out = _attnlab("--run-dir", str(killed), "--resume")  # no other flags: the run's config.json is reloaded
     log = out.communicate(timeout=120)[0]
@@ -58,7 +73,10 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert p_full.wait(timeout=120) == 0
     a, b = _weights(full), _weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = [int(ln.split('"step": ')[1].split(",")[0].rstrip("}")) for ln in (killed / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        int(ln.split('"step": ')[1].split(",")[0].rstrip("}"))
+        for ln in (killed / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == list(range(151))  # the lines after the checkpoint were rewritten once, not duplicated
 
 

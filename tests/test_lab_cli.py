@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from attnlab.cli import main
 from attnlab.lab.config import DataConfig, TrainConfig, config_from_dict, config_to_dict, load_config, save_config
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -61,9 +59,31 @@ def test_train_and_ablate_are_listed(capsys):
 
 def test_ablate_heads_prints_table_and_writes_png(tmp_path, capsys):
     out_dir = tmp_path / "abl"
-    assert main(["ablate-heads", "--heads", "1", "4", "--seeds", "0", "1", "2", "--train.steps", "20",
-                 "--train.eval-every", "10", "--train.model.n-embd", "32", "--target-acc", "0.2",
-                 "--out-dir", str(out_dir)]) == 0
+    assert (
+        main(
+            [
+                "ablate-heads",
+                "--heads",
+                "1",
+                "4",
+                "--seeds",
+                "0",
+                "1",
+                "2",
+                "--train.steps",
+                "20",
+                "--train.eval-every",
+                "10",
+                "--train.model.n-embd",
+                "32",
+                "--target-acc",
+                "0.2",
+                "--out-dir",
+                str(out_dir),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "final loss" in out and "steps to 20%" in out and "±" in out
     assert (out_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"

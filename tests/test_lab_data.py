@@ -24,15 +24,15 @@ def test_recall_scores_exactly_the_value_after_each_query_key():
     x, y = task.batch(0)
     n = 5
     assert x.shape == y.shape == (8, 4 * n)
-    for row_x, row_y in zip(x.tolist(), y.tolist()):
-        pairs = dict(zip(row_x[0:2 * n:2], row_x[1:2 * n:2]))
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        pairs = dict(zip(row_x[0 : 2 * n : 2], row_x[1 : 2 * n : 2], strict=True))
         assert len(pairs) == n  # distinct keys
         assert row_x[2 * n] == task.vocab_size - 1  # the separator
         scored = [t for t, v in enumerate(row_y) if v != IGNORE]
         assert scored == list(range(2 * n + 1, 4 * n, 2))  # positions holding a query key
         for t in scored:
             assert row_y[t] == pairs[row_x[t]]  # the value paired with that key earlier
-        assert set(row_x[2 * n + 1::2]) <= set(pairs)  # queries ask for keys of this sequence
+        assert set(row_x[2 * n + 1 :: 2]) <= set(pairs)  # queries ask for keys of this sequence
 
 
 def test_copy_scores_the_second_half():
@@ -48,7 +48,7 @@ def test_copy_scores_the_second_half():
 def test_batches_are_pure_functions_of_seed_step_rank(task):
     cfg = DataConfig(task=task, batch_size=8, num_samples=50)
     a, b = build_task(cfg), build_task(cfg)
-    assert all(torch.equal(u, v) for u, v in zip(a.batch(7), b.batch(7)))
+    assert all(torch.equal(u, v) for u, v in zip(a.batch(7), b.batch(7), strict=True))
     assert not torch.equal(a.batch(7)[0], a.batch(8)[0])
     assert not torch.equal(a.batch(7)[0], a.batch(7, split="eval")[0])  # held-out: another stream
     full_x, _ = a.batch(5)

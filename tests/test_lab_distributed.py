@@ -17,9 +17,30 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_two_cpu_processes_end_with_identical_weights(tmp_path):
     run = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "attnlab", "train", "--steps", "20", "--eval-every", "10", "--ckpt-every", "10",
-           "--model.n-embd", "32", "--no-progress", "--device", "cpu", "--run-dir", str(run)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "attnlab",
+        "train",
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--ckpt-every",
+        "10",
+        "--model.n-embd",
+        "32",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(run),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((run / "summary.json").read_text())

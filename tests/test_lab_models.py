@@ -57,4 +57,6 @@ def test_gpt_init_choice_scales_the_linear_layers(init, lo, hi):
     block = model.transformer.h[0]
     assert lo < float(block.mlp.c_fc.weight.detach().std()) < hi
     assert lo < float(block.attn.q_proj.weight.detach().std()) < hi
-    assert 0.015 < float(model.transformer.wte.weight.detach().std()) < 0.025  # embeddings keep GPT-2's N(0, 0.02) either way
+    assert (
+        0.015 < float(model.transformer.wte.weight.detach().std()) < 0.025
+    )  # embeddings keep GPT-2's N(0, 0.02) either way

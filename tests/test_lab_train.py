@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -11,7 +12,6 @@ import torch
 from attnlab import load_checkpoint
 from attnlab.lab import DataConfig, ModelConfig, OptimConfig, TrainConfig, demo_config, train
 from attnlab.lab.train import lr_at
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -45,8 +45,12 @@ def test_run_directory_has_every_artifact(tmp_path):
 
 
 def test_minimal_former_learns_recall_above_chance(tmp_path):
-    cfg = _cfg(tmp_path, steps=150, data=DataConfig(task="recall", n_pairs=4),
-               model=ModelConfig(kind="minimal", n_layer=2, n_head=4, n_embd=64))
+    cfg = _cfg(
+        tmp_path,
+        steps=150,
+        data=DataConfig(task="recall", n_pairs=4),
+        model=ModelConfig(kind="minimal", n_layer=2, n_head=4, n_embd=64),
+    )
     result = train(cfg, write=False, quiet=True)
     assert result.run_dir is None and not (tmp_path / "run").exists()
     assert result.final["eval_acc"] > 2 * result.final["chance_acc"]  # 1 / n_values = 0.1
@@ -54,9 +58,13 @@ def test_minimal_former_learns_recall_above_chance(tmp_path):
 
 def test_seed_random_data_loss_goes_to_ln_vocab(tmp_path):
     """Seed 002's setting (minimal block, AdamW 5e-4, dropout 0.1, random ids): nothing to learn."""
-    cfg = _cfg(tmp_path, steps=100, data=DataConfig(task="random", vocab_size=8, seq_len=32, num_samples=20000),
-               model=ModelConfig(kind="minimal", n_layer=1, n_head=4, n_embd=64, dropout=0.1),
-               optim=OptimConfig(lr=5e-4, schedule="constant", warmup_steps=1))
+    cfg = _cfg(
+        tmp_path,
+        steps=100,
+        data=DataConfig(task="random", vocab_size=8, seq_len=32, num_samples=20000),
+        model=ModelConfig(kind="minimal", n_layer=1, n_head=4, n_embd=64, dropout=0.1),
+        optim=OptimConfig(lr=5e-4, schedule="constant", warmup_steps=1),
+    )
     result = train(cfg, write=False, quiet=True)
     floor = math.log(8)
     assert result.final["loss_floor"] == pytest.approx(floor)
@@ -76,7 +84,7 @@ def test_lr_schedule_warms_up_then_decays():
     cfg = TrainConfig(steps=100, optim=OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1))
     lrs = [lr_at(s, cfg) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
 
 
 def test_heldout_samples_are_completed_with_the_kv_cache(tmp_path):

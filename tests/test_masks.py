@@ -98,7 +98,7 @@ def test_fully_masked_rows_are_zero_with_finite_grads(backend, need_weights, cas
 
 
 def test_prepared_masks_are_shared_across_layers_unchanged():
-    from attnlab.masks import prepare_masks
+    from attnlab.core.masks import prepare_masks
 
     layers = [MultiHeadAttention(16, 4) for _ in range(3)]
     x = torch.randn(2, 6, 16)
@@ -110,5 +110,8 @@ def test_prepared_masks_are_shared_across_layers_unchanged():
         a = layer(a, attn_mask=masks)
         b = layer(b, key_padding_mask=pad, is_causal=True)
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="attn_mask is an already-converted attnlab Masks, so key_padding_mask and is_causal must be left unset"):
+    with pytest.raises(
+        ValueError,
+        match="attn_mask is an already-converted attnlab Masks, so key_padding_mask and is_causal must be left unset",
+    ):
         layers[0](x, attn_mask=masks, is_causal=True)

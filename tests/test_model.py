@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab import GPTConfig, TinyGPT
-from attnlab.generation import left_pad, positions_from_padding
+from attnlab.models.generation import left_pad, positions_from_padding
 
 
 def tiny(**overrides) -> TinyGPT:
@@ -83,13 +83,17 @@ def test_errors_name_the_argument_and_the_fix():
     model = tiny()
     with pytest.raises(ValueError, match=r"idx has T=33 tokens but block_size=32; crop it to its last 32 tokens"):
         model(torch.zeros(1, 33, dtype=torch.long))
-    with pytest.raises(TypeError, match=r"idx must be an int64 tensor of token ids with shape \(B, T\).*unsqueeze\(0\)"):
+    with pytest.raises(
+        TypeError, match=r"idx must be an int64 tensor of token ids with shape \(B, T\).*unsqueeze\(0\)"
+    ):
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"positions reach 40 but block_size=32"):
         model(torch.zeros(1, 2, dtype=torch.long), positions=torch.tensor([0, 40]))
     with pytest.raises(ValueError, match=r"max_len=40 exceeds block_size=32"):
         model.setup_caches(1, 40)
-    with pytest.raises(ValueError, match=r"position='rotary' needs an even head dim, got n_embd // n_head = 12 // 4 = 3"):
+    with pytest.raises(
+        ValueError, match=r"position='rotary' needs an even head dim, got n_embd // n_head = 12 // 4 = 3"
+    ):
         GPTConfig(n_embd=12, n_head=4, position="rotary")
     with pytest.raises(ValueError, match=r"GPTConfig.position must be 'learned'.*got 'alibi'"):
         GPTConfig(position="alibi")

@@ -40,7 +40,9 @@ def build(c: dict):
     g = torch.Generator().manual_seed(c["seed"])
     torch.manual_seed(c["seed"])
     E, dt = c["H"] * c["D"], c["dtype"]
-    m = MultiHeadAttention(E, c["H"], num_kv_heads=c["G"], kdim=c["kdim"], vdim=c["kdim"], backend=c["backend"], dtype=dt)
+    m = MultiHeadAttention(
+        E, c["H"], num_kv_heads=c["G"], kdim=c["kdim"], vdim=c["kdim"], backend=c["backend"], dtype=dt
+    )
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=dt))  # nonzero biases too
@@ -69,8 +71,9 @@ def build(c: dict):
 
 def reference(m, q, kv, ref_kw):
     a = ModuleAdapter(m)
-    return reference_attention(a.projections(), q, kv, kv, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
-                               scale=a.scale, **ref_kw)
+    return reference_attention(
+        a.projections(), q, kv, kv, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale, **ref_kw
+    )
 
 
 def tolerances(dtype):
@@ -90,7 +93,7 @@ def test_output_matches_reference(c):
 @given(cases())
 def test_input_gradients_match_reference(c):
     m, q, kv, module_kw, ref_kw = build(c)
-    up = torch.randn(q.shape[:2] + (m.embed_dim,), dtype=c["dtype"])  # upstream gradient (B, T_q, E)
+    up = torch.randn((*q.shape[:2], m.embed_dim), dtype=c["dtype"])  # upstream gradient (B, T_q, E)
     leaves = [q.detach().clone().requires_grad_()]
     if c["cross"]:
         leaves.append(kv.detach().clone().requires_grad_())
@@ -99,6 +102,6 @@ def test_input_gradients_match_reference(c):
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     ref = reference(m, leaves64[0], leaves64[-1], ref_kw)
     want = torch.autograd.grad((ref * up.double()).sum(), leaves64)
-    for gg, ww in zip(got, want):
+    for gg, ww in zip(got, want, strict=True):
         assert torch.isfinite(gg).all()
         torch.testing.assert_close(gg.double(), ww, **tolerances(c["dtype"]))

@@ -16,8 +16,9 @@ def _torch_call(t: nn.MultiheadAttention, q, k, v, attn_mask=None, key_padding_m
         attn_mask = ~attn_mask  # torch's bool mask means True = blocked; attnlab's True = may attend
     if attn_mask is not None and attn_mask.dim() == 3:
         attn_mask = attn_mask.repeat_interleave(t.num_heads, dim=0)  # torch wants (B*H, T_q, T_k)
-    out, w = t(q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-               need_weights=True, average_attn_weights=False)
+    out, w = t(
+        q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=True, average_attn_weights=False
+    )
     return out, w
 
 
@@ -84,7 +85,7 @@ def test_to_torch_round_trip(batch_first, kv_heads, kdim, scale):
     assert (out - ref).abs().max() <= TOL
     if kv_heads == 4 and scale is None:  # plain MHA comes back unchanged
         back = MultiHeadAttention.from_torch(t)
-        for a, b in zip(back.state_dict().values(), ours.state_dict().values()):
+        for a, b in zip(back.state_dict().values(), ours.state_dict().values(), strict=True):
             assert torch.equal(a, b)
 
 

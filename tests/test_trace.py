@@ -10,7 +10,7 @@ from torch import nn
 
 from attnlab import MultiHeadAttention
 from attnlab.cli import main
-from attnlab.trace import trace
+from attnlab.tools.trace import trace
 
 B, T, E, H, TK = 3, 7, 48, 6, 5  # odd sizes, so that no two axes can be confused
 D = E // H
@@ -38,7 +38,7 @@ def test_math_cross_attention_every_row():
         ("heads to dim 1 (transpose)", [B, H, TK, D], "view"),
         ("K^T (transpose)", [B, H, D, TK], "view"),
         ("scores = Q K^T", [B, H, T, TK], "new"),
-        (f"scale by 1/sqrt(d) = {1 / D ** 0.5:.4g}", [B, H, T, TK], "new"),
+        (f"scale by 1/sqrt(d) = {1 / D**0.5:.4g}", [B, H, T, TK], "new"),
         ("softmax over keys", [B, H, T, TK], "new"),
         ("weighted sum = weights V", [B, H, T, D], "new"),
         ("heads back (transpose)", [B, T, H, D], "view"),
@@ -62,8 +62,14 @@ def test_self_attention_gqa_causal_padding_dropout():
     stages = [r[0] for r in rows]
     assert stages.count("GQA: repeat K/V heads") == 2
     assert ("GQA: repeat K/V heads", [B, H, T, D], "new") in rows
-    order = ["scores = Q K^T", "mask (before softmax)", "softmax over keys", "zero fully-masked rows",
-             "dropout on weights", "weighted sum = weights V"]
+    order = [
+        "scores = Q K^T",
+        "mask (before softmax)",
+        "softmax over keys",
+        "zero fully-masked rows",
+        "dropout on weights",
+        "weighted sum = weights V",
+    ]
     assert [s for s in stages if s in order] == order  # masking happens before softmax
 
 
@@ -114,8 +120,24 @@ def test_cli_trace_defaults_to_seed_000(capsys):
 
 
 def test_cli_trace_json_with_odd_sizes(capsys):
-    args = ["trace", "--batch", "3", "--seq-len", "7", "--embed-dim", "48", "--num-heads", "6",
-            "--context-len", "5", "--kv-heads", "3", "--pad", "1", "--json"]
+    args = [
+        "trace",
+        "--batch",
+        "3",
+        "--seq-len",
+        "7",
+        "--embed-dim",
+        "48",
+        "--num-heads",
+        "6",
+        "--context-len",
+        "5",
+        "--kv-heads",
+        "3",
+        "--pad",
+        "1",
+        "--json",
+    ]
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     rows = {r["stage"]: r for r in data[0]["rows"]}

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tyro
 
-from .bench_attention import bench
-from .bench_decode import bench_decode
+from .bench.attention import bench
+from .bench.decode import bench_decode
 from .check.cli import check
-from .cli_generate import generate_command
-from .demo import demo
-from .doctor import doctor
 from .lab.cli import ablate_command, lab_main, train_command
-from .trace import trace_command
+from .models.generate_cli import generate_command
+from .tools.demo import demo
+from .tools.doctor import doctor
+from .tools.trace import trace_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``attnlab`` and ``python -m attnlab``; returns the exit code."""
-    commands = {
+    commands: dict[str, Callable[..., int]] = {
         "demo": demo,
         "check": check,
         "trace": trace_command,
@@ -34,10 +34,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args and args[0] in ("train", "ablate-heads"):  # they also take --config FILE as tyro defaults: see lab/cli.py
+        if args and args[0] in (
+            "train",
+            "ablate-heads",
+        ):  # they also take --config FILE as tyro defaults: see lab/cli.py
             return lab_main(args)
         result = tyro.extras.subcommand_cli_from_dict(
-            commands, prog="attnlab", description="attnlab: multi-head attention, readable, verified, fast.",
+            commands,
+            prog="attnlab",
+            description="attnlab: multi-head attention, readable, verified, fast.",
             args=argv,
         )
     except (ValueError, TypeError) as err:  # attnlab's own input errors: one sentence, no traceback

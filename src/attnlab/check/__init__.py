@@ -17,6 +17,16 @@ from .result import CheckResult, Report
 from .suite import CHECKS, run_checks
 
 __all__ = [
-    "CHECKS", "AttentionAdapter", "CheckResult", "ModuleAdapter", "Projections", "Report",
-    "TorchMHAAdapter", "Unsupported", "as_adapter", "plain_attention", "reference_attention", "run_checks",
+    "CHECKS",
+    "AttentionAdapter",
+    "CheckResult",
+    "ModuleAdapter",
+    "Projections",
+    "Report",
+    "TorchMHAAdapter",
+    "Unsupported",
+    "as_adapter",
+    "plain_attention",
+    "reference_attention",
+    "run_checks",
 ]

@@ -45,13 +45,13 @@ import copy
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, SupportsInt, cast
 
 import torch
 from torch import Tensor, nn
 
-from ..functional import causal_keep
-from ..kv_cache import KVCache
+from ..core.functional import causal_keep
+from ..core.kv_cache import KVCache
 
 __all__ = ["AttentionAdapter", "ModuleAdapter", "Projections", "TorchMHAAdapter", "Unsupported", "as_adapter"]
 
@@ -75,6 +75,7 @@ class Projections:
 
     def to(self, dtype: torch.dtype) -> Projections:
         """Detached copies in ``dtype``: the reference must not feed gradients into the target."""
+
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(dtype)
 
@@ -100,10 +101,20 @@ class AttentionAdapter:
         return 1.0 / math.sqrt(self.embed_dim // self.num_heads)
 
     def projections(self) -> Projections:
-        raise NotImplementedError(f"{type(self).__name__}.projections() must return the target's weights as Projections.")
+        raise NotImplementedError(
+            f"{type(self).__name__}.projections() must return the target's weights as Projections."
+        )
 
-    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, keep_mask: Tensor | None = None,
-                 key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        keep_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__}.__call__ must run the target (see attnlab.check.adapters).")
 
     def set_training(self, mode: bool) -> None:
@@ -132,6 +143,24 @@ def _module_dropout(module: nn.Module) -> float:
     return next((float(m.p) for m in module.modules() if isinstance(m, nn.Dropout)), 0.0)
 
 
+class _LinearLike(Protocol):
+    """A projection as the checks read it: ``nn.Linear``'s ``weight`` and ``bias``."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+
+class _ConventionModule(Protocol):
+    """What :class:`ModuleAdapter` reads from a module following attnlab's convention."""
+
+    embed_dim: SupportsInt
+    num_heads: SupportsInt
+    q_proj: _LinearLike
+    k_proj: _LinearLike
+    v_proj: _LinearLike
+    out_proj: _LinearLike
+
+
 class ModuleAdapter(AttentionAdapter):
     """Any ``nn.Module`` following attnlab's calling convention (attnlab's own included).
 
@@ -147,7 +176,9 @@ class ModuleAdapter(AttentionAdapter):
     bool_mask_convention = "keep"
 
     def __init__(self, module: nn.Module, *, name: str | None = None) -> None:
-        missing = [a for a in ("embed_dim", "num_heads", "q_proj", "k_proj", "v_proj", "out_proj") if not hasattr(module, a)]
+        missing = [
+            a for a in ("embed_dim", "num_heads", "q_proj", "k_proj", "v_proj", "out_proj") if not hasattr(module, a)
+        ]
         if missing:
             raise TypeError(
                 f"module {type(module).__name__} lacks {missing}; a plain nn.Module is checked only if it "
@@ -156,7 +187,8 @@ class ModuleAdapter(AttentionAdapter):
         self.module = module
         backend = getattr(module, "backend", None)
         self.name = name or type(module).__name__ + (f"(backend={backend!r})" if isinstance(backend, str) else "")
-        self.embed_dim, self.num_heads = int(module.embed_dim), int(module.num_heads)
+        conv = cast(_ConventionModule, module)  # the attributes checked just above
+        self.embed_dim, self.num_heads = int(conv.embed_dim), int(conv.num_heads)
         self.num_kv_heads = int(getattr(module, "num_kv_heads", self.num_heads))
         self.kdim = int(getattr(module, "kdim", self.embed_dim))
         self.vdim = int(getattr(module, "vdim", self.embed_dim))
@@ -168,15 +200,22 @@ class ModuleAdapter(AttentionAdapter):
         return float(self._scale) if isinstance(self._scale, float | int) else super().scale
 
     def projections(self) -> Projections:
-        m = self.module
+        m = cast(_ConventionModule, self.module)
         return Projections(
-            m.q_proj.weight, m.k_proj.weight, m.v_proj.weight, m.out_proj.weight,
-            m.q_proj.bias, m.k_proj.bias, m.v_proj.bias, m.out_proj.bias,
+            m.q_proj.weight,
+            m.k_proj.weight,
+            m.v_proj.weight,
+            m.out_proj.weight,
+            m.q_proj.bias,
+            m.k_proj.bias,
+            m.v_proj.bias,
+            m.out_proj.bias,
         )
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
-        return _first(self.module(query, key, value, attn_mask=keep_mask,
-                                  key_padding_mask=key_padding_mask, is_causal=is_causal))
+        return _first(
+            self.module(query, key, value, attn_mask=keep_mask, key_padding_mask=key_padding_mask, is_causal=is_causal)
+        )
 
     def set_training(self, mode: bool) -> None:
         self.module.train(mode)
@@ -214,7 +253,7 @@ class TorchMHAAdapter(AttentionAdapter):
     bool_mask_convention = "block"
 
     def __init__(self, module: nn.MultiheadAttention, *, need_weights: bool = True) -> None:
-        from ..interop import check_representable
+        from ..core.interop import check_representable
 
         check_representable(module, "TorchMHAAdapter")  # the reference is attnlab's math: same limits
         self.module, self.need_weights = module, need_weights
@@ -247,7 +286,7 @@ class TorchMHAAdapter(AttentionAdapter):
         return out.transpose(0, 1) if seq_first else out  # (B, T_q, E)
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
-        B, T_q, T_k = query.size(0), query.size(1), key.size(1)
+        T_q, T_k = query.size(1), key.size(1)
         keep = keep_mask
         if is_causal:  # torch's is_causal is a hint that requires the mask itself: build it
             tri = causal_keep(T_q, T_k, query.device)  # (T_q, T_k)

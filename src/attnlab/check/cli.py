@@ -6,22 +6,24 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
 
-from ..attention import MultiHeadAttention
+from ..core.attention import Backend, MultiHeadAttention
 from .adapters import AttentionAdapter, TorchMHAAdapter, as_adapter
 from .report import print_tables, to_json
 from .suite import CHECKS, run_checks
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 class TargetError(ValueError):
     """A ``--target`` that cannot be built; its message is the one line shown to the user."""
 
 
-def _random_biases(module: nn.Module, seed: int) -> nn.Module:
+def _random_biases(module: ModuleT, seed: int) -> ModuleT:
     """Nonzero biases (both libraries init them to 0), so that a bias bug cannot hide."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -35,16 +37,22 @@ def _factory_target(spec: str, kwargs: dict) -> AttentionAdapter:
     """``package.module:factory`` called with whichever of ``kwargs`` its signature names."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise TargetError(f"--target {spec!r} is not 'attnlab', 'torch' or 'package.module:factory'; pass e.g. --target mypkg.layers:make_attention.")
+        raise TargetError(
+            f"--target {spec!r} is not 'attnlab', 'torch' or 'package.module:factory'; pass e.g. --target mypkg.layers:make_attention."
+        )
     if os.getcwd() not in sys.path:  # as `python -m` would: the user's own package in the current folder imports
         sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(module_name)
     except ImportError as e:
-        raise TargetError(f"--target {spec!r}: module {module_name!r} cannot be imported ({e}); check that it is on PYTHONPATH.") from None
+        raise TargetError(
+            f"--target {spec!r}: module {module_name!r} cannot be imported ({e}); check that it is on PYTHONPATH."
+        ) from None
     factory = getattr(mod, attr, None)
     if not callable(factory):
-        raise TargetError(f"--target {spec!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module or an adapter.")
+        raise TargetError(
+            f"--target {spec!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module or an adapter."
+        )
     params = inspect.signature(factory).parameters
     try:
         built = factory(**{k: v for k, v in kwargs.items() if k in params})
@@ -59,16 +67,30 @@ def _factory_target(spec: str, kwargs: dict) -> AttentionAdapter:
         raise TargetError(f"--target {spec!r}: {e}") from None
 
 
-def _targets(target: str, backend: str, embed_dim: int, num_heads: int, num_kv_heads: int | None,
-             dropout: float, need_weights: bool, seed: int) -> list[object]:
+def _targets(
+    target: str,
+    backend: Backend | Literal["both"],
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    dropout: float,
+    need_weights: bool,
+    seed: int,
+) -> list[object]:
     torch.manual_seed(seed)
     if target == "attnlab":
-        backends = ("math", "sdpa") if backend == "both" else (backend,)
-        return [_random_biases(MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads,
-                                                  dropout=dropout, backend=b), seed) for b in backends]
+        backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
+        return [
+            _random_biases(
+                MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=b), seed
+            )
+            for b in backends
+        ]
     if target == "torch":
         if num_kv_heads not in (None, num_heads):
-            raise TargetError(f"--num-kv-heads {num_kv_heads} with --target torch: torch.nn.MultiheadAttention has no GQA; drop the flag.")
+            raise TargetError(
+                f"--num-kv-heads {num_kv_heads} with --target torch: torch.nn.MultiheadAttention has no GQA; drop the flag."
+            )
         m = nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, batch_first=True)
         return [TorchMHAAdapter(_random_biases(m, seed), need_weights=need_weights)]
     kwargs = {"embed_dim": embed_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "dropout": dropout}

@@ -13,15 +13,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import causal_keep, math_attention
+from ..core.functional import causal_keep, math_attention
 from .adapters import Projections
 
 __all__ = ["combined_keep", "plain_attention", "reference_attention"]
 
 
 def combined_keep(
-    B: int, T_q: int, T_k: int, *, keep_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-    bias: Tensor | None = None, is_causal: bool = False, device: torch.device | None = None,
+    B: int,
+    T_q: int,
+    T_k: int,
+    *,
+    keep_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    device: torch.device | None = None,
 ) -> Tensor | None:
     """Every mask folded into one bool ``(B, 1, T_q, T_k)``, True = may attend (None: no mask)."""
     keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=device)
@@ -37,7 +44,9 @@ def combined_keep(
     return None if no_mask else keep
 
 
-def _project(p: Projections, query: Tensor, key: Tensor, value: Tensor, H: int, G: int) -> tuple[Tensor, Tensor, Tensor]:
+def _project(
+    p: Projections, query: Tensor, key: Tensor, value: Tensor, H: int, G: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Split-head Q ``(B, H, T_q, D)`` and K, V ``(B, G, T_k, D)``."""
     B, T_q, T_k = query.size(0), query.size(1), key.size(1)
     D = p.q_weight.size(0) // H
@@ -54,9 +63,18 @@ def _merge(p: Projections, context: Tensor) -> Tensor:
 
 
 def reference_attention(
-    p: Projections, query: Tensor, key: Tensor, value: Tensor, *, num_heads: int, num_kv_heads: int,
-    scale: float, keep_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-    bias: Tensor | None = None, is_causal: bool = False,
+    p: Projections,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    keep_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
 ) -> Tensor:
     """The expected output ``(B, T_q, E)``, computed in float64 by :func:`attnlab.math_attention`.
 
@@ -67,16 +85,32 @@ def reference_attention(
     p64 = p.to(f64)
     q, k, v = _project(p64, query.to(f64), key.to(f64), value.to(f64), num_heads, num_kv_heads)
     B, T_q, T_k = query.size(0), query.size(1), key.size(1)
-    keep = combined_keep(B, T_q, T_k, keep_mask=keep_mask, key_padding_mask=key_padding_mask,
-                         bias=bias, is_causal=is_causal, device=query.device)
+    keep = combined_keep(
+        B,
+        T_q,
+        T_k,
+        keep_mask=keep_mask,
+        key_padding_mask=key_padding_mask,
+        bias=bias,
+        is_causal=is_causal,
+        device=query.device,
+    )
     bias4 = None if bias is None else bias.to(f64).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
     context, _ = math_attention(q, k, v, keep=keep, bias=bias4, scale=scale)  # (B, H, T_q, D)
     return _merge(p64, context)
 
 
 def plain_attention(
-    p: Projections, query: Tensor, key: Tensor, value: Tensor, *, num_heads: int, num_kv_heads: int,
-    scale: float, keep_mask: Tensor | None = None, is_causal: bool = False,
+    p: Projections,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    keep_mask: Tensor | None = None,
+    is_causal: bool = False,
 ) -> Tensor:
     """Textbook eager attention run entirely in the inputs' dtype, softmax included.
 
@@ -88,8 +122,9 @@ def plain_attention(
     k = k.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
     v = v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
-    keep = combined_keep(query.size(0), query.size(1), key.size(1), keep_mask=keep_mask,
-                         is_causal=is_causal, device=query.device)
+    keep = combined_keep(
+        query.size(0), query.size(1), key.size(1), keep_mask=keep_mask, is_causal=is_causal, device=query.device
+    )
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in the low dtype

@@ -36,12 +36,20 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
     console = Console(width=width)
     for report in reports:
         cfg = report.config
-        table = Table(title=f"attnlab check: {escape(report.target)}", title_justify="left",
-                      caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
-                              f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']} torch {cfg['torch']}",
-                      caption_justify="left")
-        for col, kw in (("check", {"no_wrap": True}), ("status", {}), ("measured", {"justify": "right"}),
-                        ("tolerance", {"justify": "right"}), ("detail", {"ratio": 1})):
+        table = Table(
+            title=f"attnlab check: {escape(report.target)}",
+            title_justify="left",
+            caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
+            f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']} torch {cfg['torch']}",
+            caption_justify="left",
+        )
+        for col, kw in (
+            ("check", {"no_wrap": True}),
+            ("status", {}),
+            ("measured", {"justify": "right"}),
+            ("tolerance", {"justify": "right"}),
+            ("detail", {"ratio": 1}),
+        ):
             table.add_column(col, **kw)
         for r in report.results:
             table.add_row(*_row(r))

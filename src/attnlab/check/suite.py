@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypedDict
 
 import torch
 from torch import Tensor
@@ -37,6 +38,21 @@ GRADCHECK_ATOL, GRADCHECK_RTOL = 1e-5, 1e-3
 LOW_PRECISION_FACTOR, LOW_PRECISION_FLOOR = 2.0, 1e-6
 
 
+class _HeadKwargs(TypedDict):
+    """The head layout the reference needs: keyword arguments of :func:`reference_attention`."""
+
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+
+
+class _MaskKwargs(TypedDict, total=False):
+    """Mask keyword arguments, valid for an adapter call and for :meth:`Context.reference` alike."""
+
+    is_causal: bool
+    key_padding_mask: Tensor
+
+
 @dataclass
 class Context:
     """The target and the input sizes every check uses."""
@@ -60,8 +76,16 @@ class Context:
 
     def reference(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> Tensor:
         a = self.adapter
-        return reference_attention(a.projections(), query, key, value, num_heads=a.num_heads,
-                                   num_kv_heads=a.num_kv_heads, scale=a.scale, **masks)
+        return reference_attention(
+            a.projections(),
+            query,
+            key,
+            value,
+            num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads,
+            scale=a.scale,
+            **masks,
+        )
 
 
 def _rel(got: Tensor, want: Tensor) -> float:
@@ -96,8 +120,12 @@ def check_parity_self(ctx: Context) -> CheckResult:
     ref = ctx.reference(x, x, x)
     errs = {mode: _rel(_call(ctx.adapter, mode, x, x, x), ref) for mode in MODES}
     worst = max(errs, key=errs.__getitem__)
-    return _row(errs[worst] <= PARITY_TOL, errs[worst], PARITY_TOL,
-                f"unmasked, autograd and no_grad; max abs err {errs[worst] * float(ref.abs().max()):.1e}")
+    return _row(
+        errs[worst] <= PARITY_TOL,
+        errs[worst],
+        PARITY_TOL,
+        f"unmasked, autograd and no_grad; max abs err {errs[worst] * float(ref.abs().max()):.1e}",
+    )
 
 
 def check_parity_cross(ctx: Context) -> CheckResult:
@@ -110,8 +138,12 @@ def check_parity_cross(ctx: Context) -> CheckResult:
     v = ctx.inputs(g, ctx.batch, ctx.cross_len, a.vdim)  # (B, T_k, vdim)
     out, ref = a(q, k, v), ctx.reference(q, k, v)
     err = _rel(out, ref)
-    return _row(err <= PARITY_TOL, err, PARITY_TOL,
-                f"T_q={ctx.seq_len}, T_k={ctx.cross_len}; max abs err {(out.double() - ref).abs().max():.1e}")
+    return _row(
+        err <= PARITY_TOL,
+        err,
+        PARITY_TOL,
+        f"T_q={ctx.seq_len}, T_k={ctx.cross_len}; max abs err {(out.double() - ref).abs().max():.1e}",
+    )
 
 
 def _mask_cases(ctx: Context, g: torch.Generator) -> dict[str, dict]:
@@ -140,8 +172,7 @@ def check_parity_masked(ctx: Context) -> CheckResult:
         for mode in MODES:
             errs[f"{name}, {mode}"] = _rel(_call(ctx.adapter, mode, x, x, x, **kw), ref)
     worst = max(errs, key=errs.__getitem__)
-    return _row(errs[worst] <= PARITY_TOL, errs[worst], PARITY_TOL,
-                f"causal, padding, bool, all; worst: {worst}")
+    return _row(errs[worst] <= PARITY_TOL, errs[worst], PARITY_TOL, f"causal, padding, bool, all; worst: {worst}")
 
 
 # -- 2. low precision --------------------------------------------------------------------------
@@ -162,15 +193,18 @@ def check_low_precision(ctx: Context, dtype: torch.dtype) -> CheckResult:
         return _skip(f"this device has no {dtype} kernel for the target: {str(e).splitlines()[0]}")
     # The reference sees the low-precision weights and inputs: only arithmetic error is measured.
     p = low.projections()
-    heads = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
+    heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
     ref = reference_attention(p, x, x, x, is_causal=True, **heads)
     plain = plain_attention(p, x, x, x, is_causal=True, **heads)
     err = float((out.double() - ref).abs().max()) if torch.isfinite(out).all() else math.inf
     err_plain = float((plain.double() - ref).abs().max())
     tol = LOW_PRECISION_FACTOR * err_plain + LOW_PRECISION_FLOOR
-    return _row(err <= tol, err, tol,
-                f"max abs err (causal); plain PyTorch: {err_plain:.2e}, "
-                f"tolerance 2x that + {LOW_PRECISION_FLOOR:g}")
+    return _row(
+        err <= tol,
+        err,
+        tol,
+        f"max abs err (causal); plain PyTorch: {err_plain:.2e}, tolerance 2x that + {LOW_PRECISION_FLOOR:g}",
+    )
 
 
 # -- 3. gradients --------------------------------------------------------------------------------
@@ -206,8 +240,9 @@ def check_gradcheck(ctx: Context, case: str) -> CheckResult:
         numeric = ((fn(x + 1e-6 * u) - fn(x - 1e-6 * u)) * w).sum() / 2e-6
     gap = abs(float((grad * u).sum() - numeric))
     mode = "fast_mode" if fast else "full Jacobian"
-    return _row(ok, gap, GRADCHECK_ATOL,
-                f"gradcheck float64, {mode}: {'passed' if ok else 'FAILED'}; figure: directional gap")
+    return _row(
+        ok, gap, GRADCHECK_ATOL, f"gradcheck float64, {mode}: {'passed' if ok else 'FAILED'}; figure: directional gap"
+    )
 
 
 def check_grad_parity(ctx: Context) -> CheckResult:
@@ -219,14 +254,14 @@ def check_grad_parity(ctx: Context) -> CheckResult:
     pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
     pad[0, -2:] = True
     errs = {}
-    for name, kw in {"unmasked": {}, "causal+padding": {"is_causal": True, "key_padding_mask": pad}}.items():
+    cases: dict[str, _MaskKwargs] = {"unmasked": {}, "causal+padding": {"is_causal": True, "key_padding_mask": pad}}
+    for name, kw in cases.items():
         x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
         (got,) = torch.autograd.grad((a(x32, x32, x32, **kw) * up).sum(), x32)
         (want,) = torch.autograd.grad((ctx.reference(x64, x64, x64, **kw) * up.double()).sum(), x64)
         errs[name] = _rel(got, want)
     worst = max(errs, key=errs.__getitem__)
-    return _row(errs[worst] <= GRAD_TOL, errs[worst], GRAD_TOL,
-                f"float32 input grads vs float64; worst: {worst}")
+    return _row(errs[worst] <= GRAD_TOL, errs[worst], GRAD_TOL, f"float32 input grads vs float64; worst: {worst}")
 
 
 # -- 4. properties -------------------------------------------------------------------------------
@@ -239,8 +274,7 @@ def check_no_causal_leak(ctx: Context) -> CheckResult:
     future[:, half:] += 3.0 * ctx.inputs(g, B, T - half, E)  # only positions >= half change
     before, after = ctx.adapter(x, x, x, is_causal=True), ctx.adapter(future, future, future, is_causal=True)
     err = _rel(after[:, :half], before[:, :half])
-    return _row(err <= INVARIANCE_TOL, err, INVARIANCE_TOL,
-                f"outputs < {half} after changing tokens >= {half}")
+    return _row(err <= INVARIANCE_TOL, err, INVARIANCE_TOL, f"outputs < {half} after changing tokens >= {half}")
 
 
 def check_padding_invariance(ctx: Context) -> CheckResult:
@@ -256,8 +290,7 @@ def check_padding_invariance(ctx: Context) -> CheckResult:
     after = ctx.adapter(changed, changed, changed, key_padding_mask=pad)
     real = ~pad  # the pad tokens' own outputs may change; nothing else may
     err = _rel(after[real], before[real])
-    return _row(err <= INVARIANCE_TOL, err, INVARIANCE_TOL,
-                f"non-pad outputs after rewriting {n_pad} pad tokens")
+    return _row(err <= INVARIANCE_TOL, err, INVARIANCE_TOL, f"non-pad outputs after rewriting {n_pad} pad tokens")
 
 
 def check_permutation_equivariance(ctx: Context) -> CheckResult:
@@ -315,11 +348,18 @@ def check_mask_semantics(ctx: Context) -> CheckResult:
         return _skip(str(e))
     err_keep = _rel(out, ctx.reference(x, x, x, keep_mask=mask))
     err_block = _rel(out, ctx.reference(x, x, x, keep_mask=~mask))
-    found = "True = may attend" if err_keep <= PARITY_TOL else "True = blocked" if err_block <= PARITY_TOL else "neither"
-    declared = {"keep": "True = may attend", "block": "True = blocked"}.get(getattr(a, "bool_mask_convention", None))
+    found = (
+        "True = may attend" if err_keep <= PARITY_TOL else "True = blocked" if err_block <= PARITY_TOL else "neither"
+    )
+    meaning: dict[str | None, str] = {"keep": "True = may attend", "block": "True = blocked"}
+    declared = meaning.get(getattr(a, "bool_mask_convention", None))
     ok = found != "neither" and declared in (None, found)
-    return _row(ok, found, declared or "keep or block",
-                f"err if keep {err_keep:.1e}, if block {err_block:.1e}" + ("" if declared else "; convention not declared"))
+    return _row(
+        ok,
+        found,
+        declared or "keep or block",
+        f"err if keep {err_keep:.1e}, if block {err_block:.1e}" + ("" if declared else "; convention not declared"),
+    )
 
 
 # -- 6. KV cache ---------------------------------------------------------------------------------
@@ -359,8 +399,12 @@ def check_dropout_off_in_eval(ctx: Context) -> CheckResult:
         a.set_training(False)
     err = _rel(a(x, x, x), ctx.reference(x, x, x))
     active = "active" if train_gap > 0 else "INACTIVE even"
-    return _row(err <= PARITY_TOL, err, PARITY_TOL,
-                f"p={p:g} {active} in train (calls differ by {train_gap:.1e}); eval vs reference")
+    return _row(
+        err <= PARITY_TOL,
+        err,
+        PARITY_TOL,
+        f"p={p:g} {active} in train (calls differ by {train_gap:.1e}); eval vs reference",
+    )
 
 
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
@@ -387,8 +431,9 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
 CROSS_ATTENTION_CHECKS = frozenset({"parity_cross"})
 
 
-def run_checks(target: object, *, checks: Iterable[str] | None = None, seed: int = 0,
-               batch: int = 2, seq_len: int = 8) -> Report:
+def run_checks(
+    target: object, *, checks: Iterable[str] | None = None, seed: int = 0, batch: int = 2, seq_len: int = 8
+) -> Report:
     """Audit an attention module against attnlab's float64 reference.
 
     Args:
@@ -409,11 +454,22 @@ def run_checks(target: object, *, checks: Iterable[str] | None = None, seed: int
     if unknown:
         raise ValueError(f"checks has unknown names {unknown}; expected names from {list(CHECKS)}.")
     if seq_len < 4:
-        raise ValueError(f"seq_len={seq_len} is too short for the checks (they pad 3 tokens and split halves); pass seq_len >= 4.")
+        raise ValueError(
+            f"seq_len={seq_len} is too short for the checks (they pad 3 tokens and split halves); pass seq_len >= 4."
+        )
     ctx = Context(adapter, batch=batch, seq_len=seq_len, seed=seed)
-    report = Report(adapter.name, config={"embed_dim": adapter.embed_dim, "num_heads": adapter.num_heads,
-                                          "num_kv_heads": adapter.num_kv_heads, "batch": batch, "seq_len": seq_len,
-                                          "seed": seed, "torch": torch.__version__})
+    report = Report(
+        adapter.name,
+        config={
+            "embed_dim": adapter.embed_dim,
+            "num_heads": adapter.num_heads,
+            "num_kv_heads": adapter.num_kv_heads,
+            "batch": batch,
+            "seq_len": seq_len,
+            "seed": seed,
+            "torch": torch.__version__,
+        },
+    )
     with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG: leave the caller's alone
         torch.manual_seed(seed)
         adapter.set_training(False)
@@ -421,11 +477,15 @@ def run_checks(target: object, *, checks: Iterable[str] | None = None, seed: int
         for name in names:
             try:
                 if not self_attention and name not in CROSS_ATTENTION_CHECKS:
-                    result = _skip(f"kdim={adapter.kdim}, vdim={adapter.vdim} differ from embed_dim={adapter.embed_dim}: "
-                                   f"the target cannot attend to its own input")
+                    result = _skip(
+                        f"kdim={adapter.kdim}, vdim={adapter.vdim} differ from embed_dim={adapter.embed_dim}: "
+                        f"the target cannot attend to its own input"
+                    )
                 else:
                     result = CHECKS[name](ctx)
             except Exception as e:  # a crash is a finding about the target, not a crash of the suite
-                result = CheckResult("", "fail", None, None, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                result = CheckResult(
+                    "", "fail", None, None, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                )
             report.results.append(replace(result, name=name))
     return report

@@ -3,7 +3,7 @@
 * :mod:`.config`: the dataclasses the ``attnlab train`` / ``ablate-heads`` flags are derived from.
 * :mod:`.data`: data sources, each a pure function of ``(seed, step, rank)``.
 * :mod:`.models`: seed 002's ``MinimalFormerBlock``, its stack, and a ``TinyGPT`` builder.
-* :mod:`.train`: the loop (single process or ``torchrun``/DDP); :mod:`.checkpointing`: its checkpoints.
+* :mod:`.train`: the loop (single process or ``torchrun``/DDP); :mod:`.train_state`: the training state it saves and resumes.
 * :mod:`.ablate`: the head-count experiment of seed 002 section 4.4.
 """
 

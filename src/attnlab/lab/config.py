@@ -13,8 +13,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "config_from_dict", "load_config",
-           "save_config", "demo_config"]
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "load_config",
+    "save_config",
+    "demo_config",
+]
 
 Task = Literal["recall", "copy", "random", "text"]
 
@@ -23,7 +31,9 @@ Task = Literal["recall", "copy", "random", "text"]
 class DataConfig:
     """What the model is trained on; every batch is a pure function of (seed, step, rank)."""
 
-    task: Task = "copy"  # copy/recall need attention; copy is default as it passes 95% in ~100 steps, recall takes thousands
+    task: Task = (
+        "copy"  # copy/recall need attention; copy is default as it passes 95% in ~100 steps, recall takes thousands
+    )
     seed: int = 0  # seeds the data stream; the held-out split uses a disjoint stream derived from it
     batch_size: int = 64  # sequences per step over all ranks (each of N ranks gets batch_size // N)
     n_pairs: int = 8  # recall: key-value pairs shown before the queries (the memory to search)
@@ -49,7 +59,9 @@ class ModelConfig:
     dropout: float = 0.0  # tiny synthetic tasks do not overfit; seed 002 uses 0.1 (pass --model.dropout 0.1)
     causal: bool = True  # minimal only: seed 002 passes no mask, so position t sees x[t+1] == y[t] and copies it
     position: Literal["learned", "rotary"] = "learned"  # gpt only: GPT-2's wpe table or RoPE
-    init: Literal["torch", "gpt2"] = "torch"  # gpt only: GPT-2's N(0, 0.02) is tuned for width 768; at 64 it stalls recall
+    init: Literal["torch", "gpt2"] = (
+        "torch"  # gpt only: GPT-2's N(0, 0.02) is tuned for width 768; at 64 it stalls recall
+    )
 
 
 @dataclass
@@ -93,13 +105,17 @@ def demo_config(run_dir: str | os.PathLike = "runs/demo") -> TrainConfig:
 
 def _from_dict(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise ValueError(f"config {where or 'root'} must be a JSON object, got {type(data).__name__}; "
-                         f"write it as {{\"field\": value, ...}} as run_dir/config.json does.")
+        raise ValueError(
+            f"config {where or 'root'} must be a JSON object, got {type(data).__name__}; "
+            f'write it as {{"field": value, ...}} as run_dir/config.json does.'
+        )
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known.keys())
     if unknown:
-        raise ValueError(f"config {where or 'root'} has unknown key(s) {unknown}, expected only {sorted(known)}; "
-                         f"remove or rename them.")
+        raise ValueError(
+            f"config {where or 'root'} has unknown key(s) {unknown}, expected only {sorted(known)}; "
+            f"remove or rename them."
+        )
     kwargs = {}
     for name, value in data.items():
         sub = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}.get(name) if cls is TrainConfig else None
@@ -118,6 +134,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """JSON-ready form: paths as strings."""
+
     def fix(obj: Any) -> Any:
         if isinstance(obj, dict):
             return {k: fix(v) for k, v in obj.items()}
@@ -134,7 +151,9 @@ def load_config(path: str | os.PathLike) -> TrainConfig:
     except FileNotFoundError:
         raise ValueError(f"--config {str(path)!r} does not exist; pass a run's config.json.") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"--config {str(path)!r} is not valid JSON ({e}); fix the file or pass a run's config.json.") from None
+        raise ValueError(
+            f"--config {str(path)!r} is not valid JSON ({e}); fix the file or pass a run's config.json."
+        ) from None
     return config_from_dict(data)
 
 

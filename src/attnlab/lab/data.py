@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..tokenizer import CharTokenizer
+from ..models.tokenizer import CharTokenizer
 from .config import DataConfig
 
 __all__ = ["IGNORE", "CharDataset", "RandomTask", "RecallTask", "CopyTask", "TextCharDataset", "build_task"]
@@ -50,10 +50,12 @@ def shard(x: Tensor, y: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
     and the union over ranks is exactly the single-process batch."""
     B = x.size(0)
     if world < 1 or not 0 <= rank < world or B % world:
-        raise ValueError(f"batch_size={B} must be divisible by world={world} with 0 <= rank={rank} < world; "
-                         f"pick a batch size that is a multiple of the number of processes.")
+        raise ValueError(
+            f"batch_size={B} must be divisible by world={world} with 0 <= rank={rank} < world; "
+            f"pick a batch size that is a multiple of the number of processes."
+        )
     n = B // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]  # (B/world, T) each
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]  # (B/world, T) each
 
 
 class CharDataset(Dataset):
@@ -89,8 +91,10 @@ class RandomTask:
             raise ValueError(f"--data.vocab-size must be >= 2, got {cfg.vocab_size}; pass e.g. --data.vocab-size 16.")
         self.cfg = cfg
         self.train_pool = CharDataset(cfg.seq_len, cfg.num_samples, cfg.vocab_size, seed=stream_seed(cfg.seed, "train"))
-        self.eval_pool = CharDataset(cfg.seq_len, max(cfg.batch_size * 16, 1024), cfg.vocab_size, seed=stream_seed(cfg.seed, "eval"))
-        chars = PRINTABLE[:cfg.vocab_size] if cfg.vocab_size <= len(PRINTABLE) else None
+        self.eval_pool = CharDataset(
+            cfg.seq_len, max(cfg.batch_size * 16, 1024), cfg.vocab_size, seed=stream_seed(cfg.seed, "eval")
+        )
+        chars = PRINTABLE[: cfg.vocab_size] if cfg.vocab_size <= len(PRINTABLE) else None
         self.tokenizer = CharTokenizer(chars) if chars else None
         self.vocab_size = cfg.vocab_size
         self.block_size = cfg.seq_len
@@ -117,10 +121,12 @@ class RecallTask:
 
     def __init__(self, cfg: DataConfig) -> None:
         if not 1 <= cfg.n_pairs <= cfg.n_keys <= len(KEYS) or not 2 <= cfg.n_values <= len(VALUES):
-            raise ValueError(f"recall needs 1 <= n_pairs <= n_keys <= {len(KEYS)} and 2 <= n_values <= {len(VALUES)}, got "
-                             f"n_pairs={cfg.n_pairs}, n_keys={cfg.n_keys}, n_values={cfg.n_values}; change --data.n-pairs/n-keys/n-values.")
+            raise ValueError(
+                f"recall needs 1 <= n_pairs <= n_keys <= {len(KEYS)} and 2 <= n_values <= {len(VALUES)}, got "
+                f"n_pairs={cfg.n_pairs}, n_keys={cfg.n_keys}, n_values={cfg.n_values}; change --data.n-pairs/n-keys/n-values."
+            )
         self.cfg = cfg
-        self.tokenizer = CharTokenizer(KEYS[:cfg.n_keys] + VALUES[:cfg.n_values] + SEP)
+        self.tokenizer = CharTokenizer(KEYS[: cfg.n_keys] + VALUES[: cfg.n_values] + SEP)
         self.vocab_size = self.tokenizer.vocab_size
         self.block_size = 4 * cfg.n_pairs  # 2n context + "|" + 2n queries, minus one for the shift
         self.chance_acc = 1.0 / cfg.n_values
@@ -143,7 +149,7 @@ class RecallTask:
         seq = self.sequences(generator(self.cfg.seed, "recall", split, step), self.cfg.batch_size)
         x, y = seq[:, :-1], seq[:, 1:].clone()  # (B, 4n) each
         scored = torch.zeros_like(y, dtype=torch.bool)
-        scored[:, 2 * self.cfg.n_pairs + 1::2] = True  # x there is a query key, y its value
+        scored[:, 2 * self.cfg.n_pairs + 1 :: 2] = True  # x there is a query key, y its value
         y[~scored] = IGNORE
         return shard(x, y, rank, world)
 
@@ -154,10 +160,12 @@ class CopyTask:
 
     def __init__(self, cfg: DataConfig) -> None:
         if not 1 <= cfg.copy_len or not 2 <= cfg.n_symbols <= len(KEYS):
-            raise ValueError(f"copy needs copy_len >= 1 and 2 <= n_symbols <= {len(KEYS)}, got copy_len={cfg.copy_len}, "
-                             f"n_symbols={cfg.n_symbols}; change --data.copy-len or --data.n-symbols.")
+            raise ValueError(
+                f"copy needs copy_len >= 1 and 2 <= n_symbols <= {len(KEYS)}, got copy_len={cfg.copy_len}, "
+                f"n_symbols={cfg.n_symbols}; change --data.copy-len or --data.n-symbols."
+            )
         self.cfg = cfg
-        self.tokenizer = CharTokenizer(KEYS[:cfg.n_symbols] + SEP)
+        self.tokenizer = CharTokenizer(KEYS[: cfg.n_symbols] + SEP)
         self.vocab_size = self.tokenizer.vocab_size
         self.block_size = 2 * cfg.copy_len
         self.chance_acc = 1.0 / cfg.n_symbols
@@ -177,27 +185,35 @@ class TextCharDataset:
 
     def __init__(self, cfg: DataConfig) -> None:
         if cfg.text_path is None:
-            raise ValueError("--data.task text needs --data.text-path, got none; pass a UTF-8 text file, e.g. --data.text-path README.md.")
+            raise ValueError(
+                "--data.task text needs --data.text-path, got none; pass a UTF-8 text file, e.g. --data.text-path README.md."
+            )
         path = Path(cfg.text_path)
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--data.text-path {str(path)!r} could not be read as UTF-8 ({e}); pass a readable UTF-8 text file.") from None
+            raise ValueError(
+                f"--data.text-path {str(path)!r} could not be read as UTF-8 ({e}); pass a readable UTF-8 text file."
+            ) from None
         n_val = len(text) // 10
         if len(text) - n_val < cfg.seq_len + 2 or n_val < cfg.seq_len + 2:
-            raise ValueError(f"--data.text-path {str(path)!r} has {len(text)} characters, too few for seq_len={cfg.seq_len} "
-                             f"(need {10 * (cfg.seq_len + 2)}); use a longer file or a smaller --data.seq-len.")
+            raise ValueError(
+                f"--data.text-path {str(path)!r} has {len(text)} characters, too few for seq_len={cfg.seq_len} "
+                f"(need {10 * (cfg.seq_len + 2)}); use a longer file or a smaller --data.seq-len."
+            )
         self.cfg = cfg
         self.tokenizer = CharTokenizer.from_text(text)
         ids = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)  # (N,)
-        self.splits = {"train": ids[: len(ids) - n_val], "eval": ids[len(ids) - n_val:]}
+        self.splits = {"train": ids[: len(ids) - n_val], "eval": ids[len(ids) - n_val :]}
         self.vocab_size = self.tokenizer.vocab_size
         self.block_size = cfg.seq_len
         self.chance_acc = 1.0 / self.vocab_size
 
     def batch(self, step: int, rank: int = 0, world: int = 1, split: str = "train") -> tuple[Tensor, Tensor]:
         ids, T = self.splits[split], self.cfg.seq_len
-        starts = torch.randint(0, len(ids) - T - 1, (self.cfg.batch_size,), generator=generator(self.cfg.seed, "text", split, step))  # (B,)
+        starts = torch.randint(
+            0, len(ids) - T - 1, (self.cfg.batch_size,), generator=generator(self.cfg.seed, "text", split, step)
+        )  # (B,)
         window = starts[:, None] + torch.arange(T + 1)  # (B, T + 1) indices
         seq = ids[window]  # (B, T + 1)
         return shard(seq[:, :-1], seq[:, 1:], rank, world)
@@ -205,7 +221,12 @@ class TextCharDataset:
 
 def build_task(cfg: DataConfig) -> RandomTask | RecallTask | CopyTask | TextCharDataset:
     """The data source named by ``cfg.task``."""
-    tasks = {"recall": RecallTask, "copy": CopyTask, "random": RandomTask, "text": TextCharDataset}
+    tasks: dict[str, type[RandomTask | RecallTask | CopyTask | TextCharDataset]] = {
+        "recall": RecallTask,
+        "copy": CopyTask,
+        "random": RandomTask,
+        "text": TextCharDataset,
+    }
     if cfg.task not in tasks:
         raise ValueError(f"--data.task must be one of {sorted(tasks)}, got {cfg.task!r}; pick one of them.")
     return tasks[cfg.task](cfg)

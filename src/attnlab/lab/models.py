@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..attention import MultiHeadAttention
-from ..model import GPTConfig, TinyGPT
+from ..core.attention import MultiHeadAttention
+from ..models.gpt import GPTConfig, TinyGPT
 from .config import ModelConfig
 
 __all__ = ["MinimalFormerBlock", "MinimalFormer", "build_model"]
@@ -53,8 +53,17 @@ class MinimalFormer(nn.Module):
     and the loss falls by copying rather than by learning (see ``tests/test_lab_models.py``).
     """
 
-    def __init__(self, vocab_size: int, block_size: int, d_model: int, num_heads: int, ff_dim: int,
-                 n_layer: int = 1, dropout: float = 0.1, causal: bool = True) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        d_model: int,
+        num_heads: int,
+        ff_dim: int,
+        n_layer: int = 1,
+        dropout: float = 0.1,
+        causal: bool = True,
+    ) -> None:
         super().__init__()
         self.block_size, self.causal = block_size, causal
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -67,7 +76,9 @@ class MinimalFormer(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         T = idx.size(1)
         if T > self.block_size:
-            raise ValueError(f"idx has T={T} tokens but block_size={self.block_size}; crop it to idx[:, -{self.block_size}:].")
+            raise ValueError(
+                f"idx has T={T} tokens but block_size={self.block_size}; crop it to idx[:, -{self.block_size}:]."
+            )
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))  # (B, T, E) + (T, E)
         for block in self.blocks:
             x = block(x, is_causal=self.causal)  # (B, T, E)
@@ -94,17 +105,34 @@ def reinit_linears(model: nn.Module) -> None:
 def build_model(cfg: ModelConfig, vocab_size: int, block_size: int) -> nn.Module:
     """The network named by ``cfg.kind`` for a task of ``vocab_size`` ids and ``block_size`` tokens."""
     if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"--model.n-head {cfg.n_head} must divide --model.n-embd {cfg.n_embd}; "
-                         f"pick n_head among the divisors of {cfg.n_embd}.")
+        raise ValueError(
+            f"--model.n-head {cfg.n_head} must divide --model.n-embd {cfg.n_embd}; "
+            f"pick n_head among the divisors of {cfg.n_embd}."
+        )
     if cfg.kind == "gpt":
-        model = TinyGPT(GPTConfig(
-            vocab_size=vocab_size, block_size=block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-            n_embd=cfg.n_embd, dropout=cfg.dropout, position=cfg.position,
-        ))
+        model = TinyGPT(
+            GPTConfig(
+                vocab_size=vocab_size,
+                block_size=block_size,
+                n_layer=cfg.n_layer,
+                n_head=cfg.n_head,
+                n_embd=cfg.n_embd,
+                dropout=cfg.dropout,
+                position=cfg.position,
+            )
+        )
         if cfg.init == "torch":
             reinit_linears(model)
         return model
     if cfg.kind == "minimal":
-        return MinimalFormer(vocab_size, block_size, cfg.n_embd, cfg.n_head, cfg.ff_mult * cfg.n_embd,
-                             n_layer=cfg.n_layer, dropout=cfg.dropout, causal=cfg.causal)
+        return MinimalFormer(
+            vocab_size,
+            block_size,
+            cfg.n_embd,
+            cfg.n_head,
+            cfg.ff_mult * cfg.n_embd,
+            n_layer=cfg.n_layer,
+            dropout=cfg.dropout,
+            causal=cfg.causal,
+        )
     raise ValueError(f"--model.kind must be 'gpt' or 'minimal', got {cfg.kind!r}; pick one of them.")

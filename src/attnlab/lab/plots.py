@@ -8,14 +8,15 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a server or in CI
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 __all__ = ["plot_run", "plot_ablation"]
 
 
-def plot_run(history: list[dict[str, Any]], path: Path, *, chance_acc: float, loss_floor: float | None = None,
-             title: str = "") -> Path:
+def plot_run(
+    history: list[dict[str, Any]], path: Path, *, chance_acc: float, loss_floor: float | None = None, title: str = ""
+) -> Path:
     """Training loss per step and held-out loss/accuracy per evaluation, side by side."""
     train = [r for r in history if "loss" in r]
     evals = [r for r in history if "eval_acc" in r]

@@ -30,8 +30,15 @@ class Reporter:
         self.last_eval = ""
         if self.bar:
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
             )
             self.progress.start()
             self.task = self.progress.add_task("train", total=total, completed=start, stats="")

@@ -22,18 +22,18 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checkpointing import CKPT_NAME, load_train_state, read_meta, save_train_state
 from .config import TrainConfig, config_from_dict, config_to_dict, save_config
 from .data import IGNORE, build_task
 from .models import build_model
 from .progress import Reporter
+from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
 
 __all__ = ["RunResult", "train", "lr_at"]
 
@@ -63,7 +63,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def _masked_stats(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Summed cross-entropy, correct predictions and count over the scored (non-IGNORE) positions."""
     V = logits.size(-1)
-    loss_sum = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, reduction="sum")  # (B*T, V) vs (B*T,)
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )  # (B*T, V) vs (B*T,)
     scored = y != IGNORE  # (B, T)
     correct = (logits.argmax(-1) == y)[scored].sum()
     return loss_sum, correct, scored.sum()
@@ -110,9 +112,11 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, path: Path) -> None:
     for name in ("data", "model", "optim", "seed"):
         if getattr(saved, name) != getattr(cfg, name):
-            raise ValueError(f"--resume: {name} differs from the checkpoint's in {str(path)!r} "
-                             f"(got {getattr(cfg, name)}, saved {getattr(saved, name)}); resume with the run's own "
-                             f"config (attnlab train --config RUN/config.json --resume) or use a new --run-dir.")
+            raise ValueError(
+                f"--resume: {name} differs from the checkpoint's in {str(path)!r} "
+                f"(got {getattr(cfg, name)}, saved {getattr(saved, name)}); resume with the run's own "
+                f"config (attnlab train --config RUN/config.json --resume) or use a new --run-dir."
+            )
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -163,8 +167,10 @@ def train(cfg: TrainConfig, *, write: bool = True, quiet: bool = False) -> RunRe
 
 def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, write: bool, quiet: bool) -> RunResult:
     if cfg.data.batch_size % world:
-        raise ValueError(f"--data.batch-size {cfg.data.batch_size} must be divisible by the {world} processes; "
-                         f"use a multiple of {world}.")
+        raise ValueError(
+            f"--data.batch-size {cfg.data.batch_size} must be divisible by the {world} processes; "
+            f"use a multiple of {world}."
+        )
     task = build_task(cfg.data)
     torch.manual_seed(cfg.seed)  # model init, then dropout: the one RNG a checkpoint must carry
     # +1 position: generation checks prompt + new tokens <= block_size, and a whole task sequence is one longer than x
@@ -173,7 +179,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
     no_decay = [p for p in raw.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
     )
     run_dir = Path(cfg.run_dir)
     ckpt_path, metrics_path = run_dir / CKPT_NAME, run_dir / "metrics.jsonl"
@@ -232,9 +239,13 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t_step
-            rec: dict[str, Any] = {"step": step, "loss": float(stats[0] / stats[2].clamp(min=1)),
-                                   "acc": float(stats[1] / stats[2].clamp(min=1)), "lr": lr,
-                                   "tokens_per_s": cfg.data.batch_size * task.block_size / dt}
+            rec: dict[str, Any] = {
+                "step": step,
+                "loss": float(stats[0] / stats[2].clamp(min=1)),
+                "acc": float(stats[1] / stats[2].clamp(min=1)),
+                "lr": lr,
+                "tokens_per_s": cfg.data.batch_size * task.block_size / dt,
+            }
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec.update(evaluate(raw, task, cfg.eval_batches, device))  # every rank: same weights, same answer
                 rec["wall_s"] = time.perf_counter() - t0
@@ -265,32 +276,54 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
         digests = [bytes(t.cpu().tolist()) for t in gathered]
     identical = len(set(digests)) == 1
     last = history[-1]
-    final = {"steps": step, "eval_loss": last["eval_loss"], "eval_acc": last["eval_acc"],
-             "train_loss": last.get("loss"), "wall_s": wall, "target_acc": target,
-             "seconds_to_target": seconds_to_target, "chance_acc": task.chance_acc,
-             "loss_floor": getattr(task, "loss_floor", None), "world_size": world,
-             "rank_param_sha256": [d.hex() for d in digests], "ranks_identical": identical,
-             "params": sum(p.numel() for p in raw.parameters())}
+    final = {
+        "steps": step,
+        "eval_loss": last["eval_loss"],
+        "eval_acc": last["eval_acc"],
+        "train_loss": last.get("loss"),
+        "wall_s": wall,
+        "target_acc": target,
+        "seconds_to_target": seconds_to_target,
+        "chance_acc": task.chance_acc,
+        "loss_floor": getattr(task, "loss_floor", None),
+        "world_size": world,
+        "rank_param_sha256": [d.hex() for d in digests],
+        "ranks_identical": identical,
+        "params": sum(p.numel() for p in raw.parameters()),
+    }
     raw = raw.cpu().eval()
     if write:
         from .plots import plot_run
 
-        final["curve"] = str(plot_run(history, run_dir / "curve.png", chance_acc=task.chance_acc,
-                                      loss_floor=final["loss_floor"], title=f"{cfg.model.kind} on {cfg.data.task}"))
+        final["curve"] = str(
+            plot_run(
+                history,
+                run_dir / "curve.png",
+                chance_acc=task.chance_acc,
+                loss_floor=final["loss_floor"],
+                title=f"{cfg.model.kind} on {cfg.data.task}",
+            )
+        )
         if cfg.model.kind == "gpt":
-            from ..checkpoint import save_checkpoint
+            from ..models.gpt import TinyGPT
+            from ..models.saved_model import save_checkpoint
 
-            final["model_dir"] = str(save_checkpoint(raw, run_dir / "model", tokenizer=task.tokenizer))
+            gpt = cast(TinyGPT, raw)  # kind "gpt" builds a TinyGPT
+            final["model_dir"] = str(save_checkpoint(gpt, run_dir / "model", tokenizer=task.tokenizer))
         final["checkpoint"] = str(ckpt_path)
         tmp = run_dir / ".summary.json.tmp"
         tmp.write_text(json.dumps(final, indent=2) + "\n")
         os.replace(tmp, run_dir / "summary.json")
-    reporter.print(f"done: {step} steps in {wall:.1f}s, held-out loss {final['eval_loss']:.4f}, "
-                   f"acc {final['eval_acc']:.3f} (chance {task.chance_acc:.3f})"
-                   + (f", {target:.0%} reached after {seconds_to_target:.1f}s" if seconds_to_target is not None else ""))
+    reporter.print(
+        f"done: {step} steps in {wall:.1f}s, held-out loss {final['eval_loss']:.4f}, "
+        f"acc {final['eval_acc']:.3f} (chance {task.chance_acc:.3f})"
+        + (f", {target:.0%} reached after {seconds_to_target:.1f}s" if seconds_to_target is not None else "")
+    )
     if not identical:
-        raise RuntimeError(f"ranks ended with different weights (sha256 {[d.hex()[:12] for d in digests]}); "
-                           f"DDP lost sync, a bug: rerun with ATTNLAB_DEBUG=1 and report it.")
+        raise RuntimeError(
+            f"ranks ended with different weights (sha256 {[d.hex()[:12] for d in digests]}); "
+            f"DDP lost sync, a bug: rerun with ATTNLAB_DEBUG=1 and report it."
+        )
     return RunResult(run_dir if write else None, raw, task, final, history)
 
 

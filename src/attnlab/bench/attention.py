@@ -26,15 +26,16 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import torch
 import torch.nn.functional as F
 import tyro
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
+from ..core.attention import MultiHeadAttention
 from .seed_module import SeedMultiHeadAttention
 
 RUNNERS = ("attnlab", "attnlab-math", "attnlab-compiled", "torch-mha", "floor", "seed-000", "flash-attn")
@@ -97,7 +98,7 @@ class FlashAttnPeer(Floor):
     """Same projections, the flash-attn package's kernel in the middle (GPU only)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+        from flash_attn import flash_attn_func
 
         B, T, E = x.shape
         q = self.q(x).view(B, T, self.H, -1)  # (B, T, H, D): flash-attn's layout, no transpose
@@ -108,16 +109,17 @@ class FlashAttnPeer(Floor):
 
 def _copy_weights(ours: MultiHeadAttention, linears: tuple[nn.Linear, ...]) -> None:
     with torch.no_grad():
-        for src, dst in zip((ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj), linears):
-            dst.weight.copy_(src.weight)
-            dst.bias.copy_(src.bias)
+        for src, dst in zip((ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj), linears, strict=True):
+            dst.weight.copy_(cast(Tensor, src.weight))  # q/k/v_proj are typed nn.Module (Linear or a slice)
+            dst.bias.copy_(cast(Tensor, src.bias))
 
 
-def build_runners(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> tuple[dict[str, Callable[[Tensor, int], Tensor]], dict[str, str]]:
+def build_runners(
+    cfg: BenchConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, Callable[[Tensor, int], Tensor]], dict[str, str]]:
     """name -> fn(x, T) computing causal self-attention; plus name -> why skipped."""
     E, H = cfg.embed_dim, cfg.num_heads
-    f = {"device": device, "dtype": dtype}
-    ours = MultiHeadAttention(E, H, **f)
+    ours = MultiHeadAttention(E, H, device=device, dtype=dtype)
     with torch.no_grad():
         for p in ours.parameters():  # nonzero biases, so that every runner must really use them
             p.add_(0.02 * torch.randn_like(p))
@@ -134,44 +136,64 @@ def build_runners(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) ->
         if name == "attnlab":
             runners[name] = lambda x, T: ours(x, is_causal=True)
         elif name == "attnlab-math":
-            math_m = MultiHeadAttention(E, H, backend="math", **f)
+            math_m = MultiHeadAttention(E, H, backend="math", device=device, dtype=dtype)
             math_m.load_state_dict(ours.state_dict())
-            runners[name] = lambda x, T, m=math_m: m(x, is_causal=True)
+
+            def run_math(x: Tensor, T: int, m: MultiHeadAttention = math_m) -> Tensor:
+                return m(x, is_causal=True)
+
+            runners[name] = run_math
         elif name == "attnlab-compiled":
-            comp_m = MultiHeadAttention(E, H, **f)
+            comp_m = MultiHeadAttention(E, H, device=device, dtype=dtype)
             comp_m.load_state_dict(ours.state_dict())
             compiled = torch.compile(comp_m)
-            runners[name] = lambda x, T, m=compiled: m(x, is_causal=True)
+
+            def run_compiled(x: Tensor, T: int, m: Callable[..., Tensor] = compiled) -> Tensor:
+                return m(x, is_causal=True)
+
+            runners[name] = run_compiled
         elif name == "torch-mha":
             t = ours.to_torch(batch_first=True)
             sq: dict[int, Tensor] = {}
 
-            def run_torch(x: Tensor, T: int, t: nn.MultiheadAttention = t) -> Tensor:
+            def run_torch(x: Tensor, T: int, t: nn.MultiheadAttention = t, sq: dict[int, Tensor] = sq) -> Tensor:
                 if T not in sq:  # torch wants the mask too; with need_weights=False it takes SDPA's is_causal path
                     sq[T] = nn.Transformer.generate_square_subsequent_mask(T, device=device, dtype=dtype)
                 return t(x, x, x, attn_mask=sq[T], is_causal=True, need_weights=False)[0]
 
             runners[name] = run_torch
         elif name == "floor":
-            floor = Floor(E, H).to(**f)
+            floor = Floor(E, H).to(device=device, dtype=dtype)
             _copy_weights(ours, (floor.q, floor.k, floor.v, floor.o))
-            runners[name] = lambda x, T, m=floor: m(x)
+
+            def run_floor(x: Tensor, T: int, m: Floor = floor) -> Tensor:
+                return m(x)
+
+            runners[name] = run_floor
         elif name == "seed-000":
-            seed = SeedMultiHeadAttention(E, H).to(**f)
+            seed = SeedMultiHeadAttention(E, H).to(device=device, dtype=dtype)
             _copy_weights(ours, (seed.w_q, seed.w_k, seed.w_v, seed.w_o))
-            runners[name] = lambda x, T, m=seed: m(x, None, causal_float(T))
+
+            def run_seed(x: Tensor, T: int, m: SeedMultiHeadAttention = seed) -> Tensor:
+                return m(x, None, causal_float(T))
+
+            runners[name] = run_seed
         elif name == "flash-attn":
             try:
-                import flash_attn  # type: ignore[import-not-found]  # noqa: F401
-            except Exception as err:  # noqa: BLE001
+                import flash_attn  # noqa: F401
+            except Exception as err:
                 skipped[name] = f"flash-attn not importable ({type(err).__name__})"
                 continue
             if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
                 skipped[name] = "flash-attn runs on CUDA in fp16/bf16 only"
                 continue
-            peer = FlashAttnPeer(E, H).to(**f)
+            peer = FlashAttnPeer(E, H).to(device=device, dtype=dtype)
             _copy_weights(ours, (peer.q, peer.k, peer.v, peer.o))
-            runners[name] = lambda x, T, m=peer: m(x)
+
+            def run_peer(x: Tensor, T: int, m: FlashAttnPeer = peer) -> Tensor:
+                return m(x)
+
+            runners[name] = run_peer
         else:
             raise ValueError(f"runners contains {name!r}; expected names among {RUNNERS}.")
     return runners, skipped
@@ -181,6 +203,10 @@ def build_runners(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) ->
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _fwd_bwd(fn: Callable[[Tensor, int], Tensor], x: Tensor, T: int, grad_out: Tensor) -> None:
+    fn(x, T).backward(grad_out)
 
 
 def _zero_grads(x: Tensor) -> None:
@@ -284,26 +310,33 @@ class BenchResult:
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if cfg.device == "auto" else cfg.device)
+    )
     dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(cfg.seed)
     runners, skipped = build_runners(cfg, device, dtype)
     mem = PeakMemory(device)
     gemm = gemm_gflops(device, dtype, cfg.gemm_size)  # measured again at the end; the higher one is used
-    log(f"device {device}, {dtype_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"large-GEMM rate {gemm:.1f} GFLOP/s")
-    result = BenchResult(asdict(cfg) | {"out": str(cfg.out)}, str(device), dtype_name, torch.__version__, gemm,
-                         skipped=dict(skipped))
+    log(
+        f"device {device}, {dtype_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"large-GEMM rate {gemm:.1f} GFLOP/s"
+    )
+    result = BenchResult(
+        asdict(cfg) | {"out": str(cfg.out)}, str(device), dtype_name, torch.__version__, gemm, skipped=dict(skipped)
+    )
     E = cfg.embed_dim
     checked = False
     for T in cfg.lengths:
         B = max(1, cfg.tokens // T)
         x = torch.randn(B, T, E, device=device, dtype=dtype)
         grad_out = torch.randn(B, T, E, device=device, dtype=dtype)
-        active = {n: fn for n, fn in runners.items()
-                  if not (n in ("attnlab-math", "seed-000") and T > cfg.math_max_len)}
+        active = {
+            n: fn for n, fn in runners.items() if not (n in ("attnlab-math", "seed-000") and T > cfg.math_max_len)
+        }
         rows = {n: Row(T, B, n) for n in runners}
         for n in runners.keys() - active.keys():
             rows[n].note = f"skipped: materialises (B, H, T, T) scores, T > math_max_len={cfg.math_max_len}"
@@ -314,13 +347,15 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
                     err = (fn(x, T).float() - ref.float()).abs().max().item()
                     tol = 1e-4 if dtype == torch.float32 else 5e-2
                     if err > tol:
-                        raise RuntimeError(f"runner {n} disagrees with attnlab by {err:.2e} (> {tol}); the benchmark would compare different functions.")
+                        raise RuntimeError(
+                            f"runner {n} disagrees with attnlab by {err:.2e} (> {tol}); the benchmark would compare different functions."
+                        )
             checked = True
         fwd: dict[str, list[float]] = {n: [] for n in active}
         fb: dict[str, list[float]] = {n: [] for n in active}
         names = list(active)
         for rep in range(cfg.warmup + cfg.repeats):
-            order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no runner always first
+            order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: no runner always first
             for n in order:
                 _sync(device)
                 t0 = time.perf_counter()
@@ -355,7 +390,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
                 continue
             x = torch.randn(r.B, r.T, E, device=device, dtype=dtype, requires_grad=True)
             grad_out = torch.randn_like(x)
-            peak = mem.measure(lambda fn=runners[r.runner], x=x, T=r.T, g=grad_out: fn(x, T).backward(g))
+            peak = mem.measure(partial(_fwd_bwd, runners[r.runner], x, r.T, grad_out))
             r.peak_mib = None if peak is None else peak / 2**20
             _zero_grads(x)
         log("peak memory measured")
@@ -380,12 +415,14 @@ def markdown(res: BenchResult) -> str:
         if r.fwd_ms is None:
             lines.append(f"| {r.T} | {r.B} | {r.runner} | {r.note} | | | | | | | |")
             continue
+        assert r.fwd_gflops is not None  # a timed row has all its timings
         floor, tm = by.get((r.T, "floor")), by.get((r.T, "torch-mha"))
         lines.append(
             f"| {r.T} | {r.B} | {r.runner} | {r.fwd_ms:.1f} | {r.fwd_bwd_ms:.1f} | "
-            f"{_ratio(r.fwd_bwd_ms, floor and floor.fwd_bwd_ms)} | {_ratio(r.fwd_bwd_ms, tm and tm.fwd_bwd_ms)} | "
+            f"{_ratio(r.fwd_bwd_ms, floor.fwd_bwd_ms if floor else None)} | "
+            f"{_ratio(r.fwd_bwd_ms, tm.fwd_bwd_ms if tm else None)} | "
             f"{r.fwd_gflops:.1f} | {100 * r.fwd_gflops / res.gemm_gflops:.0f}% | "
-            f"{'' if r.peak_mib is None else f'{r.peak_mib:.0f}'} | {_ratio(r.peak_mib, floor and floor.peak_mib)} |"
+            f"{'' if r.peak_mib is None else f'{r.peak_mib:.0f}'} | {_ratio(r.peak_mib, floor.peak_mib if floor else None)} |"
         )
     for name, why in res.skipped.items():
         lines.append(f"\n{name}: skipped, {why}.")
@@ -400,19 +437,26 @@ def goals(res: BenchResult) -> str:
         a, fl, tm = by.get((T, "attnlab")), by.get((T, "floor")), by.get((T, "torch-mha"))
         if T < 256 or not (a and fl and tm and a.fwd_bwd_ms):
             continue
+        assert fl.fwd_bwd_ms is not None and tm.fwd_bwd_ms is not None  # floor and torch-mha are timed at every T
         rf, rt = a.fwd_bwd_ms / fl.fwd_bwd_ms, a.fwd_bwd_ms / tm.fwd_bwd_ms
-        out.append(f"T={T}: attnlab fwd+bwd = {rf:.3f}x floor (goal <= 1.05: {'met' if rf <= 1.05 else 'MISSED'}), "
-                   f"{rt:.3f}x torch-mha (goal <= 1.0: {'met' if rt <= 1.0 else 'MISSED'})")
+        out.append(
+            f"T={T}: attnlab fwd+bwd = {rf:.3f}x floor (goal <= 1.05: {'met' if rf <= 1.05 else 'MISSED'}), "
+            f"{rt:.3f}x torch-mha (goal <= 1.0: {'met' if rt <= 1.0 else 'MISSED'})"
+        )
     a2048 = by.get((2048, "attnlab"))
     if a2048 and a2048.fwd_gflops:
         share = a2048.fwd_gflops / res.gemm_gflops
-        out.append(f"T=2048: attnlab forward {a2048.fwd_gflops:.1f} GFLOP/s = {100 * share:.0f}% of this run's GEMM rate "
-                   f"(goal >= 85%: {'met' if share >= 0.85 else 'MISSED'})")
+        out.append(
+            f"T=2048: attnlab forward {a2048.fwd_gflops:.1f} GFLOP/s = {100 * share:.0f}% of this run's GEMM rate "
+            f"(goal >= 85%: {'met' if share >= 0.85 else 'MISSED'})"
+        )
     longest = max(r.T for r in res.rows)
     a, fl = by.get((longest, "attnlab")), by.get((longest, "floor"))
     if a and fl and a.peak_mib and fl.peak_mib:
         rm = a.peak_mib / fl.peak_mib
-        out.append(f"T={longest}: attnlab peak memory = {rm:.3f}x floor (goal <= 1.1: {'met' if rm <= 1.1 else 'MISSED'})")
+        out.append(
+            f"T={longest}: attnlab peak memory = {rm:.3f}x floor (goal <= 1.1: {'met' if rm <= 1.1 else 'MISSED'})"
+        )
     return "\n".join(out)
 
 
@@ -430,14 +474,16 @@ def plot(res: BenchResult, path: Path) -> None:
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         if all(p[2] is not None for p in pts):
             axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
-    for ax, title in zip(axes, ("forward+backward time (ms)", "peak memory (MiB)")):
+    for ax, title in zip(axes, ("forward+backward time (ms)", "peak memory (MiB)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length T (tokens per batch fixed)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"causal self-attention, E={res.config['embed_dim']}, H={res.config['num_heads']}, {res.device} {res.dtype}")
+    fig.suptitle(
+        f"causal self-attention, E={res.config['embed_dim']}, H={res.config['num_heads']}, {res.device} {res.dtype}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -449,17 +495,21 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
     res = run_bench(cfg)
     table, summary = markdown(res), goals(res)
     if cfg.train:
-        from .bench_train import train_throughput
+        from .train import train_throughput
 
         tp = train_throughput()
         res.train_throughput = asdict(tp) | {"ratio": tp.ratio}
-        summary += (f"\ntraining throughput ({tp.model}): attnlab {tp.attnlab_tok_s:,.0f} tok/s, "
-                    f"torch.nn.MultiheadAttention {tp.torch_tok_s:,.0f} tok/s, ratio {tp.ratio:.2f}x")
+        summary += (
+            f"\ntraining throughput ({tp.model}): attnlab {tp.attnlab_tok_s:,.0f} tok/s, "
+            f"torch.nn.MultiheadAttention {tp.torch_tok_s:,.0f} tok/s, ratio {tp.ratio:.2f}x"
+        )
     print("\n" + table + "\n\n" + summary)
     cfg.out.mkdir(parents=True, exist_ok=True)
     data = asdict(res)
     (cfg.out / "bench_attention.json").write_text(json.dumps(data, indent=2))
     (cfg.out / "bench_attention.md").write_text(table + "\n\n" + summary + "\n")
     plot(res, cfg.out / "bench_attention.png")
-    print(f"\nwrote {cfg.out / 'bench_attention.json'}, {cfg.out / 'bench_attention.md'}, {cfg.out / 'bench_attention.png'}")
+    print(
+        f"\nwrote {cfg.out / 'bench_attention.json'}, {cfg.out / 'bench_attention.md'}, {cfg.out / 'bench_attention.png'}"
+    )
     return 0

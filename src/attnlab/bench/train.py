@@ -11,12 +11,13 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
+from ..core.attention import MultiHeadAttention
 
 
 class TorchAttention(nn.Module):
@@ -27,8 +28,14 @@ class TorchAttention(nn.Module):
         self.mha = ours.to_torch(batch_first=True)
         self._masks: dict[int, Tensor] = {}
 
-    def forward(self, x: Tensor, attn_mask: object = None, kv_cache: object = None,
-                cache_positions: object = None, rope: object = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        attn_mask: object = None,
+        kv_cache: object = None,
+        cache_positions: object = None,
+        rope: object = None,
+    ) -> Tensor:
         if kv_cache is not None or rope is not None:
             raise ValueError("TorchAttention serves training only: kv_cache and rope must be None.")
         T = x.size(1)
@@ -51,22 +58,25 @@ class ThroughputResult:
 
 def train_throughput(steps: int = 20, repeats: int = 5) -> ThroughputResult:
     """tokens/s of ``attnlab train``'s default model, trained with attnlab's and with torch's attention."""
-    from .lab.config import TrainConfig
-    from .lab.data import IGNORE, build_task
-    from .lab.models import build_model
+    from ..lab.config import TrainConfig
+    from ..lab.data import IGNORE, build_task
+    from ..lab.models import build_model
+    from ..models.gpt import Block, TinyGPT
 
     cfg = TrainConfig()
     task = build_task(cfg.data)
     torch.manual_seed(cfg.seed)
     ours = build_model(cfg.model, task.vocab_size, task.block_size + 1)
-    theirs = copy.deepcopy(ours)
-    for block in theirs.transformer.h:
-        block.attn = TorchAttention(block.attn)
-    x, y = task.batch(0)  # (B, T) each
+    theirs = cast(TinyGPT, copy.deepcopy(ours))  # TrainConfig's default model is a TinyGPT
+    for block in cast(nn.ModuleList, theirs.transformer.h):
+        block.attn = TorchAttention(cast(Block, block).attn)
+    x, _ = task.batch(0)  # (B, T) inputs; targets unused
     with torch.no_grad():
         gap = (ours(x) - theirs(x)).abs().max().item()
     if gap > 1e-4:
-        raise RuntimeError(f"the torch-attention copy disagrees with attnlab by {gap:.2e}; the comparison would be void.")
+        raise RuntimeError(
+            f"the torch-attention copy disagrees with attnlab by {gap:.2e}; the comparison would be void."
+        )
     runs: dict[str, list[float]] = {"attnlab": [], "torch": []}
     models = {"attnlab": ours, "torch": theirs}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=cfg.optim.lr) for n, m in models.items()}
@@ -86,9 +96,11 @@ def train_throughput(steps: int = 20, repeats: int = 5) -> ThroughputResult:
     for name in models:  # warm-up
         run(name)
     for rep in range(repeats):
-        for name in (("attnlab", "torch") if rep % 2 == 0 else ("torch", "attnlab")):
+        for name in ("attnlab", "torch") if rep % 2 == 0 else ("torch", "attnlab"):
             runs[name].append(run(name))
     c = cfg.model
-    what = (f"TinyGPT {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads, copy task, "
-            f"batch {x.size(0)} x {x.size(1)} tokens")
+    what = (
+        f"TinyGPT {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads, copy task, "
+        f"batch {x.size(0)} x {x.size(1)} tokens"
+    )
     return ThroughputResult(what, x.numel(), statistics.median(runs["attnlab"]), statistics.median(runs["torch"]))

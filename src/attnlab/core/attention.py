@@ -7,21 +7,22 @@ D = E // H head dim. The module is always batch-first.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional
+from .interop import from_torch_mha, to_torch_mha
 from .masks import Masks, prepare_masks
 from .rope import apply_rope
-from .validation import check_backend, check_forward_inputs, check_init_args
+from .validation import Backend, check_backend, check_forward_inputs, check_init_args
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
 
-Backend = Literal["auto", "math", "sdpa"]
+__all__ = ["Backend", "MultiHeadAttention"]
 
 
 class ProjectionSlice(nn.Module):
@@ -30,6 +31,8 @@ class ProjectionSlice(nn.Module):
     Owns no parameter: ``weight``/``bias`` are views of the fused ones, so writing into them
     (``with torch.no_grad(): mha.q_proj.weight.copy_(w)``) updates the module.
     """
+
+    _fused: nn.Linear
 
     def __init__(self, fused: nn.Linear, start: int, stop: int) -> None:
         super().__init__()
@@ -125,6 +128,9 @@ class MultiHeadAttention(nn.Module):
 
         factory = {"device": device, "dtype": dtype}
         self.fused_qkv = kdim == embed_dim and vdim == embed_dim
+        self.q_proj: nn.Module
+        self.k_proj: nn.Module
+        self.v_proj: nn.Module
         if self.fused_qkv:
             # One (E + 2*G*D, E) weight: rows [0, E) are Q, then K, then V.
             self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * self.kv_dim, bias=bias, **factory)
@@ -141,7 +147,7 @@ class MultiHeadAttention(nn.Module):
     @property
     def backend(self) -> str:
         """``"auto"``, ``"math"`` or ``"sdpa"``; may be changed between calls."""
-        return self._backend
+        return str(self.__dict__["_backend"])
 
     @backend.setter
     def backend(self, value: str) -> None:
@@ -152,6 +158,7 @@ class MultiHeadAttention(nn.Module):
         """Xavier-uniform weights and zero biases, each projection on its own fan (seed 002)."""
         with torch.no_grad():
             for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+                assert isinstance(proj.weight, Tensor) and isinstance(proj.bias, Tensor | None)
                 nn.init.xavier_uniform_(proj.weight)
                 if proj.bias is not None:
                     proj.bias.zero_()
@@ -168,17 +175,20 @@ class MultiHeadAttention(nn.Module):
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K, V projections: (B, T_q, E), (B, T_k, G*D), (B, T_k, G*D), in as few GEMMs as allowed."""
         if not self.fused_qkv:
-            return self.q_proj(query), self.k_proj(key), self.v_proj(value)
+            q: Tensor = self.q_proj(query)  # (B, T_q, E)
+            k: Tensor = self.k_proj(key)  # (B, T_k, KV)
+            v: Tensor = self.v_proj(value)  # (B, T_k, KV)
+            return q, k, v
         w, b = self.in_proj.weight, self.in_proj.bias
         E, KV = self.embed_dim, self.kv_dim
         if key is query and value is query:  # self-attention: one GEMM for Q, K and V
             qkv = F.linear(query, w, b)  # (B, T, E + 2*KV)
-            q, k, v = qkv.split((E, KV, KV), dim=-1)  # views: (B, T, E), (B, T, KV), (B, T, KV)
+            q, k, v = torch.split(qkv, [E, KV, KV], dim=-1)  # views: (B, T, E), (B, T, KV), (B, T, KV)
             return q, k, v
         q = F.linear(query, w[:E], None if b is None else b[:E])  # (B, T_q, E)
         if value is key:  # cross-attention on one context: K and V in one GEMM
             kv = F.linear(key, w[E:], None if b is None else b[E:])  # (B, T_k, 2*KV)
-            k, v = kv.split((KV, KV), dim=-1)  # views: (B, T_k, KV) each
+            k, v = torch.split(kv, [KV, KV], dim=-1)  # views: (B, T_k, KV) each
             return q, k, v
         k = F.linear(key, w[E : E + KV], None if b is None else b[E : E + KV])  # (B, T_k, KV)
         v = F.linear(value, w[E + KV :], None if b is None else b[E + KV :])  # (B, T_k, KV)
@@ -219,7 +229,7 @@ class MultiHeadAttention(nn.Module):
             value: ``(B, T_k, vdim)``; None means ``value = key``.
             attn_mask: bool (True = may attend) or float (added to the scores), shape
                 ``(T_q, T_k)``, ``(B, T_q, T_k)`` or broadcastable ``(B, H, T_q, T_k)``. Or an
-                :class:`attnlab.masks.Masks` from :func:`attnlab.masks.prepare_masks`, converted
+                :class:`attnlab.core.masks.Masks` from :func:`attnlab.core.masks.prepare_masks`, converted
                 once and shared by every layer of a model.
             key_padding_mask: ``(B, T_k)`` bool, True = padding (never attended).
             is_causal: causal masking, bottom-right aligned (query i sees keys j <= i + T_k - T_q).
@@ -228,9 +238,9 @@ class MultiHeadAttention(nn.Module):
                 call's K/V are written into it and attention runs over everything cached.
                 ``T_k`` is then the cached length, and masks index cached slots.
             cache_positions: ``(T_q,)`` int64 cache slots of this call's tokens (position mode,
-                see :mod:`attnlab.kv_cache`: fixed shapes for ``torch.compile``). Needs
+                see :mod:`attnlab.core.kv_cache`: fixed shapes for ``torch.compile``). Needs
                 ``is_causal=True``: a query sees the slots at or before its own.
-            rope: ``(cos, sin)`` from :func:`attnlab.rope.rope_cos_sin`, each ``(T_q, D)`` or
+            rope: ``(cos, sin)`` from :func:`attnlab.core.rope.rope_cos_sin`, each ``(T_q, D)`` or
                 ``(B, T_q, D)``: rotary embeddings applied to Q and to this call's K.
 
         Returns:
@@ -238,7 +248,7 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        check_forward_inputs(self, query, key, value, kv_cache, cache_positions, rope)
+        check_forward_inputs(self, self.out_proj.weight, query, key, value, kv_cache, cache_positions, rope)
         B, T_q, _ = query.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
 
@@ -252,18 +262,33 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.update(k, v, cache_positions)  # (B, G, T_cached, D): all cached keys
 
         masks = prepare_masks(
-            attn_mask, key_padding_mask, is_causal,
-            batch=B, heads=H, q_len=T_q, k_len=k.size(2), dtype=q.dtype, device=q.device,
+            attn_mask,
+            key_padding_mask,
+            is_causal,
+            batch=B,
+            heads=H,
+            q_len=T_q,
+            k_len=k.size(2),
+            dtype=q.dtype,
+            device=q.device,
             q_positions=cache_positions,
         )
         backend, reason = self._choose_backend(need_weights)
         if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
-            self.__dict__.update(last_backend=backend, last_backend_reason=reason)  # plain attrs, no Module.__setattr__ cost
+            self.__dict__.update(
+                last_backend=backend, last_backend_reason=reason
+            )  # plain attrs, no Module.__setattr__ cost
         attend = functional.math_attention if backend == "math" else functional.sdpa_attention
         context, weights = attend(
-            q, k, v,
-            keep=masks.keep, bias=masks.bias, causal=masks.causal, empty_rows=masks.empty_rows,
-            scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+            q,
+            k,
+            v,
+            keep=masks.keep,
+            bias=masks.bias,
+            causal=masks.causal,
+            empty_rows=masks.empty_rows,
+            scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
         )  # context: (B, H, T_q, D)
 
@@ -275,12 +300,8 @@ class MultiHeadAttention(nn.Module):
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention, *, backend: Backend = "auto") -> MultiHeadAttention:
         """Build an attnlab module with the weights of ``torch.nn.MultiheadAttention`` (either layout)."""
-        from .interop import from_torch_mha
-
         return from_torch_mha(cls, m, backend=backend)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` computing the same function (GQA K/V heads repeated)."""
-        from .interop import to_torch_mha
-
         return to_torch_mha(self, batch_first=batch_first)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import MultiHeadAttention
+from ..core.attention import MultiHeadAttention
 from .trace import trace
 
 
@@ -39,8 +39,10 @@ def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> in
     print(f"output  : {list(out_t.shape)}  (batch, seq, model_dim), head_dim = {mha.head_dim}")
     print(f"backend : {mha.last_backend}" + (f" ({mha.last_backend_reason})" if mha.last_backend_reason else ""))
     _, weights = mha(x, need_weights=True)
-    print(f"weights : {list(weights.shape)}  (batch, heads, query, key) via backend "
-          f"{mha.last_backend!r}: {mha.last_backend_reason}")
+    print(
+        f"weights : {list(weights.shape)}  (batch, heads, query, key) via backend "
+        f"{mha.last_backend!r}: {mha.last_backend_reason}"
+    )
     print("\nEvery stage of the same call on the math backend, shapes read off the real tensors:\n")
     mha.backend = "math"
     with trace(mha) as calls:
@@ -48,14 +50,16 @@ def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> in
     print(calls[0].to_text())
 
     _section("2. verification: attnlab check against the float64 reference")
-    from .check import run_checks
+    from ..check import run_checks
 
     report = run_checks(MultiHeadAttention(32, 4, num_kv_heads=2, dropout=0.1), seed=seed)
-    fmt = lambda v: f"{v:.2e}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:.2e}" if isinstance(v, float) else str(v)
     for r in report.results:
         print(f"  {r.status.upper():4s}  {r.name:26s} measured {fmt(r.measured):>18}   allowed {fmt(r.tolerance)}")
-    print(f"{sum(r.status == 'pass' for r in report.results)} passed, {len(report.failures)} failed "
-          f"(GQA module, backend 'auto'; `attnlab check` runs every backend)")
+    print(
+        f"{sum(r.status == 'pass' for r in report.results)} passed, {len(report.failures)} failed "
+        f"(GQA module, backend 'auto'; `attnlab check` runs every backend)"
+    )
     if report.failures:
         return 1
     if not train:
@@ -63,9 +67,9 @@ def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> in
         return 0
 
     _section("3. training: TinyGPT on the copy task (attention must read 13 positions back)")
-    from .lab.config import demo_config
-    from .lab.samples import heldout_samples, print_samples
-    from .lab.train import train as run_training
+    from ..lab.config import demo_config
+    from ..lab.samples import heldout_samples, print_samples
+    from ..lab.train import train as run_training
 
     cfg = demo_config(run_dir=out)
     cfg.seed = cfg.data.seed = seed
@@ -77,9 +81,13 @@ def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> in
     _section("artifacts")
     run_dir = result.run_dir
     assert run_dir is not None
-    for name, what in (("metrics.jsonl", "per-step metrics"), ("curve.png", "loss/accuracy curve"),
-                       ("checkpoint.safetensors", "training checkpoint (weights + optimizer)"),
-                       ("model", "model for `attnlab generate --checkpoint`"), ("config.json", "the run's config")):
+    for name, what in (
+        ("metrics.jsonl", "per-step metrics"),
+        ("curve.png", "loss/accuracy curve"),
+        ("checkpoint.safetensors", "training checkpoint (weights + optimizer)"),
+        ("model", "model for `attnlab generate --checkpoint`"),
+        ("config.json", "the run's config"),
+    ):
         path = run_dir / name
         if path.exists():
             print(f"{what:45s} {path}")

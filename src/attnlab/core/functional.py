@@ -5,7 +5,7 @@ Notation used in every shape comment of attnlab:
     T_q query positions (i), T_k key positions (j), D head dim.
 
 Both functions take the heads already split, ``q: (B, H, T_q, D)``, ``k, v: (B, G, T_k, D)``,
-and masks already in attnlab's one internal convention (see :mod:`attnlab.masks`):
+and masks already in attnlab's one internal convention (see :mod:`attnlab.core.masks`):
 
 * ``keep``: bool, broadcastable to ``(B, H, T_q, T_k)``, **True = may attend**;
 * ``bias``: float, broadcastable likewise, added to the scores (``-inf`` entries are also
@@ -106,7 +106,9 @@ def sdpa_attention(
     if bias is not None:  # SDPA takes one mask: fold the blocked positions into the bias
         mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
     context = F.scaled_dot_product_attention(
-        q, k, v,  # (B, H, T_q, D), (B, G, T_k, D), (B, G, T_k, D)
+        q,
+        k,
+        v,  # (B, H, T_q, D), (B, G, T_k, D), (B, G, T_k, D)
         attn_mask=mask,
         dropout_p=dropout_p,
         is_causal=causal,

@@ -25,7 +25,7 @@ __all__ = ["Masks", "prepare_masks"]
 
 @dataclass(frozen=True)
 class Masks:
-    """The converted masks handed to a backend (see :mod:`attnlab.functional`)."""
+    """The converted masks handed to a backend (see :mod:`attnlab.core.functional`)."""
 
     keep: Tensor | None = None  # bool, broadcastable to (B, H, T_q, T_k), True = may attend
     bias: Tensor | None = None  # float, broadcastable likewise, added to the scores
@@ -44,7 +44,7 @@ def _as_4d(mask: Tensor, batch: int, heads: int, q_len: int, k_len: int) -> Tens
         mask4 = mask
     else:
         mask4 = None
-    if mask4 is None or any(m not in (1, t) for m, t in zip(mask4.shape, target)):
+    if mask4 is None or any(m not in (1, t) for m, t in zip(mask4.shape, target, strict=True)):
         raise ValueError(
             f"attn_mask has shape {tuple(mask.shape)}, which does not broadcast to the scores' "
             f"(B, H, T_q, T_k) = {target}; pass (T_q, T_k) = ({q_len}, {k_len}), "
@@ -56,7 +56,9 @@ def _as_4d(mask: Tensor, batch: int, heads: int, q_len: int, k_len: int) -> Tens
 
 def _check_device(name: str, mask: Tensor, device: torch.device) -> None:
     if mask.device != device:
-        raise ValueError(f"{name} is on {mask.device} but the query is on {device}; move it with {name}.to({str(device)!r}).")
+        raise ValueError(
+            f"{name} is on {mask.device} but the query is on {device}; move it with {name}.to({str(device)!r})."
+        )
 
 
 def _check_float_mask_values(mask: Tensor) -> None:

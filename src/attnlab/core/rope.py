@@ -10,11 +10,15 @@ import torch
 from torch import Tensor
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """cos and sin for ``positions`` ``(T,)`` or ``(B, T)``; each ``(..., T, D)``."""
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}; use n_embd // n_head even.")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)  # (D/2,)
+    inv_freq = base ** (
+        -torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )  # (D/2,)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, D/2)
     angles = torch.cat((angles, angles), dim=-1)  # (..., T, D): channel c and c + D/2 share an angle
     return angles.cos().to(dtype), angles.sin().to(dtype)

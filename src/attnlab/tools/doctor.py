@@ -59,14 +59,14 @@ def try_sdpa_kernel(kernel: str, device: str) -> tuple[bool, str]:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.sum().backward()
         return bool(torch.isfinite(out).all()), ""
-    except Exception as err:  # noqa: BLE001 - every failure is a finding, not a crash
+    except Exception as err:
         return False, _first_line(err)
 
 
 def try_attnlab() -> tuple[bool, str]:
     """attnlab's own module on both backends, forward and backward, masks included."""
     try:
-        from .attention import MultiHeadAttention
+        from ..core.attention import MultiHeadAttention
 
         mha = MultiHeadAttention(16, 4)
         x = torch.randn(2, 5, 16, requires_grad=True)
@@ -79,7 +79,7 @@ def try_attnlab() -> tuple[bool, str]:
         if not torch.allclose(outs[0], outs[1], atol=1e-5):
             return False, "the math and sdpa backends disagree on this machine"
         return True, ""
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return False, _first_line(err)
 
 
@@ -91,7 +91,7 @@ def try_compile() -> tuple[bool, str]:
         a = torch.randn(8, 8)
         ok = torch.allclose(fn(a), torch.softmax(a @ a.T, dim=-1), atol=1e-6)
         return ok, "" if ok else "compiled result differs from eager"
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return False, _first_line(err)
 
 
@@ -99,24 +99,44 @@ def diagnose(*, compile_check: bool = True) -> list[Finding]:
     """Every finding, in the order the report prints them."""
     found: list[Finding] = []
     py = sys.version_info
-    found.append(Finding("python", "ok" if py >= (3, 10) else "fail", platform.python_version(),
-                         "" if py >= (3, 10) else "attnlab needs Python >= 3.10; create a venv with a newer Python."))
-    cuda = torch.version.cuda
-    build = f"CUDA {cuda}" if cuda else ("ROCm " + torch.version.hip if getattr(torch.version, "hip", None) else "CPU-only")
+    found.append(
+        Finding(
+            "python",
+            "ok" if py >= (3, 10) else "fail",
+            platform.python_version(),
+            "" if py >= (3, 10) else "attnlab needs Python >= 3.10; create a venv with a newer Python.",
+        )
+    )
+    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
+    build = f"CUDA {cuda}" if cuda else ("ROCm " + hip if hip else "CPU-only")
     found.append(Finding("torch", "ok", f"{torch.__version__} ({build} build)"))
 
     has_nvidia = shutil.which("nvidia-smi") is not None
     if cuda and not torch.cuda.is_available():
-        found.append(Finding("cuda", "warn", f"torch is a CUDA {cuda} build but no GPU is usable",
-                             "Check the driver with nvidia-smi; the driver must support CUDA "
-                             f"{cuda} (or install the torch wheel built for the driver's CUDA)."))
+        found.append(
+            Finding(
+                "cuda",
+                "warn",
+                f"torch is a CUDA {cuda} build but no GPU is usable",
+                "Check the driver with nvidia-smi; the driver must support CUDA "
+                f"{cuda} (or install the torch wheel built for the driver's CUDA).",
+            )
+        )
     elif not cuda and has_nvidia:
-        found.append(Finding("cuda", "warn", "an NVIDIA GPU is present but torch is a CPU-only build",
-                             f"Install the CUDA build for this Python ({platform.python_version()}) from the "
-                             f"command on pytorch.org's install page, pinned: pip install torch=={torch.__version__.split('+')[0]}."))
+        found.append(
+            Finding(
+                "cuda",
+                "warn",
+                "an NVIDIA GPU is present but torch is a CPU-only build",
+                f"Install the CUDA build for this Python ({platform.python_version()}) from the "
+                f"command on pytorch.org's install page, pinned: pip install torch=={torch.__version__.split('+')[0]}.",
+            )
+        )
     devices = _devices()
     names = [torch.cuda.get_device_name(int(d.split(":")[1])) if d.startswith("cuda") else d for d in devices]
-    found.append(Finding("devices", "ok", ", ".join(f"{d} ({n})" if n != d else d for d, n in zip(devices, names))))
+    found.append(
+        Finding("devices", "ok", ", ".join(f"{d} ({n})" if n != d else d for d, n in zip(devices, names, strict=True)))
+    )
 
     for device in devices:
         for kernel in SDPA_KERNELS:
@@ -125,38 +145,65 @@ def diagnose(*, compile_check: bool = True) -> list[Finding]:
                 continue
             ran, why = try_sdpa_kernel(kernel, device)
             label = "CPU flash" if (device == "cpu" and kernel == "flash") else kernel
-            found.append(Finding(f"sdpa {label} @ {device}", "ok" if ran else "info",
-                                 "runs" if ran else f"not available: {why}"))
+            found.append(
+                Finding(f"sdpa {label} @ {device}", "ok" if ran else "info", "runs" if ran else f"not available: {why}")
+            )
 
     spec = importlib.util.find_spec("flash_attn")
     if spec is None:
-        found.append(Finding("flash-attn package", "info", "not installed",
-                             "Not needed: SDPA's flash kernel ships inside torch. If you want the package, "
-                             "install a prebuilt wheel matching your torch, CUDA and Python versions; do not "
-                             "compile it from source (ninja/gcc/CUDA-toolkit mismatches)."))
+        found.append(
+            Finding(
+                "flash-attn package",
+                "info",
+                "not installed",
+                "Not needed: SDPA's flash kernel ships inside torch. If you want the package, "
+                "install a prebuilt wheel matching your torch, CUDA and Python versions; do not "
+                "compile it from source (ninja/gcc/CUDA-toolkit mismatches).",
+            )
+        )
     else:
         try:
             mod = importlib.import_module("flash_attn")
             found.append(Finding("flash-attn package", "ok", f"importable, version {getattr(mod, '__version__', '?')}"))
-        except Exception as err:  # noqa: BLE001
-            found.append(Finding("flash-attn package", "warn", f"installed but fails to import: {_first_line(err)}",
-                                 "Its binary does not match this torch/CUDA/Python: reinstall the wheel built for "
-                                 f"torch {torch.__version__.split('+')[0]}, or uninstall it and use attnlab's SDPA backend."))
+        except Exception as err:
+            found.append(
+                Finding(
+                    "flash-attn package",
+                    "warn",
+                    f"installed but fails to import: {_first_line(err)}",
+                    "Its binary does not match this torch/CUDA/Python: reinstall the wheel built for "
+                    f"torch {torch.__version__.split('+')[0]}, or uninstall it and use attnlab's SDPA backend.",
+                )
+            )
 
     if compile_check:
         start = time.perf_counter()
         ok, why = try_compile()
         took = time.perf_counter() - start
-        found.append(Finding("torch.compile", "ok" if ok else "warn",
-                             f"works ({took:.1f} s for a tiny function)" if ok else f"fails: {why}",
-                             "" if ok else "Install a C++ compiler (e.g. apt-get install g++) for inductor, or run "
-                                           "eager: attnlab does not need torch.compile."))
+        found.append(
+            Finding(
+                "torch.compile",
+                "ok" if ok else "warn",
+                f"works ({took:.1f} s for a tiny function)" if ok else f"fails: {why}",
+                ""
+                if ok
+                else "Install a C++ compiler (e.g. apt-get install g++) for inductor, or run "
+                "eager: attnlab does not need torch.compile.",
+            )
+        )
 
     ok, why = try_attnlab()
-    found.append(Finding("attnlab", "ok" if ok else "fail",
-                         "MultiHeadAttention forward+backward, math and sdpa agree" if ok else why,
-                         "" if ok else f"Reinstall with the pinned torch: pip install torch=={torch.__version__.split('+')[0]}, "
-                                       "then pip install -e . (make test does both)."))
+    found.append(
+        Finding(
+            "attnlab",
+            "ok" if ok else "fail",
+            "MultiHeadAttention forward+backward, math and sdpa agree" if ok else why,
+            ""
+            if ok
+            else f"Reinstall with the pinned torch: pip install torch=={torch.__version__.split('+')[0]}, "
+            "then pip install -e . (make test does both).",
+        )
+    )
     return found
 
 

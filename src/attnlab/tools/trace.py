@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .attention import MultiHeadAttention
+from ..core.attention import MultiHeadAttention
 
 __all__ = ["TraceRow", "AttentionTrace", "trace"]
 
@@ -52,9 +52,11 @@ class AttentionTrace:
     def to_text(self) -> str:
         """A plain, aligned table (what ``attnlab trace`` prints)."""
         head = ("#", "stage", "operation", "shape", "axes", "memory")
-        body = [(str(i), r.stage, r.operation, _fmt_shape(r.shape), r.axes, r.memory) for i, r in enumerate(self.rows, 1)]
+        body = [
+            (str(i), r.stage, r.operation, _fmt_shape(r.shape), r.axes, r.memory) for i, r in enumerate(self.rows, 1)
+        ]
         widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
         out = [f"{self.module}  (backend: {self.backend})", line(head), line(tuple("-" * w for w in widths))]
         return "\n".join(out + [line(r) for r in body])
 
@@ -110,7 +112,7 @@ class _Recorder(TorchFunctionMode):
             return f"{a:.4g}"
         return repr(a) if not isinstance(a, (list, tuple)) else repr(list(a))
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tracked = [a for a in args if isinstance(a, Tensor) and id(a) in self.names]
@@ -121,7 +123,9 @@ class _Recorder(TorchFunctionMode):
         fname = getattr(func, "__name__", str(func))
         stage, name, axes = self._label(fname, src, args, outs)
         call = f"{fname}({', '.join(self._name(a) for a in args)}{''.join(f', {k}={self._name(v)}' for k, v in kwargs.items())})"
-        shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() if isinstance(out, Tensor) else True
+        shares = (
+            out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() if isinstance(out, Tensor) else True
+        )
         shape = [list(o.shape) for o in outs] if isinstance(out, tuple) else list(out.shape)
         names = name.split(",")
         for i, o in enumerate(outs):
@@ -145,7 +149,9 @@ class _Recorder(TorchFunctionMode):
             which = {1: "q", 2: "k", 3: "v"}[min(self.linears, 3)]
             return f"{which.upper()} projection", which, _AXES["proj"]
         if fname == "split":
-            return ("split Q, K, V", "q,k,v", _AXES["split"]) if len(outs) == 3 else ("split K, V", "k,v", _AXES["split"])
+            return (
+                ("split Q, K, V", "q,k,v", _AXES["split"]) if len(outs) == 3 else ("split K, V", "k,v", _AXES["split"])
+            )
         if fname == "view" and outs[0].dim() == 4:
             return "split heads (view)", srcname, _AXES["view_heads"]
         if fname == "transpose" and not self.core_done and tuple(args[1:]) == (1, 2):
@@ -281,7 +287,7 @@ def trace_command(
     kpm = None
     if pad:
         kpm = torch.zeros(batch, t_k, dtype=torch.bool)
-        kpm[0, t_k - pad:] = True  # the first sequence ends with `pad` padding tokens
+        kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
     with trace(mha) as calls:
         mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
     if json:

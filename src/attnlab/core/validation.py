@@ -1,18 +1,25 @@
 """Input checks run before any computation: each failure is one sentence naming the argument,
-what was received, what was expected, and the fix. Mask checks live in :mod:`attnlab.masks`.
+what was received, what was expected, and the fix. Mask checks live in :mod:`attnlab.core.masks`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .attention import MultiHeadAttention
+Backend = Literal["auto", "math", "sdpa"]
+BACKEND_NAMES: tuple[str, ...] = get_args(Backend)
 
-BACKEND_NAMES = ("auto", "math", "sdpa")
+
+class AttentionDims(Protocol):
+    """What the forward checks read of a module: its widths (``MultiHeadAttention`` has them)."""
+
+    embed_dim: int
+    kdim: int
+    vdim: int
+    head_dim: int
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -31,8 +38,13 @@ def check_init_args(
     backend: str,
 ) -> None:
     """Constructor arguments of :class:`attnlab.MultiHeadAttention`."""
-    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
-                        ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
+    for name, value in (
+        ("embed_dim", embed_dim),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("kdim", kdim),
+        ("vdim", vdim),
+    ):
         _positive_int(name, value)
     if embed_dim % num_heads:
         divisors = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0]
@@ -78,13 +90,13 @@ def _check_3d(name: str, x: object, width_name: str, width: int) -> None:
     if x.size(-1) != width:
         hint = " (use kdim/vdim for a context of another width)" if name != "query" else ""
         raise ValueError(
-            f"{name} has last dimension {x.size(-1)} (shape {tuple(x.shape)}); expected "
-            f"{width_name}={width}{hint}."
+            f"{name} has last dimension {x.size(-1)} (shape {tuple(x.shape)}); expected {width_name}={width}{hint}."
         )
 
 
 def check_forward_inputs(
-    m: MultiHeadAttention,
+    m: AttentionDims,
+    weight: Tensor,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -92,7 +104,8 @@ def check_forward_inputs(
     cache_positions: Tensor | None = None,
     rope: object = None,
 ) -> None:
-    """Shapes, devices and dtypes of ``query``, ``key``, ``value`` against the module."""
+    """Shapes, devices and dtypes of ``query``, ``key``, ``value`` against the module's widths
+    and against ``weight``, one of its parameters (device and dtype)."""
     _check_3d("query", query, "embed_dim", m.embed_dim)
     if key is not query:
         _check_3d("key", key, "kdim", m.kdim)
@@ -108,7 +121,6 @@ def check_forward_inputs(
             f"value has (B, T_k) = {tuple(value.shape[:2])} but key has {tuple(key.shape[:2])}; "
             f"every key needs exactly one value."
         )
-    weight = m.out_proj.weight
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.device != weight.device:
             raise ValueError(
@@ -129,7 +141,9 @@ def check_forward_inputs(
         )
     if cache_positions is not None:
         if kv_cache is None:
-            raise ValueError("cache_positions was given without kv_cache; it names slots of a KVCache, pass kv_cache=... too.")
+            raise ValueError(
+                "cache_positions was given without kv_cache; it names slots of a KVCache, pass kv_cache=... too."
+            )
         if not isinstance(cache_positions, Tensor) or cache_positions.dtype not in (torch.int64, torch.int32):
             raise TypeError(
                 f"cache_positions must be an int64 tensor of shape (T_q,), got "
@@ -137,9 +151,13 @@ def check_forward_inputs(
             )
     if rope is not None:
         if not self_attention:
-            raise ValueError("rope was given for cross-attention; rotary embeddings rotate queries and keys of one sequence (self-attention only).")
+            raise ValueError(
+                "rope was given for cross-attention; rotary embeddings rotate queries and keys of one sequence (self-attention only)."
+            )
         if not (isinstance(rope, tuple) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
-            raise TypeError(f"rope must be a (cos, sin) tuple of tensors from attnlab.rope.rope_cos_sin, got {type(rope).__name__}.")
+            raise TypeError(
+                f"rope must be a (cos, sin) tuple of tensors from attnlab.core.rope.rope_cos_sin, got {type(rope).__name__}."
+            )
         cos = rope[0]
         if cos.shape[-2:] != (query.size(1), m.head_dim):
             raise ValueError(

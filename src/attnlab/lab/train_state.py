@@ -24,8 +24,9 @@ CKPT_NAME = "checkpoint.safetensors"
 FORMAT = "attnlab.lab.train_state"
 
 
-def save_train_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                     config: dict[str, Any]) -> Path:
+def save_train_state(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, config: dict[str, Any]
+) -> Path:
     """Write model, optimizer, RNG and ``step`` (the number of steps done) to ``path`` atomically."""
     from safetensors.torch import save_file  # imported when a run writes: ``attnlab --help`` stays fast
 
@@ -42,8 +43,13 @@ def save_train_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = state
-    meta = {"format": FORMAT, "step": step, "config": config,
-            "param_groups": opt["param_groups"], "optim_scalars": scalars}
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "config": config,
+        "param_groups": opt["param_groups"],
+        "optim_scalars": scalars,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -63,9 +69,13 @@ def read_meta(path: Path) -> dict[str, Any]:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("attnlab", "null"))
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise ValueError(f"checkpoint {str(path)!r} is not a readable safetensors file ({e}); delete it or start without --resume.") from None
+        raise ValueError(
+            f"checkpoint {str(path)!r} is not a readable safetensors file ({e}); delete it or start without --resume."
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {str(path)!r} has no {FORMAT!r} metadata; it was not written by attnlab train, start without --resume.")
+        raise ValueError(
+            f"checkpoint {str(path)!r} has no {FORMAT!r} metadata; it was not written by attnlab train, start without --resume."
+        )
     return meta
 
 
@@ -75,7 +85,7 @@ def load_train_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
 
     meta = read_meta(path)
     tensors = load_file(str(path))
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
+    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         if name.startswith("optim."):

@@ -45,8 +45,12 @@ class KVCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("max_len", max_len),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_len", max_len),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise TypeError(f"KVCache {name} must be a positive int, got {value!r}.")
         shape = (batch_size, num_kv_heads, max_len, head_dim)
@@ -57,8 +61,9 @@ class KVCache(nn.Module):
     @classmethod
     def for_module(cls, mha: nn.Module, batch_size: int, max_len: int) -> KVCache:
         """A cache sized for ``mha`` (an :class:`attnlab.MultiHeadAttention`), on its device and dtype."""
-        w = mha.out_proj.weight
-        return cls(batch_size, max_len, mha.num_kv_heads, mha.head_dim, dtype=w.dtype, device=w.device)
+        w = next(mha.parameters())
+        G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009 (nn.Module attributes are untyped)
+        return cls(batch_size, max_len, int(G), int(D), dtype=w.dtype, device=w.device)
 
     @property
     def batch_size(self) -> int:
@@ -79,7 +84,9 @@ class KVCache(nn.Module):
 
     def extra_repr(self) -> str:
         B, G, L, D = self.k.shape
-        return f"batch_size={B}, num_kv_heads={G}, max_len={L}, head_dim={D}, dtype={self.k.dtype}, length={self.length}"
+        return (
+            f"batch_size={B}, num_kv_heads={G}, max_len={L}, head_dim={D}, dtype={self.k.dtype}, length={self.length}"
+        )
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         if k.size(0) != self.k.size(0):

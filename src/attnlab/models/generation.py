@@ -1,4 +1,4 @@
-"""Autoregressive generation for :class:`attnlab.TinyGPT`: prefill, decode steps, sampling (``attnlab.generate``).
+"""Autoregressive generation for any :class:`CausalLM` (``attnlab.TinyGPT`` is one): prefill, decode steps, sampling (``attnlab.generate``).
 
 Shapes: B batch, T prompt length (left-padded to the longest), S = T + max_new_tokens cache
 slots, V vocabulary. Slot ``s`` of every row holds token ``s`` of the padded sequence; a row's
@@ -6,7 +6,7 @@ slots, V vocabulary. Slot ``s`` of every row holds token ``s`` of the padded seq
 ``position_ids = attention_mask.cumsum(-1) - 1``.
 
 With the cache, both the prefill and each decode step run the KV cache in position mode
-(:mod:`attnlab.kv_cache`): every step has the same shapes, so :func:`decode_step` compiles once
+(:mod:`attnlab.core.kv_cache`): every step has the same shapes, so :func:`decode_step` compiles once
 with ``torch.compile(fullgraph=True)``; the padding mask covers all ``S`` slots and never changes.
 """
 
@@ -14,13 +14,49 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .model import TinyGPT
+__all__ = [
+    "CausalLM",
+    "left_pad",
+    "prefill",
+    "decode_step",
+    "sample_next",
+    "generate_steps",
+    "generate",
+    "compiled_decode_step",
+    "compiled_cache_len",
+]
 
-__all__ = ["left_pad", "prefill", "decode_step", "sample_next", "generate_steps", "generate", "compiled_decode_step", "compiled_cache_len"]
+
+class _HasBlockSize(Protocol):
+    @property
+    def block_size(self) -> int: ...  # longest sequence the model has positions for
+
+
+class CausalLM(Protocol):
+    """What generation needs of a decoder: its config's ``block_size``, per-layer KV caches, and
+    a forward over token ids at explicit positions. ``TinyGPT`` satisfies it; so can any model
+    written the same way, without this module importing it."""
+
+    @property
+    def config(self) -> _HasBlockSize: ...
+
+    def setup_caches(self, batch_size: int, max_len: int) -> nn.ModuleList: ...
+
+    def __call__(
+        self,
+        idx: Tensor,
+        *,
+        positions: Tensor | None = ...,
+        key_padding_mask: Tensor | None = ...,
+        caches: nn.ModuleList | None = ...,
+        cache_positions: Tensor | None = ...,
+        only_last: bool = ...,
+    ) -> Tensor: ...
 
 
 def left_pad(prompts: Sequence[Sequence[int] | Tensor], pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
@@ -30,13 +66,15 @@ def left_pad(prompts: Sequence[Sequence[int] | Tensor], pad_token_id: int = 0) -
     in lockstep; ``key_padding_mask`` is True on the padding.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id sequences; every row needs at least one token.")
+        raise ValueError(
+            "prompts must be a non-empty list of non-empty token-id sequences; every row needs at least one token."
+        )
     T = max(len(p) for p in prompts)
     idx = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)  # (B, T)
     pad = torch.ones(len(prompts), T, dtype=torch.bool)  # (B, T)
     for b, p in enumerate(prompts):
-        idx[b, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
-        pad[b, T - len(p):] = False
+        idx[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        pad[b, T - len(p) :] = False
     return idx, pad
 
 
@@ -46,23 +84,34 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
     return (real.cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
-def prefill(model: TinyGPT, idx: Tensor, positions: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
+def prefill(model: CausalLM, idx: Tensor, positions: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
     """Run the prompt ``idx (B, T)`` through the model, filling cache slots ``0 .. T-1``.
 
     ``key_padding_mask`` is ``(B, S)`` over all cache slots. Returns the last position's logits ``(B, V)``.
     """
     slots = torch.arange(idx.size(1), device=idx.device)  # (T,)
-    logits = model(idx, positions=positions, key_padding_mask=key_padding_mask, caches=caches, cache_positions=slots, only_last=True)
+    logits = model(
+        idx,
+        positions=positions,
+        key_padding_mask=key_padding_mask,
+        caches=caches,
+        cache_positions=slots,
+        only_last=True,
+    )
     return logits[:, -1]  # (B, V)
 
 
-def decode_step(model: TinyGPT, tok: Tensor, position: Tensor, slot: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
+def decode_step(
+    model: CausalLM, tok: Tensor, position: Tensor, slot: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList
+) -> Tensor:
     """One token per row: ``tok (B, 1)`` at ``position (B, 1)``, written at cache ``slot (1,)``; logits ``(B, V)``.
 
     Every argument keeps its shape from step to step (the slot is a tensor, not an int), so
     this is the function to compile.
     """
-    logits = model(tok, positions=position, key_padding_mask=key_padding_mask, caches=caches, cache_positions=slot, only_last=True)
+    logits = model(
+        tok, positions=position, key_padding_mask=key_padding_mask, caches=caches, cache_positions=slot, only_last=True
+    )
     return logits[:, -1]  # (B, V)
 
 
@@ -126,7 +175,9 @@ class Step:
     logits: Tensor  # (B, V) float, before temperature/top-k/top-p
 
 
-def _check_generate_args(model: TinyGPT, idx: Tensor, max_new_tokens: int, temperature: float, top_k, top_p, key_padding_mask) -> None:
+def _check_generate_args(
+    model: CausalLM, idx: Tensor, max_new_tokens: int, temperature: float, top_k, top_p, key_padding_mask
+) -> None:
     if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(
             f"idx must be an int64 tensor (B, T) of prompt token ids, got "
@@ -161,7 +212,7 @@ def _check_generate_args(model: TinyGPT, idx: Tensor, max_new_tokens: int, tempe
 
 
 def generate_steps(
-    model: TinyGPT,
+    model: CausalLM,
     idx: Tensor,
     max_new_tokens: int,
     *,
@@ -181,26 +232,49 @@ def generate_steps(
     """
     _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, key_padding_mask)
     if compile and not use_cache:
-        raise ValueError("compile=True with use_cache=False: only the cached decode step has fixed shapes to compile; pass use_cache=True.")
-    return _steps(model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator, key_padding_mask, compile)
+        raise ValueError(
+            "compile=True with use_cache=False: only the cached decode step has fixed shapes to compile; pass use_cache=True."
+        )
+    return _steps(
+        model,
+        idx,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        eos_token_id,
+        use_cache,
+        generator,
+        key_padding_mask,
+        compile,
+    )
 
 
 def _steps(
-    model: TinyGPT, idx: Tensor, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-    eos_token_id: int | None, use_cache: bool, generator: torch.Generator | None, key_padding_mask: Tensor | None,
+    model: CausalLM,
+    idx: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_token_id: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+    key_padding_mask: Tensor | None,
     compile: bool,
 ) -> Iterator[Step]:
     B, T = idx.shape
     device = idx.device
     idx = idx.long()
-    prompt_pad = torch.zeros(B, T, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.to(device)
+    prompt_pad = (
+        torch.zeros(B, T, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.to(device)
+    )
     S = T + max_new_tokens
     if compile:  # a few cache sizes for all prompts, so that the compiled step is reused across calls
         S = compiled_cache_len(S, model.config.block_size)
     pad = torch.cat([prompt_pad, prompt_pad.new_zeros(B, S - T)], dim=1)  # (B, S): new tokens are never padding
     positions = positions_from_padding(pad)  # (B, S): position of every slot, fixed for the whole run
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-    pick = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     if max_new_tokens == 0:
         return
 
@@ -210,11 +284,13 @@ def _steps(
             logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
         else:
             seq = idx  # (B, T), grows by one column per step
-            logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[:, -1]  # (B, V)
+            logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
+                :, -1
+            ]  # (B, V)
     step_fn = compiled_decode_step() if compile else decode_step
 
     for i in range(max_new_tokens):
-        tok = sample_next(logits, **pick)  # (B,)
+        tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
         if eos_token_id is not None:
             tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
             finished = finished | (tok == eos_token_id)
@@ -228,11 +304,13 @@ def _steps(
                 logits = step_fn(model, tok[:, None], positions[:, s : s + 1], slot, pad, caches)  # (B, V)
             else:  # recompute: the whole sequence again, no cache
                 seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
-                logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[:, -1]  # (B, V)
+                logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[
+                    :, -1
+                ]  # (B, V)
 
 
 def generate(
-    model: TinyGPT,
+    model: CausalLM,
     idx: Tensor,
     max_new_tokens: int,
     *,
@@ -248,7 +326,7 @@ def generate(
     """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
 
     Args:
-        model: a :class:`TinyGPT` (put it in ``eval()`` mode for deterministic output).
+        model: a :class:`CausalLM` such as :class:`attnlab.TinyGPT` (put it in ``eval()`` mode for deterministic output).
         idx: ``(B, T)`` int64 prompt ids; rows of different lengths are left-padded
             (:func:`left_pad`) and flagged in ``key_padding_mask``.
         max_new_tokens: tokens to add; ``T + max_new_tokens`` must not exceed ``block_size``.
@@ -262,10 +340,22 @@ def generate(
         key_padding_mask: ``(B, T)`` bool, True = left padding of the prompt.
         compile: run the decode step under ``torch.compile(fullgraph=True)`` (cached path only).
     """
-    steps = [s.tokens for s in generate_steps(
-        model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-        use_cache=use_cache, generator=generator, key_padding_mask=key_padding_mask, compile=compile,
-    )]
+    steps = [
+        s.tokens
+        for s in generate_steps(
+            model,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            use_cache=use_cache,
+            generator=generator,
+            key_padding_mask=key_padding_mask,
+            compile=compile,
+        )
+    ]
     if not steps:
         return idx.clone()
     return torch.cat([idx, torch.stack(steps, dim=1).to(idx.dtype)], dim=1)  # (B, T + n)

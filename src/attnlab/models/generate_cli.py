@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
 from .generation import generate_steps
+from .saved_model import load_checkpoint
 from .tokenizer import ByteTokenizer
 
 
@@ -24,7 +24,7 @@ def generate_command(
     """Print the prompt and its continuation, token by token, from a TinyGPT checkpoint.
 
     Args:
-        checkpoint: directory written by attnlab.checkpoint.save_checkpoint (config.json + model.safetensors).
+        checkpoint: directory written by attnlab.models.saved_model.save_checkpoint (config.json + model.safetensors).
         prompt: text to continue; encoded with the checkpoint's tokenizer (UTF-8 bytes if it has none).
         max_new_tokens: tokens to generate; prompt + new tokens must fit in the model's block_size.
         temperature: 0 is greedy; higher is more random.
@@ -46,8 +46,14 @@ def generate_command(
         raise ValueError("--prompt is empty; pass at least one character to continue.")
     idx = torch.tensor([ids], dtype=torch.long)  # (1, T)
     steps = generate_steps(  # checks the arguments now, before anything is printed
-        model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        generator=torch.Generator().manual_seed(seed), compile=compile,
+        model,
+        idx,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(seed),
+        compile=compile,
     )
     print(prompt, end="", flush=True)
     new: list[int] = []

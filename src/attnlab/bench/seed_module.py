@@ -30,7 +30,9 @@ class SeedMultiHeadAttention(nn.Module):
         self.w_o = nn.Linear(model_dim, model_dim)
         self.dropout = nn.Dropout(dropout_p)
 
-    def forward(self, x_query: torch.Tensor, x_context: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_query: torch.Tensor, x_context: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch_size = x_query.size(0)
         q = self.w_q(x_query)
         if x_context is not None:

@@ -12,57 +12,21 @@ GPT-2 lacks: ``n_kv_head < n_head`` (grouped-query attention, a smaller KV cache
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
-from .kv_cache import KVCache
-from .masks import Masks, prepare_masks
-from .rope import rope_cos_sin
+from ..core.attention import MultiHeadAttention
+from ..core.kv_cache import KVCache
+from ..core.masks import Masks, prepare_masks
+from ..core.rope import rope_cos_sin
+from . import hf_gpt2
+from .config import GPTConfig
+from .generation import generate
 
 __all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
-
-
-@dataclass
-class GPTConfig:
-    """Hyper-parameters of :class:`TinyGPT`; field names follow nanoGPT (and so GPT-2)."""
-
-    vocab_size: int = 50257  # GPT-2's BPE vocabulary; a char-level model needs ~65
-    block_size: int = 1024  # longest sequence: rows of wpe, and the cap on prompt + new tokens
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # query heads H; must divide n_embd
-    n_embd: int = 768  # residual width E
-    dropout: float = 0.0  # one rate for embeddings, attention weights and residual branches, as nanoGPT
-    bias: bool = True  # biases in Linear layers and LayerNorms (GPT-2 has them)
-    n_kv_head: int | None = None  # key/value heads G (GQA, 1 = MQA); None means n_head, as GPT-2
-    position: Literal["learned", "rotary"] = "learned"  # GPT-2's wpe table, or RoPE on Q/K
-    rope_base: float = 10000.0  # RoPE frequency base, used when position == "rotary"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        if self.position not in ("learned", "rotary"):
-            raise ValueError(
-                f"GPTConfig.position must be 'learned' (GPT-2's wpe table) or 'rotary' (RoPE), got {self.position!r}."
-            )
-        if self.position == "rotary" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"GPTConfig.position='rotary' needs an even head dim, got n_embd // n_head = "
-                f"{self.n_embd} // {self.n_head} = {self.n_embd // self.n_head}; change n_embd or n_head."
-            )
-        # divisibility of n_embd by n_head and of n_head by n_kv_head is checked by MultiHeadAttention
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
 
 
 class MLP(nn.Module):
@@ -103,7 +67,11 @@ class Block(nn.Module):
     ) -> Tensor:
         """``masks``: causal (+ padding) masks, converted once per model call by :class:`TinyGPT`."""
         a = self.attn(
-            self.ln_1(x), attn_mask=masks, kv_cache=kv_cache, cache_positions=cache_positions, rope=rope,
+            self.ln_1(x),
+            attn_mask=masks,
+            kv_cache=kv_cache,
+            cache_positions=cache_positions,
+            rope=rope,
         )  # (B, T, E)
         x = x + self.resid_dropout(a)
         return x + self.mlp(self.ln_2(x))  # (B, T, E)
@@ -119,12 +87,14 @@ class TinyGPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+            )
+        )
         if config.position == "learned":
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         # The output embedding is wte itself (F.linear in forward), not a second nn.Linear
@@ -134,7 +104,8 @@ class TinyGPT(nn.Module):
         # contiguous (E, V) right operand is ~3x faster than for a transposed one (measured on
         # AMD EPYC, V=50257, E=256: 2.2 ms vs 6.9 ms), the largest matmul of a decode step.
         # Lookups, load_state_dict (copy_), .to() and optimizers all keep this layout.
-        self.transformer.wte.weight = nn.Parameter(torch.empty(config.n_embd, config.vocab_size).t())  # (V, E) view
+        wte = cast(nn.Embedding, self.transformer.wte)
+        wte.weight = nn.Parameter(torch.empty(config.n_embd, config.vocab_size).t())  # (V, E) view
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -145,8 +116,9 @@ class TinyGPT(nn.Module):
                 if isinstance(module, (nn.Linear, nn.Embedding)):
                     is_residual = name.endswith(("attn.out_proj", "mlp.c_proj"))
                     nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else 0.02)
-                    if getattr(module, "bias", None) is not None:
-                        nn.init.zeros_(module.bias)
+                    bias = getattr(module, "bias", None)  # nn.Embedding has none
+                    if bias is not None:
+                        nn.init.zeros_(bias)
                 elif isinstance(module, nn.LayerNorm):
                     nn.init.ones_(module.weight)
                     if module.bias is not None:
@@ -160,7 +132,8 @@ class TinyGPT(nn.Module):
     def kv_cache_bytes_per_token(self) -> int:
         """KV-cache bytes one token costs per sequence, all layers: 2 (K, V) * n_layer * G * D * itemsize."""
         c = self.config
-        itemsize = self.transformer.wte.weight.element_size()
+        assert c.n_kv_head is not None  # GPTConfig.__post_init__ fills it
+        itemsize = cast(nn.Embedding, self.transformer.wte).weight.element_size()
         return 2 * c.n_layer * c.n_kv_head * c.head_dim * itemsize
 
     def setup_caches(self, batch_size: int, max_len: int) -> nn.ModuleList:
@@ -170,7 +143,8 @@ class TinyGPT(nn.Module):
                 f"max_len={max_len} exceeds block_size={self.config.block_size}: the model has no position "
                 f"beyond {self.config.block_size - 1}; use max_len <= {self.config.block_size}."
             )
-        return nn.ModuleList(KVCache.for_module(block.attn, batch_size, max_len) for block in self.transformer.h)
+        blocks = cast(nn.ModuleList, self.transformer.h)
+        return nn.ModuleList(KVCache.for_module(cast(Block, block).attn, batch_size, max_len) for block in blocks)
 
     def _check_idx(self, idx: Tensor, positions: Tensor | None) -> None:
         if not isinstance(idx, Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
@@ -228,38 +202,54 @@ class TinyGPT(nn.Module):
         if positions is None:
             positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
         if caches is not None and len(caches) != self.config.n_layer:
-            raise ValueError(f"caches has {len(caches)} entries; expected one per layer, {self.config.n_layer} (use model.setup_caches).")
+            raise ValueError(
+                f"caches has {len(caches)} entries; expected one per layer, {self.config.n_layer} (use model.setup_caches)."
+            )
 
-        x = self.transformer.wte(idx)  # (B, T, E)
+        wte = cast(nn.Embedding, self.transformer.wte)
+        x = wte(idx)  # (B, T, E)
         rope = None
         if self.config.position == "learned":
-            x = x + self.transformer.wpe(positions)  # (B, T, E) + (T, E) or (B, T, E)
+            x = x + cast(nn.Embedding, self.transformer.wpe)(positions)  # (B, T, E) + (T, E) or (B, T, E)
         else:
-            rope = rope_cos_sin(positions, self.config.head_dim, base=self.config.rope_base, dtype=x.dtype)  # (..., T, D) each
-        x = self.transformer.drop(x)
+            rope = rope_cos_sin(
+                positions, self.config.head_dim, base=self.config.rope_base, dtype=x.dtype
+            )  # (..., T, D) each
+        x = cast(nn.Dropout, self.transformer.drop)(x)
         B, T = idx.shape
         if caches is None:
             k_len = T
         else:  # position mode attends over every slot; append mode over the filled ones after this call
-            k_len = caches[0].max_len if cache_positions is not None else caches[0].length + T
+            first = cast(KVCache, caches[0])
+            k_len = first.max_len if cache_positions is not None else first.length + T
         masks = prepare_masks(  # once per call, shared by every layer
-            None, key_padding_mask, True, batch=B, heads=self.config.n_head, q_len=T, k_len=k_len,
-            dtype=x.dtype, device=x.device, q_positions=cache_positions,
+            None,
+            key_padding_mask,
+            True,
+            batch=B,
+            heads=self.config.n_head,
+            q_len=T,
+            k_len=k_len,
+            dtype=x.dtype,
+            device=x.device,
+            q_positions=cache_positions,
         )
-        for i, block in enumerate(self.transformer.h):
+        for i, block in enumerate(cast(nn.ModuleList, self.transformer.h)):
             x = block(
-                x, masks, rope=rope, kv_cache=None if caches is None else caches[i], cache_positions=cache_positions,
+                x,
+                masks,
+                rope=rope,
+                kv_cache=None if caches is None else caches[i],
+                cache_positions=cache_positions,
             )  # (B, T, E)
         if only_last:
             x = x[:, -1:]  # (B, 1, E)
-        x = self.transformer.ln_f(x)
-        return F.linear(x, self.transformer.wte.weight)  # (B, T, E) @ (E, V) -> (B, T, V): tied output embedding
+        x = cast(nn.LayerNorm, self.transformer.ln_f)(x)
+        return F.linear(x, wte.weight)  # (B, T, E) @ (E, V) -> (B, T, V): tied output embedding
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """See :func:`attnlab.generate`; returns ``(B, T + new)`` ids, prompt first."""
-        from .generation import generate
-
         return generate(self, idx, max_new_tokens, **kwargs)
 
     @classmethod
@@ -268,6 +258,12 @@ class TinyGPT(nn.Module):
 
         A state dict does not say how many heads it has: pass ``n_head`` with one.
         """
-        from .hf_gpt2 import from_hf_gpt2
-
-        return from_hf_gpt2(model_or_state_dict, n_head=n_head)
+        config, state_dict = hf_gpt2.weights_from_hf(model_or_state_dict, n_head=n_head)
+        model = cls(config)
+        missing = sorted(set(model.state_dict()) - set(state_dict))
+        if missing:
+            raise KeyError(
+                f"the GPT-2 weights lack {missing[:4]}{' ...' if len(missing) > 4 else ''}; expected a complete GPT2LMHeadModel state dict."
+            )
+        model.load_state_dict(state_dict, strict=True)
+        return model

@@ -19,7 +19,9 @@ class CharTokenizer:
 
     def __init__(self, chars: str) -> None:
         if not chars or len(set(chars)) != len(chars):
-            raise ValueError(f"chars must be a non-empty string of distinct characters, got {len(chars)} chars with {len(chars) - len(set(chars))} repeats; use CharTokenizer.from_text(text).")
+            raise ValueError(
+                f"chars must be a non-empty string of distinct characters, got {len(chars)} chars with {len(chars) - len(set(chars))} repeats; use CharTokenizer.from_text(text)."
+            )
         self.chars = chars
         self._ids = {c: i for i, c in enumerate(chars)}
 

@@ -1,0 +1,144 @@
+"""The package's layering: imports only go down, and no two modules import each other.
+
+Layers, lowest first: ``core`` (the attention), ``models`` (decoders built on it), then ``check``
+and ``lab`` (each on its own), then ``bench`` and ``tools``, then the package root (``attnlab``,
+``attnlab.cli``). A module may import from a lower layer or from its own subpackage. Every import
+counts: top-level, inside functions, and under ``if TYPE_CHECKING:`` (an annotation that needs an
+upward import is a design smell just the same).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import attnlab
+
+PACKAGE_DIR = Path(attnlab.__file__).parent
+LAYERS = {"core": 0, "models": 1, "check": 2, "lab": 2, "bench": 3, "tools": 3}
+ROOT_LAYER = 4  # attnlab/__init__.py, cli.py, __main__.py
+
+
+def module_name(path: Path) -> str:
+    parts = ("attnlab", *path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
+    """``{module: {attnlab modules it imports}}``, read from the source with ``ast``."""
+    files = {module_name(p): p for p in package_dir.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name.split(".")[0] == "attnlab")
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    source = ".".join([*base, node.module] if node.module else base)
+                else:
+                    source = node.module or ""
+                if source.split(".")[0] != "attnlab":
+                    continue
+                targets.add(source)
+                # `from . import functional` imports a module, not a name of the package
+                targets.update(f"{source}.{a.name}" for a in node.names if f"{source}.{a.name}" in files)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """``(layer, subpackage)`` of a dotted module name."""
+    parts = module.split(".")
+    sub = parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else ""
+    return (LAYERS[sub], sub) if sub in LAYERS else (ROOT_LAYER, "<root>")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in graph.items():
+        src_layer, src_sub = layer_of(src)
+        for dst in targets:
+            dst_layer, dst_sub = layer_of(dst)
+            if dst_sub == src_sub:
+                continue  # within one subpackage (or among the root's entry points); cycles are checked apart
+            if dst_layer >= src_layer:
+                bad.append(f"{src} (layer {src_layer}) imports {dst} (layer {dst_layer})")
+    return sorted(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "attnlab.core.functional" in graph["attnlab.core.attention"]  # `from . import functional`
+    assert "attnlab.core.kv_cache" in graph["attnlab.check.adapters"]  # `from ..core.kv_cache import ...`
+    assert "attnlab.lab.config" in graph["attnlab.bench.train"]  # an import inside a function
+    assert len(graph) >= 40
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_imports_only_go_down():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    fake = {
+        "attnlab.core.attention": {"attnlab.core.interop"},
+        "attnlab.core.interop": {"attnlab.core.attention"},
+        "attnlab.core.masks": {"attnlab.models.gpt"},
+        "attnlab.models.gpt": {"attnlab.core.masks"},
+        "attnlab.lab.train": {"attnlab.check.suite"},
+    }
+    assert cycles(fake) == [
+        ["attnlab.core.attention", "attnlab.core.interop"],
+        ["attnlab.core.masks", "attnlab.models.gpt"],
+    ]
+    assert upward_imports(fake) == [
+        "attnlab.core.masks (layer 0) imports attnlab.models.gpt (layer 1)",
+        "attnlab.lab.train (layer 2) imports attnlab.check.suite (layer 2)",
+    ]
+
+
+def test_every_module_lives_in_a_layer():
+    """New files go in a subpackage; only the entry points sit at the root."""
+    roots = sorted(m for m in import_graph() if layer_of(m)[0] == ROOT_LAYER)
+    assert roots == ["attnlab", "attnlab.__main__", "attnlab.cli"]
