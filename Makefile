@@ -20,8 +20,8 @@ demo: $(STAMP)
 
 # ruff (lint + format check) and mypy (strict on src/attnlab/core); `ruff format src tests` fixes formatting
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff format --check src tests scripts
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -49,6 +49,15 @@ class TinyAttention(nn.Module):
         weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
         return weights.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # a query with no key attends to nothing
 
+    def clear_padded_values(self, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """Zero the padded rows of V ``(B, H, T_k, D)``: a pad row may hold NaN or inf (an unwritten
+        buffer), and its weight 0 times NaN is still NaN. (A NaN score of a padded key is already
+        replaced by the mask fill.)"""
+        return v if key_padding_mask is None else v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+
+    def attn_dropout(self, weights: Tensor) -> Tensor:
+        return F.dropout(weights, self.dropout, self.training)  # scales the kept weights by 1/(1-p)
+
     def merge(self, context: Tensor) -> Tensor:
         B, H, T, D = context.shape
         return context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, E)
@@ -61,9 +70,10 @@ class TinyAttention(nn.Module):
         q = self.q_proj(query).view(B, T_q, H, E // H).transpose(1, 2)  # (B, H, T_q, D)
         k = self.k_proj(key).view(B, T_k, H, E // H).transpose(1, 2)  # (B, H, T_k, D)
         v = self.v_proj(value).view(B, T_k, H, E // H).transpose(1, 2)  # (B, H, T_k, D)
+        v = self.clear_padded_values(v, key_padding_mask)
         scores = q @ k.transpose(-2, -1) * self.score_scale()  # (B, H, T_q, T_k)
         weights = self.softmax(scores, self.keep(attn_mask, key_padding_mask, is_causal, B, T_q, T_k))
-        weights = F.dropout(weights, self.dropout, self.training)
+        weights = self.attn_dropout(weights)
         return self.out_proj(self.merge(weights @ v))  # (B, H, T_q, D) -> (B, T_q, E)
 
 

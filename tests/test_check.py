@@ -193,6 +193,10 @@ def test_torch_mha_findings(batch_first):
     # Found: with need_weights=True (torch's default) a fully masked query row is NaN, with or
     # without autograd (pytorch issues 41508, 152028). Everything else agrees with the reference.
     assert statuses.pop("fully_masked_rows") == "fail"
+    # Found: NaN or inf in a padded key/value row makes every output NaN, padded or not: the padded
+    # key's score is NaN before the -inf of key_padding_mask is added, and NaN + -inf = NaN.
+    assert statuses.pop("padded_kv_nonfinite") == "fail"
+    assert "nan self: 384 NaN/inf outputs" in report["padded_kv_nonfinite"].detail  # all 12 real queries, E=16, 2 modes
     nan_row = 2 * 16  # query 2 of both sequences, all E=16 features: exactly the fully masked row
     assert (
         report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
@@ -254,8 +258,8 @@ def test_cli_torch_exits_1_on_its_fully_masked_rows(capsys):
     code, data = _json_run(capsys, "--target", "torch", "--embed-dim", "16")
     assert code == 1 and not data["ok"]
     failed = [row for row in data["reports"][0]["results"] if row["status"] == "fail"]
-    assert [row["name"] for row in failed] == ["fully_masked_rows"]
-    assert failed[0]["measured"] == "inf"  # JSON has no inf: written as a string
+    assert [row["name"] for row in failed] == ["padded_kv_nonfinite", "fully_masked_rows"]
+    assert {row["measured"] for row in failed} == {"inf"}  # JSON has no inf: written as a string
 
 
 @pytest.mark.parametrize("factory", ["check_factories:tiny", "check_factories:seq_first_adapter"])
@@ -263,10 +267,15 @@ def test_cli_user_factory(capsys, factory):
     code, data = _json_run(capsys, "--target", factory, "--embed-dim", "8")
     assert code == 0, data
     report = data["reports"][0]
-    skipped = {row["name"] for row in report["results"] if row["status"] == "skip"}
-    assert skipped == {"kv_cache"}  # the user's module has no cache: skipped with a reason
+    skipped = {row["name"]: row["detail"] for row in report["results"] if row["status"] == "skip"}
     if factory.endswith(":tiny"):
+        assert set(skipped) == {"kv_cache"}  # the user's module has no cache: skipped with a reason
         assert report["config"]["embed_dim"] == 8  # --embed-dim reached the factory
+        head_dims = next(row for row in report["results"] if row["name"] == "parity_head_dims")
+        assert "rebuilt with H=4, G=4" in head_dims["detail"]  # through the factory, with --num-heads 4
+    else:  # a factory that takes no sizes: the target cannot be rebuilt at other head dims
+        assert set(skipped) == {"kv_cache", "parity_head_dims"}
+        assert "factory takes no embed_dim or num_heads" in skipped["parity_head_dims"]
 
 
 def test_cli_table(capsys):

@@ -62,11 +62,12 @@ def test_output_embedding_is_tied_and_saved_once():
 def test_gpt2_init_scales_residual_projections():
     model = TinyGPT(GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=4, n_embd=128))
     block = model.transformer.h[0]
-    assert abs(block.attn.in_proj.weight.std().item() - 0.02) < 0.002
+    for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+        assert abs(proj.weight.std().item() - 0.02) < 0.002
     expected = 0.02 / math.sqrt(2 * 8)
     for w in (block.attn.out_proj.weight, block.mlp.c_proj.weight):
         assert abs(w.std().item() - expected) < 0.1 * expected
-    assert torch.all(block.attn.in_proj.bias == 0) and torch.all(block.ln_1.weight == 1)
+    assert torch.all(block.attn.q_proj.bias == 0) and torch.all(block.ln_1.weight == 1)
     assert isinstance(block.mlp.gelu, torch.nn.GELU) and block.mlp.gelu.approximate == "tanh"
 
 

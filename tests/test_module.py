@@ -41,19 +41,16 @@ def test_cross_attention_other_length_and_width():
     out, w = mha(q, k, v, need_weights=True)
     assert out.shape == (2, 5, 16) and w.shape == (2, 4, 5, 9)
     assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5))
-    assert not mha.fused_qkv and isinstance(mha.k_proj, nn.Linear) and mha.k_proj.weight.shape == (16, 12)
+    assert isinstance(mha.k_proj, nn.Linear) and mha.k_proj.weight.shape == (16, 12)
 
 
-def test_fused_projection_slices_share_storage_with_in_proj():
+def test_projections_are_linear_children_owning_their_parameters():
     mha = MultiHeadAttention(16, 4, num_kv_heads=2)
-    assert mha.in_proj.weight.shape == (16 + 2 * 8, 16)
-    assert mha.k_proj.weight.shape == (8, 16)
-    with torch.no_grad():
-        mha.k_proj.weight.fill_(3.0)
-    assert torch.all(mha.in_proj.weight[16:24] == 3.0)
-    assert torch.all(mha.in_proj.weight[24:] != 3.0)
-    x = torch.randn(1, 4, 16)
-    assert torch.allclose(mha.k_proj(x), x @ mha.in_proj.weight[16:24].T + mha.in_proj.bias[16:24])
+    assert all(type(getattr(mha, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+    assert mha.k_proj.weight.shape == (8, 16) and mha.v_proj.weight.shape == (8, 16)
+    assert [n for n, _ in mha.named_parameters()] == [
+        f"{p}.{k}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for k in ("weight", "bias")
+    ]
 
 
 def test_init_is_xavier_per_projection_with_zero_bias():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -61,7 +63,8 @@ def test_parity_with_torch_mha(bias, mode, mask):
 
 def test_parity_with_seq_first_torch_module():
     t = nn.MultiheadAttention(16, 2, batch_first=False).eval()
-    ours = MultiHeadAttention.from_torch(t)
+    with pytest.warns(UserWarning, match=r"sequence-first .* always batch-first .* attnlab.compat.MultiheadAttention"):
+        ours = MultiHeadAttention.from_torch(t)
     x = torch.randn(2, 5, 16)
     ref, _ = t(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))
     assert (ours(x) - ref.transpose(0, 1)).abs().max() <= TOL
@@ -84,7 +87,9 @@ def test_to_torch_round_trip(batch_first, kv_heads, kdim, scale):
     out = out if batch_first else out.transpose(0, 1)
     assert (out - ref).abs().max() <= TOL
     if kv_heads == 4 and scale is None:  # plain MHA comes back unchanged
-        back = MultiHeadAttention.from_torch(t)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the seq-first warning is tested above
+            back = MultiHeadAttention.from_torch(t)
         for a, b in zip(back.state_dict().values(), ours.state_dict().values(), strict=True):
             assert torch.equal(a, b)
 
@@ -97,6 +102,12 @@ def test_from_torch_refuses_what_it_cannot_represent():
 
 
 def test_from_torch_keeps_dtype_and_dropout():
-    t = nn.MultiheadAttention(16, 2, dropout=0.25, dtype=torch.float64)
+    t = nn.MultiheadAttention(16, 2, dropout=0.25, dtype=torch.float64, batch_first=True)
     ours = MultiHeadAttention.from_torch(t)
     assert ours.out_proj.weight.dtype == torch.float64 and ours.dropout == 0.25
+
+
+def test_batch_first_torch_module_converts_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(16, 2, batch_first=True))

@@ -28,8 +28,8 @@ def test_math_cross_attention_every_row():
         ("input", [B, T, E], "input"),
         ("input", [B, TK, E], "input"),
         ("Q projection", [B, T, E], "new"),
-        ("K/V projection (one GEMM)", [B, TK, 2 * E], "new"),
-        ("split K, V", [[B, TK, E], [B, TK, E]], "view"),
+        ("K projection", [B, TK, E], "new"),
+        ("V projection", [B, TK, E], "new"),
         ("split heads (view)", [B, T, H, D], "view"),
         ("heads to dim 1 (transpose)", [B, H, T, D], "view"),
         ("split heads (view)", [B, TK, H, D], "view"),
@@ -57,9 +57,13 @@ def test_self_attention_gqa_causal_padding_dropout():
         mha(torch.randn(B, T, E), key_padding_mask=pad, is_causal=True)
     rows = _rows(calls)
     kv = 2 * D
-    assert rows[1] == ("Q/K/V projection (one GEMM)", [B, T, E + 2 * kv], "new")
-    assert rows[2] == ("split Q, K, V", [[B, T, E], [B, T, kv], [B, T, kv]], "view")
+    assert rows[1:4] == [
+        ("Q projection", [B, T, E], "new"),
+        ("K projection", [B, T, kv], "new"),
+        ("V projection", [B, T, kv], "new"),
+    ]  # seed 000's three Linears
     stages = [r[0] for r in rows]
+    assert stages.count("zero padded keys/values (no NaN via 0 weights)") == 2
     assert stages.count("GQA: repeat K/V heads") == 2
     assert ("GQA: repeat K/V heads", [B, H, T, D], "new") in rows
     order = [
@@ -115,7 +119,7 @@ def test_trace_leaves_nothing_installed_after_an_error():
 def test_cli_trace_defaults_to_seed_000(capsys):
     assert main(["trace"]) == 0
     out = capsys.readouterr().out
-    for shape in ("[2, 10, 192]", "[2, 10, 8, 8]", "[2, 8, 10, 8]", "[2, 8, 10, 10]", "[2, 10, 64]"):
+    for shape in ("[2, 10, 64]", "[2, 10, 8, 8]", "[2, 8, 10, 8]", "[2, 8, 10, 10]", "[2, 10, 64]"):
         assert shape in out
 
 
@@ -151,3 +155,24 @@ def test_cli_trace_reports_bad_sizes_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("attnlab: error: is_causal=True needs T_q <= T_k, got T_q=7 queries and T_k=5 keys")
     assert "Traceback" not in err
+
+
+def test_many_rows_trace_the_one_gemm_projection():
+    """Above FUSED_QKV_MIN_ROWS rows, self-attention runs Q, K and V as one GEMM; the trace says so."""
+    from attnlab.core.attention import FUSED_QKV_MIN_ROWS
+
+    mha = MultiHeadAttention(E, H, backend="sdpa")
+    with trace(mha) as calls:
+        mha(torch.randn(1, FUSED_QKV_MIN_ROWS, E))
+    rows = _rows(calls)
+    assert rows[1] == ("Q/K/V projection (one GEMM)", [1, FUSED_QKV_MIN_ROWS, 3 * E], "new")
+    assert rows[2][0] == "split Q, K, V"
+
+
+def test_low_precision_math_shows_the_float32_accumulation():
+    mha = MultiHeadAttention(E, H, backend="math", dtype=torch.bfloat16)
+    with trace(mha) as calls:
+        mha(torch.randn(B, T, E, dtype=torch.bfloat16))
+    stages = [r.stage for r in calls[0].rows]
+    assert "to float32 (accumulate)" in stages and "back to bfloat16" in stages
+    assert stages.index("to float32 (accumulate)") < stages.index("scores = Q K^T") < stages.index("back to bfloat16")

@@ -110,7 +110,7 @@ class FlashAttnPeer(Floor):
 def _copy_weights(ours: MultiHeadAttention, linears: tuple[nn.Linear, ...]) -> None:
     with torch.no_grad():
         for src, dst in zip((ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj), linears, strict=True):
-            dst.weight.copy_(cast(Tensor, src.weight))  # q/k/v_proj are typed nn.Module (Linear or a slice)
+            dst.weight.copy_(cast(Tensor, src.weight))  # q/k/v_proj are typed nn.Module (a user may swap one)
             dst.bias.copy_(cast(Tensor, src.bias))
 
 

@@ -29,7 +29,12 @@ Optional (each missing one skips the checks that need it, with the reason):
     handed to the module untranslated, for the mask-semantics probe;
     ``decode_with_cache(x, chunks) -> (B, T, E)``: causal self-attention of ``x`` fed in
     chunks of the given lengths through the module's KV cache;
-    ``cast(dtype) -> adapter``: a copy of the target in another dtype.
+    ``cast(dtype) -> adapter``: a copy of the target in another dtype;
+    ``resized(embed_dim, num_heads, num_kv_heads) -> adapter``: a fresh target of the same
+    kind at another size (its own new weights), for the checks at other head dims and head
+    layouts (:class:`AttentionAdapter` builds it with ``factory`` when one is set);
+    ``parameters() -> list[Tensor]``: the target's trainable tensors, whose gradients the
+    deterministic-backward check compares too (default: none).
     A capability method may raise :class:`Unsupported` with the reason instead.
 
 Subclass :class:`AttentionAdapter` to get those defaults. A plain ``nn.Module`` that follows
@@ -44,16 +49,26 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, SupportsInt, cast
 
 import torch
 from torch import Tensor, nn
 
+from ..core.attention import Backend, MultiHeadAttention
 from ..core.functional import causal_keep
 from ..core.kv_cache import KVCache
 
-__all__ = ["AttentionAdapter", "ModuleAdapter", "Projections", "TorchMHAAdapter", "Unsupported", "as_adapter"]
+__all__ = [
+    "AttentionAdapter",
+    "ModuleAdapter",
+    "Projections",
+    "TorchMHAAdapter",
+    "Unsupported",
+    "as_adapter",
+    "call_factory",
+]
 
 
 class Unsupported(Exception):
@@ -82,8 +97,15 @@ class Projections:
         return Projections(*(cast(getattr(self, f)) for f in self.__dataclass_fields__))  # type: ignore[arg-type]
 
 
+def call_factory(factory: Callable[..., object], **kwargs: object) -> object:
+    """``factory`` called with whichever of ``kwargs`` its signature names (how ``--target`` builds)."""
+    params = inspect.signature(factory).parameters
+    return factory(**{k: v for k, v in kwargs.items() if k in params})
+
+
 class AttentionAdapter:
-    """Base class of adapters: the protocol above with every optional capability declined."""
+    """Base class of adapters: the protocol above with every optional capability declined,
+    except ``resized``, which works when ``factory`` is set."""
 
     name: str = "target"
     embed_dim: int
@@ -95,6 +117,9 @@ class AttentionAdapter:
     supports_cross_attention: bool = True
     bool_mask_convention: Literal["keep", "block"] | None = None
     dropout_p: float = 0.0
+    # What built the target, called with whichever of embed_dim, num_heads, num_kv_heads and
+    # dropout it names, returning a module or an adapter: lets ``resized`` build other sizes.
+    factory: Callable[..., object] | None = None
 
     @property
     def scale(self) -> float:
@@ -128,6 +153,37 @@ class AttentionAdapter:
 
     def cast(self, dtype: torch.dtype) -> AttentionAdapter:
         raise Unsupported(f"{type(self).__name__} does not implement cast(dtype)")
+
+    def parameters(self) -> list[Tensor]:
+        return []
+
+    def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
+        """A fresh target at ``(E, H, G) = (embed_dim, num_heads, num_kv_heads)``, built by ``factory``."""
+        if self.factory is None:
+            raise Unsupported(
+                f"{self.name} cannot be rebuilt at another size: give its adapter a factory "
+                f"(ModuleAdapter(module, factory=...), or attnlab check --target package.module:factory)"
+            )
+        params = inspect.signature(self.factory).parameters
+        needs = ["embed_dim", "num_heads"] + (["num_kv_heads"] if num_kv_heads != num_heads else [])
+        missing = [n for n in needs if n not in params]
+        if missing:
+            raise Unsupported(f"the target's factory takes no {' or '.join(missing)}")
+        built = as_adapter(
+            call_factory(
+                self.factory,
+                embed_dim=embed_dim,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                dropout=self.dropout_p,
+            )
+        )
+        got = (built.embed_dim, built.num_heads, built.num_kv_heads)
+        if got != (embed_dim, num_heads, num_kv_heads):
+            raise Unsupported(
+                f"the target's factory was asked for (E, H, G) = {(embed_dim, num_heads, num_kv_heads)} and built {got}"
+            )
+        return built
 
 
 def _first(out: Tensor | tuple) -> Tensor:
@@ -171,11 +227,16 @@ class ModuleAdapter(AttentionAdapter):
             is_causal)`` with a bool ``attn_mask`` where True = may attend. A ``kv_cache``
             keyword in ``forward`` enables the KV-cache check (an :class:`attnlab.KVCache` is used).
         name: shown in the report.
+        factory: builds the module at another size, for the checks at other head dims and
+            head layouts (see :attr:`AttentionAdapter.factory`). Not needed for attnlab's own
+            ``MultiHeadAttention``, which is rebuilt through its constructor.
     """
 
     bool_mask_convention = "keep"
 
-    def __init__(self, module: nn.Module, *, name: str | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, *, name: str | None = None, factory: Callable[..., object] | None = None
+    ) -> None:
         missing = [
             a for a in ("embed_dim", "num_heads", "q_proj", "k_proj", "v_proj", "out_proj") if not hasattr(module, a)
         ]
@@ -184,7 +245,7 @@ class ModuleAdapter(AttentionAdapter):
                 f"module {type(module).__name__} lacks {missing}; a plain nn.Module is checked only if it "
                 f"follows attnlab's convention (see attnlab.check.adapters), otherwise wrap it in an AttentionAdapter."
             )
-        self.module = module
+        self.module, self.factory = module, factory
         backend = getattr(module, "backend", None)
         self.name = name or type(module).__name__ + (f"(backend={backend!r})" if isinstance(backend, str) else "")
         conv = cast(_ConventionModule, module)  # the attributes checked just above
@@ -235,7 +296,29 @@ class ModuleAdapter(AttentionAdapter):
         return torch.cat(outs, dim=1)  # (B, T, E)
 
     def cast(self, dtype: torch.dtype) -> ModuleAdapter:
-        return type(self)(copy.deepcopy(self.module).to(dtype), name=self.name)
+        return type(self)(copy.deepcopy(self.module).to(dtype), name=self.name, factory=self.factory)
+
+    def parameters(self) -> list[Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
+        m = self.module
+        if self.factory is not None or not isinstance(m, MultiHeadAttention):
+            return super().resized(embed_dim, num_heads, num_kv_heads)
+        proj = self.projections()
+        default_scale = m.scale == 1.0 / math.sqrt(m.head_dim)
+        built = MultiHeadAttention(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=m.dropout,
+            bias=proj.out_bias is not None,
+            scale=None if default_scale else m.scale,  # a custom scale is kept as it is
+            backend=cast(Backend, m.backend),  # validated when it was set
+            device=proj.out_weight.device,
+            dtype=proj.out_weight.dtype,
+        )
+        return type(self)(built.train(m.training), name=self.name)
 
 
 class TorchMHAAdapter(AttentionAdapter):
@@ -309,6 +392,24 @@ class TorchMHAAdapter(AttentionAdapter):
 
     def cast(self, dtype: torch.dtype) -> TorchMHAAdapter:
         return TorchMHAAdapter(copy.deepcopy(self.module).to(dtype), need_weights=self.need_weights)
+
+    def parameters(self) -> list[Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> TorchMHAAdapter:
+        if num_kv_heads != num_heads:
+            raise Unsupported("torch.nn.MultiheadAttention has no GQA/MQA (num_kv_heads < num_heads)")
+        m, weight = self.module, self.module.out_proj.weight
+        built = nn.MultiheadAttention(
+            embed_dim,
+            num_heads,
+            dropout=m.dropout,
+            bias=m.in_proj_bias is not None,
+            batch_first=m.batch_first,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        return TorchMHAAdapter(built.train(m.training), need_weights=self.need_weights)
 
 
 def as_adapter(target: object) -> AttentionAdapter:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
 from typing import Literal, TypeVar
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from ..core.attention import Backend, MultiHeadAttention
-from .adapters import AttentionAdapter, TorchMHAAdapter, as_adapter
+from .adapters import AttentionAdapter, TorchMHAAdapter, as_adapter, call_factory
 from .report import print_tables, to_json
 from .suite import CHECKS, run_checks
 
@@ -53,18 +52,20 @@ def _factory_target(spec: str, kwargs: dict) -> AttentionAdapter:
         raise TargetError(
             f"--target {spec!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module or an adapter."
         )
-    params = inspect.signature(factory).parameters
     try:
-        built = factory(**{k: v for k, v in kwargs.items() if k in params})
+        built = call_factory(factory, **kwargs)
     except Exception as e:  # the user's code: show its complaint in one line, not a traceback
         raise TargetError(
             f"--target {spec!r}: calling {attr}() raised {type(e).__name__}: {e}; a factory takes no arguments "
             f"besides any of {sorted(kwargs)} and returns an nn.Module or an adapter."
         ) from None
     try:
-        return as_adapter(built)
+        adapter = as_adapter(built)
     except TypeError as e:
         raise TargetError(f"--target {spec!r}: {e}") from None
+    if isinstance(adapter, AttentionAdapter) and adapter.factory is None:
+        adapter.factory = factory  # the head-dim and head-layout checks rebuild the target through it
+    return adapter
 
 
 def _targets(
@@ -116,7 +117,8 @@ def check(
     Args:
         target: 'attnlab', 'torch' (torch.nn.MultiheadAttention) or 'package.module:factory'
             (returns an nn.Module following attnlab's convention, or an adapter; called with
-            whichever of embed_dim, num_heads, num_kv_heads, dropout it accepts).
+            whichever of embed_dim, num_heads, num_kv_heads, dropout it accepts; one that takes
+            embed_dim and num_heads is also called at other sizes, for the head-dim checks).
         backend: attnlab backends to audit ('both' = math and sdpa).
         json: print JSON for CI instead of tables.
         embed_dim: E.

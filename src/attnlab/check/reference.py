@@ -110,12 +110,15 @@ def plain_attention(
     num_kv_heads: int,
     scale: float,
     keep_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
 ) -> Tensor:
     """Textbook eager attention run entirely in the inputs' dtype, softmax included.
 
     The yardstick of the low-precision check (flash-attention's method): what a plain PyTorch
     implementation loses in bf16/fp16 is the error budget a module may spend, twice over.
+    Differentiable: its input gradients are the yardstick of the backward pass likewise. A
+    query with no visible key gives NaN here: the checks never build one.
     """
     q, k, v = _project(p.to(query.dtype), query, key, value, num_heads, num_kv_heads)
     rep = num_heads // num_kv_heads
@@ -123,7 +126,13 @@ def plain_attention(
     v = v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
     keep = combined_keep(
-        query.size(0), query.size(1), key.size(1), keep_mask=keep_mask, is_causal=is_causal, device=query.device
+        query.size(0),
+        query.size(1),
+        key.size(1),
+        keep_mask=keep_mask,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        device=query.device,
     )
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))

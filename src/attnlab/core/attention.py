@@ -7,7 +7,7 @@ D = E // H head dim. The module is always batch-first.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,35 +25,17 @@ if TYPE_CHECKING:
 __all__ = ["Backend", "MultiHeadAttention"]
 
 
-class ProjectionSlice(nn.Module):
-    """Rows ``[start, stop)`` of the fused ``in_proj``: reads and runs like an ``nn.Linear``.
+# Below this many query rows (B * T), Q, K and V run as three GEMMs: concatenating the three
+# weights costs a copy of every weight, which a decode step (B rows) would pay on each call,
+# while above it the copy is a small fraction of one GEMM of that many rows.
+FUSED_QKV_MIN_ROWS = 1024
 
-    Owns no parameter: ``weight``/``bias`` are views of the fused ones, so writing into them
-    (``with torch.no_grad(): mha.q_proj.weight.copy_(w)``) updates the module.
-    """
 
-    _fused: nn.Linear
-
-    def __init__(self, fused: nn.Linear, start: int, stop: int) -> None:
-        super().__init__()
-        self.__dict__["_fused"] = fused  # a plain reference, not a child: no duplicate state_dict key
-        self.start, self.stop = start, stop
-        self.in_features, self.out_features = fused.in_features, stop - start
-
-    @property
-    def weight(self) -> Tensor:
-        return self._fused.weight[self.start : self.stop]  # (out_features, in_features)
-
-    @property
-    def bias(self) -> Tensor | None:
-        b = self._fused.bias
-        return None if b is None else b[self.start : self.stop]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows=[{self.start}:{self.stop}] of in_proj"
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` as torch ships it, with no hook: only then may its GEMM be merged with
+    another's. A LoRA wrapper, a quantized or parametrized Linear, or a forward hook, each means
+    the module's own ``forward`` must run."""
+    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 class MultiHeadAttention(nn.Module):
@@ -87,11 +69,21 @@ class MultiHeadAttention(nn.Module):
     ``out_proj.bias``) and weights of zeros, with finite gradients, on every backend.
 
     After each call, ``last_backend`` says which backend ran and ``last_backend_reason`` why
-    the fused one was not taken (None when it was).
+    the fused one was not taken, or how it was adapted (None when it ran as it is): fp16/bf16
+    on a CPU computes in float32, faster and more exact there (measured: see
+    :func:`attnlab.core.functional.sdpa_compute_dtype`).
 
-    The projections ``q_proj``, ``k_proj``, ``v_proj`` are ``nn.Linear``-like. When
-    ``kdim == vdim == embed_dim`` they are row slices of one fused ``in_proj`` (Q rows, then K,
-    then V) so that self-attention computes Q, K and V with a single GEMM.
+    Precision: every backend accumulates scores, softmax and ``weights @ V`` in float32 at least,
+    so fp16/bf16 neither overflow nor lose more than plain PyTorch does in that precision.
+
+    The projections ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are ordinary
+    ``nn.Linear`` children that own their parameters: replace or wrap any of them (LoRA, a
+    quantized Linear, a hook) and the module runs it. While all three input projections are
+    plain ``nn.Linear`` without hooks, self-attention on many rows computes Q, K and V with one
+    GEMM on their concatenated weights (same result, fewer passes over the input).
+
+    State dicts written before the projections were separate (one ``in_proj`` weight, rows Q
+    then K then V) still load: ``in_proj.*`` keys are split on load.
     """
 
     def __init__(
@@ -127,22 +119,13 @@ class MultiHeadAttention(nn.Module):
         self.last_backend_reason: str | None = None
 
         factory = {"device": device, "dtype": dtype}
-        self.fused_qkv = kdim == embed_dim and vdim == embed_dim
-        self.q_proj: nn.Module
-        self.k_proj: nn.Module
-        self.v_proj: nn.Module
-        if self.fused_qkv:
-            # One (E + 2*G*D, E) weight: rows [0, E) are Q, then K, then V.
-            self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * self.kv_dim, bias=bias, **factory)
-            self.q_proj = ProjectionSlice(self.in_proj, 0, embed_dim)
-            self.k_proj = ProjectionSlice(self.in_proj, embed_dim, embed_dim + self.kv_dim)
-            self.v_proj = ProjectionSlice(self.in_proj, embed_dim + self.kv_dim, embed_dim + 2 * self.kv_dim)
-        else:
-            self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-            self.k_proj = nn.Linear(kdim, self.kv_dim, bias=bias, **factory)
-            self.v_proj = nn.Linear(vdim, self.kv_dim, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        # Typed as nn.Module: a user may swap in any module computing (..., in) -> (..., out).
+        self.q_proj: nn.Module = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)  # E -> H*D
+        self.k_proj: nn.Module = nn.Linear(kdim, self.kv_dim, bias=bias, **factory)  # kdim -> G*D
+        self.v_proj: nn.Module = nn.Linear(vdim, self.kv_dim, bias=bias, **factory)  # vdim -> G*D
+        self.out_proj: nn.Module = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)  # H*D -> E
         self.reset_parameters()
+        self.register_load_state_dict_pre_hook(_split_fused_in_proj)  # type: ignore[no-untyped-call]  # unannotated in torch
 
     @property
     def backend(self) -> str:
@@ -158,44 +141,58 @@ class MultiHeadAttention(nn.Module):
         """Xavier-uniform weights and zero biases, each projection on its own fan (seed 002)."""
         with torch.no_grad():
             for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-                assert isinstance(proj.weight, Tensor) and isinstance(proj.bias, Tensor | None)
-                nn.init.xavier_uniform_(proj.weight)
-                if proj.bias is not None:
-                    proj.bias.zero_()
+                weight, bias = getattr(proj, "weight", None), getattr(proj, "bias", None)
+                if isinstance(weight, Tensor):  # a swapped-in module may hold its weights elsewhere
+                    nn.init.xavier_uniform_(weight)
+                if isinstance(bias, Tensor):
+                    bias.zero_()
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
         if self.num_kv_heads != self.num_heads:
             s += f", num_kv_heads={self.num_kv_heads}"
-        if not self.fused_qkv:
+        if (self.kdim, self.vdim) != (self.embed_dim, self.embed_dim):
             s += f", kdim={self.kdim}, vdim={self.vdim}"
         return s + f", dropout={self.dropout}, backend={self.backend!r}"
 
     # -- forward -------------------------------------------------------------------------
+    def _a_weight(self) -> Tensor:
+        """A parameter whose device and dtype the inputs must match: ``out_proj.weight`` unless a
+        swapped-in ``out_proj`` keeps its weights elsewhere."""
+        w = getattr(self.out_proj, "weight", None)
+        return w if isinstance(w, Tensor) else next(self.parameters())
+
+    def _fusable(self, query: Tensor, key: Tensor, value: Tensor) -> bool:
+        """Whether Q, K and V may come from one GEMM: self-attention on many rows, three plain
+        Linears (see :func:`_plain_linear`) alike in bias, dtype and device, no global hooks."""
+        if not (key is query and value is query) or query.numel() < FUSED_QKV_MIN_ROWS * self.embed_dim:
+            return False
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(_plain_linear(p) for p in projs) or _global_module_hooks():
+            return False
+        weights = [p.weight for p in projs]
+        biases = [p.bias for p in projs]
+        same = all(w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights)
+        return same and (all(b is None for b in biases) or all(b is not None for b in biases))
+
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V projections: (B, T_q, E), (B, T_k, G*D), (B, T_k, G*D), in as few GEMMs as allowed."""
-        if not self.fused_qkv:
-            q: Tensor = self.q_proj(query)  # (B, T_q, E)
-            k: Tensor = self.k_proj(key)  # (B, T_k, KV)
-            v: Tensor = self.v_proj(value)  # (B, T_k, KV)
-            return q, k, v
-        w, b = self.in_proj.weight, self.in_proj.bias
-        E, KV = self.embed_dim, self.kv_dim
-        if key is query and value is query:  # self-attention: one GEMM for Q, K and V
-            qkv = F.linear(query, w, b)  # (B, T, E + 2*KV)
-            q, k, v = torch.split(qkv, [E, KV, KV], dim=-1)  # views: (B, T, E), (B, T, KV), (B, T, KV)
-            return q, k, v
-        q = F.linear(query, w[:E], None if b is None else b[:E])  # (B, T_q, E)
-        if value is key:  # cross-attention on one context: K and V in one GEMM
-            kv = F.linear(key, w[E:], None if b is None else b[E:])  # (B, T_k, 2*KV)
-            k, v = torch.split(kv, [KV, KV], dim=-1)  # views: (B, T_k, KV) each
-            return q, k, v
-        k = F.linear(key, w[E : E + KV], None if b is None else b[E : E + KV])  # (B, T_k, KV)
-        v = F.linear(value, w[E + KV :], None if b is None else b[E + KV :])  # (B, T_k, KV)
+        """Q, K, V projections: (B, T_q, E), (B, T_k, G*D), (B, T_k, G*D)."""
+        if self._fusable(query, key, value):
+            E, KV = self.embed_dim, self.kv_dim
+            qp, kp, vp = cast(nn.Linear, self.q_proj), cast(nn.Linear, self.k_proj), cast(nn.Linear, self.v_proj)
+            w = torch.cat([qp.weight, kp.weight, vp.weight])  # (E + 2*KV, E): rows Q, then K, then V
+            b = None if qp.bias is None else torch.cat([qp.bias, kp.bias, vp.bias])  # (E + 2*KV,)
+            qkv = F.linear(query, w, b)  # (B, T, E + 2*KV): one GEMM
+            qf, kf, vf = torch.split(qkv, [E, KV, KV], dim=-1)  # views: (B, T, E), (B, T, KV), (B, T, KV)
+            return qf, kf, vf
+        q: Tensor = self.q_proj(query)  # (B, T_q, E)
+        k: Tensor = self.k_proj(key)  # (B, T_k, KV)
+        v: Tensor = self.v_proj(value)  # (B, T_k, KV)
         return q, k, v
 
     def _choose_backend(self, need_weights: bool) -> tuple[str, str | None]:
-        """The backend for this call and, when it is not the fused one, why."""
+        """The backend for this call and, when it is not the fused one, why (see
+        :func:`functional.sdpa_compute_dtype` for how the fused one may be adapted)."""
         if self.backend == "math":
             return "math", "backend='math' was requested"
         if need_weights:
@@ -248,7 +245,7 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        check_forward_inputs(self, self.out_proj.weight, query, key, value, kv_cache, cache_positions, rope)
+        check_forward_inputs(self, self._a_weight(), query, key, value, kv_cache, cache_positions, rope)
         B, T_q, _ = query.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
 
@@ -273,24 +270,47 @@ class MultiHeadAttention(nn.Module):
             device=q.device,
             q_positions=cache_positions,
         )
+        if key_padding_mask is not None and kv_cache is None:
+            # Padded keys are never attended, but 0 * NaN is NaN: whatever a caller left in the
+            # padding (NaN, inf) must not reach the output through the zero weights.
+            pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1)
+            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # (B, G, T_k, D) each
         backend, reason = self._choose_backend(need_weights)
+        compute_dtype = None
+        if backend == "sdpa":
+            compute_dtype, why = functional.sdpa_compute_dtype(q)
+            reason = reason or why
         if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
             self.__dict__.update(
                 last_backend=backend, last_backend_reason=reason
             )  # plain attrs, no Module.__setattr__ cost
-        attend = functional.math_attention if backend == "math" else functional.sdpa_attention
-        context, weights = attend(
-            q,
-            k,
-            v,
-            keep=masks.keep,
-            bias=masks.bias,
-            causal=masks.causal,
-            empty_rows=masks.empty_rows,
-            scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-        )  # context: (B, H, T_q, D)
+        dropout_p = self.dropout if self.training else 0.0
+        if backend == "math":
+            context, weights = functional.math_attention(
+                q,
+                k,
+                v,
+                keep=masks.keep,
+                bias=masks.bias,
+                causal=masks.causal,
+                empty_rows=masks.empty_rows,
+                scale=self.scale,
+                dropout_p=dropout_p,
+                need_weights=need_weights,
+            )  # context: (B, H, T_q, D)
+        else:
+            context, weights = functional.sdpa_attention(
+                q,
+                k,
+                v,
+                keep=masks.keep,
+                bias=masks.bias,
+                causal=masks.causal,
+                empty_rows=masks.empty_rows,
+                scale=self.scale,
+                dropout_p=dropout_p,
+                compute_dtype=compute_dtype,
+            )  # context: (B, H, T_q, D)
 
         context = context.transpose(1, 2).contiguous().view(B, T_q, H * D)  # (B, T_q, E): heads merged
         out = self.out_proj(context)  # (B, T_q, E)
@@ -305,3 +325,29 @@ class MultiHeadAttention(nn.Module):
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` computing the same function (GQA K/V heads repeated)."""
         return to_torch_mha(self, batch_first=batch_first)
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module (``nn.modules.module.register_module_forward_hook``)
+    exist: they must see each projection's own call."""
+    from torch.nn.modules import module as module_mod
+
+    return bool(module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
+
+
+def _split_fused_in_proj(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    """Load-time hook: a state dict from before the projections were separate holds one
+    ``in_proj`` (rows Q, then K, then V); split it into ``q_proj``/``k_proj``/``v_proj``."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}in_proj.{kind}", None)
+        if fused is None:
+            continue
+        sizes = [cast(int, getattr(module, "embed_dim"))] + 2 * [cast(int, getattr(module, "kv_dim"))]  # noqa: B009
+        if fused.size(0) != sum(sizes):
+            raise ValueError(
+                f"{prefix}in_proj.{kind} has {fused.size(0)} rows; this module expects {sum(sizes)} "
+                f"(embed_dim + 2 * num_kv_heads * head_dim = {' + '.join(map(str, sizes))}): the checkpoint "
+                "was written by a module of another shape; build the module with that checkpoint's sizes."
+            )
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), torch.split(fused, sizes), strict=True):
+            state_dict[f"{prefix}{name}.{kind}"] = part

@@ -7,6 +7,7 @@ class (or instance) as an argument and never import it.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -34,6 +35,15 @@ def check_representable(m: object, who: str) -> None:
 def from_torch_mha(cls: type[Ours], m: nn.MultiheadAttention, *, backend: Backend = "auto") -> Ours:
     """``cls`` (attnlab's ``MultiHeadAttention``) built with the weights of the torch module ``m``."""
     check_representable(m, "from_torch")
+    if not m.batch_first:
+        warnings.warn(
+            "from_torch: this nn.MultiheadAttention is sequence-first (batch_first=False, torch's default), "
+            "but attnlab's MultiHeadAttention is always batch-first and returns a tensor, not (output, weights). "
+            "Feed it (B, T, E) inputs (x.transpose(0, 1)), or use attnlab.compat.MultiheadAttention, a drop-in "
+            "with torch's layout, return value and mask polarity.",
+            UserWarning,
+            stacklevel=3,
+        )
     weight = m.out_proj.weight
     ours = cls(
         m.embed_dim,

@@ -107,10 +107,20 @@ def check_forward_inputs(
     """Shapes, devices and dtypes of ``query``, ``key``, ``value`` against the module's widths
     and against ``weight``, one of its parameters (device and dtype)."""
     _check_3d("query", query, "embed_dim", m.embed_dim)
-    if key is not query:
-        _check_3d("key", key, "kdim", m.kdim)
-    if value is not key:
-        _check_3d("value", value, "vdim", m.vdim)
+    if key is query and m.kdim != m.embed_dim:
+        raise ValueError(
+            f"key was not given, so it defaulted to query (self-attention), but this module was built with "
+            f"kdim={m.kdim} != embed_dim={m.embed_dim}; pass the context explicitly: mha(query, key) with key of "
+            f"shape (B, T_k, {m.kdim})."
+        )
+    _check_3d("key", key, "kdim", m.kdim)
+    if value is key and m.vdim != m.kdim:
+        raise ValueError(
+            f"value was not given, so it defaulted to key, but this module was built with vdim={m.vdim} != "
+            f"kdim={m.kdim}; pass value explicitly (shape (B, T_k, {m.vdim})), or build the module with "
+            f"vdim={m.kdim}."
+        )
+    _check_3d("value", value, "vdim", m.vdim)
     if key.size(0) != query.size(0):
         raise ValueError(
             f"key has batch size {key.size(0)} but query has {query.size(0)}; query (B, T_q, E) "

@@ -1,8 +1,8 @@
 """Weights between Hugging Face ``GPT2LMHeadModel`` and :class:`attnlab.TinyGPT`, both ways.
 
 Hugging Face GPT-2 uses ``Conv1D``, whose weight is ``(in, out)``, the transpose of
-``nn.Linear``'s ``(out, in)``; its ``c_attn`` columns are Q, then K, then V, which are exactly
-the rows of our fused ``in_proj`` once transposed. ``transformers`` is imported only by
+``nn.Linear``'s ``(out, in)``; its ``c_attn`` columns are Q, then K, then V: once transposed,
+its rows split into our ``q_proj``, ``k_proj`` and ``v_proj``. ``transformers`` is imported only by
 :func:`to_hf_gpt2`: importing weights needs only tensors.
 """
 
@@ -156,6 +156,10 @@ def weights_from_hf(
         ours[f"transformer.h.{i}.{_BLOCK_NAMES[name]}"] = (
             value.t() if name in _CONV1D else value
         )  # Conv1D (in, out) -> (out, in)
+    for key in [k for k in ours if ".attn.in_proj." in k]:  # (3E, ...) rows Q, K, V -> three projections
+        fused = ours.pop(key)
+        for proj, part in zip(("q_proj", "k_proj", "v_proj"), fused.chunk(3), strict=True):
+            ours[key.replace("in_proj", proj)] = part
     return config, ours
 
 
@@ -191,7 +195,11 @@ def to_hf_gpt2(model: nn.Module) -> GPT2LMHeadModel:
     hf = GPT2LMHeadModel(hf_config)
     to_hf = {ours: theirs for theirs, ours in _TOP_NAMES.items()}
     sd: dict[str, Tensor] = {}
-    for key, value in model.state_dict().items():
+    ours = dict(model.state_dict())
+    for key in [k for k in ours if ".attn.q_proj." in k]:  # three projections -> c_attn's rows Q, K, V
+        parts = [ours.pop(key.replace("q_proj", p)) for p in ("q_proj", "k_proj", "v_proj")]
+        ours[key.replace("q_proj", "in_proj")] = torch.cat(parts)  # (3E, ...)
+    for key, value in ours.items():
         if key in to_hf:
             sd[f"transformer.{to_hf[key]}"] = value
             continue
@@ -203,7 +211,7 @@ def to_hf_gpt2(model: nn.Module) -> GPT2LMHeadModel:
         )  # (out, in) -> Conv1D (in, out)
     sd["lm_head.weight"] = sd["transformer.wte.weight"]  # tied
     with torch.no_grad():
-        result = hf.load_state_dict(sd, strict=True)
+        result = hf.load_state_dict(sd, strict=False)
     unexpected = [k for k in result.unexpected_keys]
     missing = [k for k in result.missing_keys if not _IGNORED.search(k.removeprefix("transformer."))]
     if unexpected or missing:

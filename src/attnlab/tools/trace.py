@@ -156,6 +156,12 @@ class _Recorder(TorchFunctionMode):
             return "split heads (view)", srcname, _AXES["view_heads"]
         if fname == "transpose" and not self.core_done and tuple(args[1:]) == (1, 2):
             return "heads to dim 1 (transpose)", srcname, _AXES["heads_first"]
+        if fname == "masked_fill" and srcname in ("k", "v"):
+            return "zero padded keys/values (no NaN via 0 weights)", srcname, "(b, g, j, d): padded j set to 0"
+        if fname == "to" and not self.core_done:
+            return f"to {str(outs[0].dtype).removeprefix('torch.')} (accumulate)", srcname, "same axes, wider dtype"
+        if fname == "to" and self.core_done:
+            return f"back to {str(outs[0].dtype).removeprefix('torch.')}", srcname, "same axes"
         if fname == "repeat_interleave":
             return "GQA: repeat K/V heads", srcname, _AXES["repeat_kv"]
         if fname == "transpose" and tuple(args[1:]) == (-2, -1):

@@ -1,0 +1,605 @@
+"""``MultiheadAttention``: ``torch.nn.MultiheadAttention``'s interface on attnlab's attention.
+
+Notation (torch's own letters in brackets):
+    B batch (N), T query positions (L), S key positions, E embed_dim, H num_heads,
+    G num_kv_heads (= H unless GQA), D = E // H head dim,
+    S' = S + add_bias_kv + add_zero_attn: the key positions attention runs over.
+
+At the edge everything is torch's: seq-first ``(T, B, E)`` unless ``batch_first``, unbatched
+``(T, E)`` accepted, bool masks True = *blocked*, ``attn_mask`` of shape ``(T, S)`` or
+``(B*H, T, S)``. Inside, everything is attnlab's: ``(B, H, T, D)`` and one bool keep-mask
+(True = may attend) plus a float bias, converted once per call in :func:`_attnlab_masks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from ..core import functional
+from ..core.masks import Masks, prepare_masks
+from ..core.validation import Backend, check_backend, check_init_args
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(nn.Module):
+    r"""``torch.nn.MultiheadAttention``, computed by attnlab: same arguments, parameters, state-dict
+    keys, shapes, masks and return value, so it can replace torch's module anywhere, including
+    ``nn.TransformerEncoderLayer.self_attn`` and ``nn.TransformerDecoderLayer``'s two attentions.
+
+    Shapes (B batch, T query positions, S key positions, E ``embed_dim``, H ``num_heads``,
+    G ``num_kv_heads``, D = E // H, S' = S + 1 per extra key row of ``add_bias_kv`` /
+    ``add_zero_attn``):
+
+    ============================  =====================  =====================  =================
+    argument                      ``batch_first=False``  ``batch_first=True``   unbatched
+    ============================  =====================  =====================  =================
+    ``query``                     ``(T, B, E)``          ``(B, T, E)``          ``(T, E)``
+    ``key``                       ``(S, B, kdim)``       ``(B, S, kdim)``       ``(S, kdim)``
+    ``value``                     ``(S, B, vdim)``       ``(B, S, vdim)``       ``(S, vdim)``
+    ``key_padding_mask``          ``(B, S)``             ``(B, S)``             ``(S,)``
+    ``attn_mask``                 ``(T, S)`` or          ``(T, S)`` or          ``(T, S)`` or
+                                  ``(B*H, T, S)``        ``(B*H, T, S)``        ``(H, T, S)``
+    output                        ``(T, B, E)``          ``(B, T, E)``          ``(T, E)``
+    weights, averaged (default)   ``(B, T, S')``         ``(B, T, S')``         ``(T, S')``
+    weights, per head             ``(B, H, T, S')``      ``(B, H, T, S')``      ``(H, T, S')``
+    ============================  =====================  =====================  =================
+
+    Row ``b * H + h`` of a 3-D ``attn_mask`` is batch ``b``, head ``h`` (torch's layout).
+
+    Masks, with torch's polarity: a bool mask is **True = blocked** (both ``attn_mask`` and
+    ``key_padding_mask``); a float mask is added to the scores (``-inf`` blocks). Bool and float
+    may be mixed. ``is_causal=True`` is torch's *hint* that ``attn_mask`` is the causal mask: it
+    needs ``attn_mask``, and as in torch, when there is no ``key_padding_mask`` and
+    ``need_weights=False`` the hint is trusted: ``attn_mask`` is not read and SDPA's causal mask
+    (top-left aligned, query i sees key positions j <= i of all S') is used instead; otherwise
+    ``attn_mask`` is applied as given.
+
+    Forward returns ``(output, weights)``, ``weights`` None when ``need_weights=False``. With
+    ``need_weights=True`` (torch's default) attnlab's math backend runs and materialises the
+    weights (after dropout, as torch returns them); with ``need_weights=False`` the ``"auto"``
+    backend runs ``F.scaled_dot_product_attention``.
+
+    **The one deliberate difference from torch**: a query whose every key is masked gets a
+    context of zeros, so its output is exactly ``out_proj.bias`` and its weights are zeros, with
+    finite gradients, on every path. ``torch.nn.MultiheadAttention`` returns NaN there with
+    ``need_weights=True`` (its default), and with ``need_weights=False`` NaN or zeros as the SDPA
+    kernel decides (pytorch issues 41508, 152028); a NaN then spreads through any later layer.
+
+    Differences from attnlab's own ``attnlab.MultiHeadAttention``, which this is not a subclass
+    of: that module (1) returns a tensor, not an ``(output, weights)`` tuple; (2) is always
+    batch-first, ``(B, T, E)``; (3) reads a bool ``attn_mask`` as **True = may attend** (SDPA's
+    polarity), the opposite of this one.
+
+    Args:
+        embed_dim: E, width of ``query`` and of the output.
+        num_heads: H; must divide ``embed_dim``.
+        dropout: dropout probability on the attention weights, in training mode only.
+        bias: biases on the input projections (``in_proj_bias``) and on ``out_proj``.
+        add_bias_kv: append a learned key row ``bias_k`` and value row ``bias_v``, each
+            ``(1, 1, G*D)``, to every sequence's keys and values (always attendable).
+        add_zero_attn: append an all-zero key and value row (always attendable).
+        kdim, vdim: widths of ``key`` and ``value``. Default: ``embed_dim``.
+        batch_first: inputs and output are ``(B, T, E)`` instead of ``(T, B, E)``.
+        device, dtype: of the parameters.
+        num_kv_heads: G, keyword-only: grouped-query attention (1 is MQA); must divide
+            ``num_heads``; query head h reads K/V head ``h // (H // G)``. Default ``num_heads``.
+        backend: keyword-only, ``"auto"`` (SDPA unless weights are needed), ``"math"`` (always
+            attnlab's reference) or ``"sdpa"`` (refuses ``need_weights=True``). May be changed
+            later; after each call ``last_backend`` says which one ran.
+
+    Parameters, as torch names and initialises them (so the two load each other's state dicts):
+        * ``kdim == vdim == embed_dim`` and no GQA: ``in_proj_weight (3E, E)`` (Q rows, K rows,
+          V rows), Xavier-uniform over the whole packed matrix.
+        * otherwise ``q_proj_weight (E, E)``, ``k_proj_weight (G*D, kdim)``,
+          ``v_proj_weight (G*D, vdim)``, each Xavier-uniform; ``in_proj_weight`` is None.
+          GQA always takes this layout: torch's packed ``(3E, E)`` matrix cannot hold K/V
+          projections of ``G*D < E`` rows, and loading a packed state dict into a GQA module
+          fails with an error that says so.
+        * ``in_proj_bias (E + 2*G*D,)`` (``3E`` without GQA), ``out_proj`` an ``(E, E)`` Linear,
+          biases zero; ``bias_k``, ``bias_v`` ``(1, 1, G*D)`` Xavier-normal.
+
+    ``_qkv_same_embed_dim``, torch's private layout flag, is always False here, on purpose:
+    torch's encoder layers read it to decide whether they may skip ``self_attn.forward`` and
+    call a fused kernel on its weights (see the property). Test the layout with
+    ``mha.in_proj_weight is not None`` instead.
+    """
+
+    in_proj_weight: Tensor | None
+    q_proj_weight: Tensor | None
+    k_proj_weight: Tensor | None
+    v_proj_weight: Tensor | None
+    in_proj_bias: Tensor | None
+    bias_k: Tensor | None
+    bias_v: Tensor | None
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        num_kv_heads: int | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        kdim = embed_dim if kdim is None else kdim
+        vdim = embed_dim if vdim is None else vdim
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_init_args(embed_dim, num_heads, num_kv_heads, kdim, vdim, dropout, None, backend)
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim  # E
+        self.kdim, self.vdim = kdim, vdim
+        self.num_heads = num_heads  # H
+        self.num_kv_heads = num_kv_heads  # G
+        self.head_dim = embed_dim // num_heads  # D
+        self.kv_dim = num_kv_heads * self.head_dim  # G*D: rows of the K and of the V projection
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.backend = backend
+        self.last_backend: str | None = None
+
+        # Parameters are created in torch's order, with torch's shapes, so that state dicts,
+        # `parameters()` order (optimizer state) and, under one seed, the initial values all match.
+        if kdim == embed_dim and vdim == embed_dim and num_kv_heads == num_heads:
+            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty((self.kv_dim, kdim), **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty((self.kv_dim, vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * self.kv_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        # torch's class for it (a Linear that dynamic quantization leaves alone); it draws its
+        # default init from the RNG here, exactly where torch's does.
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty((1, 1, self.kv_dim), **factory))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, self.kv_dim), **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """torch's init, in torch's order: Xavier-uniform projections, zero biases, Xavier-normal bias_k/v."""
+        if self.in_proj_weight is not None:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                assert w is not None
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None and self.bias_v is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    @property
+    def _qkv_same_embed_dim(self) -> bool:
+        """Always False, deliberately, so that torch never bypasses this module's forward.
+
+        In eval mode under ``no_grad``, ``nn.TransformerEncoderLayer.forward`` takes a "fast path"
+        when its ``self_attn`` looks like torch's packed module: it reads ``in_proj_weight`` and
+        friends and calls ``torch._transformer_encoder_layer_fwd`` itself, never calling
+        ``self_attn``; ``nn.TransformerEncoder`` likewise turns padded input into nested tensors.
+        Both are gated on this flag (``"self_attn._qkv_same_embed_dim was not True"``), the one
+        check that reads a property of the module alone without changing what it computes.
+        Failing it keeps attnlab's code, and its zeros for fully masked rows, on every call.
+        """
+        return False
+
+    @property
+    def backend(self) -> str:
+        """``"auto"``, ``"math"`` or ``"sdpa"``; may be changed between calls."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        check_backend(value)
+        self._backend = value
+
+    def extra_repr(self) -> str:
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+        if self.num_kv_heads != self.num_heads:
+            s += f", num_kv_heads={self.num_kv_heads}"
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.bias_k is not None:
+            s += ", add_bias_kv=True"
+        if self.add_zero_attn:
+            s += ", add_zero_attn=True"
+        return s + f", dropout={self.dropout}, batch_first={self.batch_first}, backend={self.backend!r}"
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # torch alone would report missing and unexpected keys; say which layout was expected and why.
+        packed_in_sd = prefix + "in_proj_weight" in state_dict
+        separate_in_sd = prefix + "q_proj_weight" in state_dict
+        if self.in_proj_weight is None and packed_in_sd:
+            why = (
+                f"num_kv_heads={self.num_kv_heads} differs from num_heads={self.num_heads} (GQA), whose K/V "
+                f"projections have {self.kv_dim} rows instead of {self.embed_dim}"
+                if self.num_kv_heads != self.num_heads
+                else f"kdim={self.kdim} and vdim={self.vdim} are not both embed_dim={self.embed_dim}"
+            )
+            error_msgs.append(
+                f"the state dict holds a packed '{prefix}in_proj_weight' (torch's layout when kdim == vdim == "
+                f"embed_dim) but this module keeps separate q/k/v_proj_weight because {why}; build the module "
+                f"with the kdim, vdim and num_kv_heads of the one that saved the state dict."
+            )
+        elif self.in_proj_weight is not None and separate_in_sd and not packed_in_sd:
+            error_msgs.append(
+                f"the state dict holds separate '{prefix}q_proj_weight'/k_proj_weight/v_proj_weight (torch's layout "
+                f"when kdim or vdim differ from embed_dim) but this module packs them into in_proj_weight "
+                f"(kdim == vdim == embed_dim={self.embed_dim}, no GQA); build the module with the kdim, vdim and "
+                f"num_kv_heads of the one that saved the state dict."
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend from ``query`` to ``key``/``value``; shapes and masks as in the class docstring.
+
+        Returns:
+            ``(output, weights)``: output ``(T, B, E)`` / ``(B, T, E)`` / ``(T, E)``; weights None
+            unless ``need_weights``, then ``(B, T, S')`` averaged over heads or, with
+            ``average_attn_weights=False``, ``(B, H, T, S')`` (no B for unbatched input).
+        """
+        self._check_inputs(query, key, value)
+        batched = query.dim() == 3
+        q_in, k_in, v_in = self._to_batch_first(query, key, value, batched)  # (B, T, E), (B, S, kdim), (B, S, vdim)
+        B, T, _ = q_in.shape
+        S = k_in.size(1)
+        H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        self._check_masks(attn_mask, key_padding_mask, is_causal, batched, B, T, S, q_in.device)
+        if key_padding_mask is not None and not batched:
+            key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
+
+        q, k, v = self._project(q_in, k_in, v_in)  # (B, T, E), (B, S, G*D), (B, S, G*D)
+        if self.bias_k is not None and self.bias_v is not None:  # one learned key/value row per sequence
+            k = torch.cat([k, self.bias_k.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
+            v = torch.cat([v, self.bias_v.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D): heads become a batch dim
+        k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, S, D) (S+1 with bias_k)
+        v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, S, D)
+        if self.add_zero_attn:  # one all-zero key/value row per sequence and head
+            k = torch.cat([k, k.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
+            v = torch.cat([v, v.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
+
+        masks = self._attnlab_masks(attn_mask, key_padding_mask, is_causal, need_weights, B, T, S, k.size(2), q.dtype)
+        backend = self._choose_backend(need_weights)
+        if not torch.compiler.is_compiling():
+            self.__dict__["last_backend"] = backend  # a plain attribute: no Module.__setattr__ per call
+        scale, dropout_p = 1.0 / math.sqrt(D), self.dropout if self.training else 0.0
+        if backend == "math":
+            context, weights = functional.math_attention(
+                q,
+                k,
+                v,
+                keep=masks.keep,
+                bias=masks.bias,
+                causal=masks.causal,
+                empty_rows=masks.empty_rows,
+                scale=scale,
+                dropout_p=dropout_p,
+                need_weights=need_weights,
+            )  # context (B, H, T, D), weights (B, H, T, S')
+        else:  # fp16/bf16 on a CPU computes in float32, as attnlab.MultiHeadAttention does (measured there)
+            compute_dtype, _ = functional.sdpa_compute_dtype(q)
+            context, weights = functional.sdpa_attention(
+                q,
+                k,
+                v,
+                keep=masks.keep,
+                bias=masks.bias,
+                causal=masks.causal,
+                empty_rows=masks.empty_rows,
+                scale=scale,
+                dropout_p=dropout_p,
+                compute_dtype=compute_dtype,
+            )  # context (B, H, T, D), weights None
+
+        # Merge heads straight into the caller's layout, so the output is contiguous as torch's is.
+        if batched and not self.batch_first:
+            context = context.permute(2, 0, 1, 3).reshape(T, B, H * D)  # (T, B, E)
+        else:
+            context = context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, E)
+        out = self.out_proj(context)  # (T, B, E) or (B, T, E)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)  # (B, T, S')
+        if not batched:
+            out = out.squeeze(0)  # (T, E)
+            weights = None if weights is None else weights.squeeze(0)  # (T, S') or (H, T, S')
+        return out, weights
+
+    def _to_batch_first(
+        self, query: Tensor, key: Tensor, value: Tensor, batched: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(B, T, E), (B, S, kdim), (B, S, vdim)`` views, keeping ``key is query`` / ``value is key``
+        (self-attention then projects Q, K and V with one GEMM)."""
+
+        def bf(x: Tensor) -> Tensor:
+            if not batched:
+                return x.unsqueeze(0)  # (1, T, E)
+            return x if self.batch_first else x.transpose(0, 1)  # (B, T, E)
+
+        q = bf(query)
+        k = q if key is query else bf(key)
+        v = k if value is key else q if value is query else bf(value)
+        return q, k, v
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V: (B, T, E), (B, S, G*D), (B, S, G*D), in as few GEMMs as the inputs allow."""
+        E, KV = self.embed_dim, self.kv_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.split([E, KV, KV])
+        w = self.in_proj_weight
+        if w is None:  # separate weights: kdim/vdim differ from E, or GQA
+            assert self.q_proj_weight is not None and self.k_proj_weight is not None and self.v_proj_weight is not None
+            q = F.linear(query, self.q_proj_weight, bq)  # (B, T, E)
+            k = F.linear(key, self.k_proj_weight, bk)  # (B, S, G*D)
+            v = F.linear(value, self.v_proj_weight, bv)  # (B, S, G*D)
+            return q, k, v
+        if key is query and value is query:  # self-attention: one GEMM for Q, K and V
+            q, k, v = F.linear(query, w, b).split([E, KV, KV], dim=-1)  # (B, T, 3E) -> three (B, T, E) views
+            return q, k, v
+        q = F.linear(query, w[:E], bq)  # (B, T, E)
+        if value is key:  # one context: K and V in one GEMM
+            k, v = F.linear(key, w[E:], None if b is None else b[E:]).split([KV, KV], dim=-1)  # (B, S, E) each
+            return q, k, v
+        k = F.linear(key, w[E : E + KV], bk)  # (B, S, E)
+        v = F.linear(value, w[E + KV :], bv)  # (B, S, E)
+        return q, k, v
+
+    def _choose_backend(self, need_weights: bool) -> str:
+        if self.backend == "math" or (need_weights and self.backend == "auto"):
+            return "math"
+        if need_weights:
+            raise ValueError(
+                "need_weights=True (nn.MultiheadAttention's default) with backend='sdpa': SDPA never "
+                "materialises the attention weights; pass need_weights=False, or set mha.backend = 'auto'."
+            )
+        return "sdpa"
+
+    # -- masks: torch's conventions in, attnlab's out ------------------------------------------
+    def _attnlab_masks(
+        self,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        B: int,
+        T: int,
+        S: int,
+        S_all: int,
+        dtype: torch.dtype,
+    ) -> Masks:
+        """torch's masks (bool True = blocked, float added; ``(T, S)`` / ``(B*H, T, S)``; key
+        padding bool or float) as attnlab's :class:`Masks`: bool keep (True = may attend) plus a
+        float bias, over all S' keys (the extra rows of ``add_bias_kv``/``add_zero_attn`` are
+        always kept, as torch pads its masks with 0 for them)."""
+        H = self.num_heads
+        # torch trusts the hint only when nothing else needs a mask: then SDPA's causal mask replaces attn_mask.
+        trust_causal = is_causal and key_padding_mask is None and not need_weights
+        keep: Tensor | None = None  # bool, (1, 1, T, S) or (B, H, T, S), True = may attend
+        bias: Tensor | None = None  # float, same shapes, added to the scores
+        if attn_mask is not None and not trust_causal:
+            m4 = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask.reshape(B, H, T, -1)  # (1|B, 1|H, T, S)
+            if m4.dtype == torch.bool:
+                keep = ~m4  # torch's True = blocked -> attnlab's True = may attend
+            else:
+                bias = m4.to(dtype)
+                keep = m4 != float("-inf")  # so that a row of -inf counts as fully masked
+        pad: Tensor | None = None  # bool (B, S), True = padding: the same polarity in torch and attnlab
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype == torch.bool:
+                pad = key_padding_mask
+            else:
+                pad = key_padding_mask == float("-inf")
+                pad_bias = key_padding_mask[:, None, None, :].to(dtype)  # (B, 1, 1, S)
+                bias = pad_bias if bias is None else bias + pad_bias  # (B, H, T, S) or broadcastable
+        extra = S_all - S
+        if extra:  # the appended key rows: never padding, never blocked
+            keep = None if keep is None else F.pad(keep, (0, extra), value=True)  # (.., T, S')
+            bias = None if bias is None else F.pad(bias, (0, extra), value=0.0)  # (.., T, S')
+            pad = None if pad is None else F.pad(pad, (0, extra), value=False)  # (B, S')
+
+        square_causal = trust_causal and T == S_all
+        if trust_causal and not square_causal:  # SDPA's is_causal is top-left aligned: query i sees keys j <= i
+            keep = torch.ones(T, S_all, dtype=torch.bool, device=self.out_proj.weight.device).tril()  # (T, S')
+        masks = prepare_masks(
+            keep,
+            pad,
+            square_causal,
+            batch=B,
+            heads=H,
+            q_len=T,
+            k_len=S_all,
+            dtype=dtype,
+            device=self.out_proj.weight.device,
+        )
+        return masks if bias is None else dataclasses.replace(masks, bias=bias)
+
+    # -- input checks: one sentence each, in torch's terms ------------------------------------
+    def _layout(self, what: str, width: str, batched: bool = True) -> str:
+        letter = "T" if what == "query" else "S"
+        if not batched:
+            return f"({letter}, {width})"
+        return f"(B, {letter}, {width})" if self.batch_first else f"({letter}, B, {width})"
+
+    def _check_inputs(self, query: object, key: object, value: object) -> None:
+        """Types, ranks, widths, batch sizes, dtypes and devices of query, key and value."""
+        widths = {"query": ("embed_dim", self.embed_dim), "key": ("kdim", self.kdim), "value": ("vdim", self.vdim)}
+        weight = self.out_proj.weight
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            width_name, width = widths[name]
+            layout = self._layout(name, f"{width_name}={width}")
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}.")
+            if x.is_nested:
+                raise TypeError(
+                    f"{name} is a NestedTensor, which this module does not take; pass a padded tensor "
+                    f"{layout} with a key_padding_mask (if nn.TransformerEncoder made it, it was built "
+                    f"around torch's attention: set encoder.use_nested_tensor = False)."
+                )
+            if not x.is_floating_point():
+                raise TypeError(
+                    f"{name} has dtype {x.dtype}; expected a floating tensor {layout} like the module's "
+                    f"weights ({weight.dtype}); token ids go through an nn.Embedding first."
+                )
+        assert isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
+        if query.dim() not in (2, 3):
+            raise ValueError(
+                f"query has {query.dim()} dimensions (shape {tuple(query.shape)}); expected "
+                f"{self._layout('query', 'E')} batched or (T, E) unbatched, with E = embed_dim = {self.embed_dim}."
+            )
+        batched = query.dim() == 3
+        for name, x in (("key", key), ("value", value)):
+            if x.dim() != query.dim():
+                raise ValueError(
+                    f"{name} has {x.dim()} dimensions (shape {tuple(x.shape)}) but query has {query.dim()}; "
+                    f"{name} must be {'batched' if batched else 'unbatched'} like query: expected "
+                    f"{self._layout(name, widths[name][0], batched)}."
+                )
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            width_name, width = widths[name]
+            if x.size(-1) != width:
+                hint = f"project it to {width} features or build the module with {width_name}={x.size(-1)}"
+                raise ValueError(
+                    f"{name} has last dimension {x.size(-1)} (shape {tuple(x.shape)}); expected "
+                    f"{width_name}={width} in {self._layout(name, width_name, batched)}: {hint}."
+                )
+        if batched:
+            b_dim = 0 if self.batch_first else 1
+            if key.size(b_dim) != query.size(b_dim):
+                raise ValueError(
+                    f"key has batch size {key.size(b_dim)} but query has {query.size(b_dim)} (dim {b_dim} of "
+                    f"{self._layout('key', 'kdim')}, as batch_first={self.batch_first}); pass one key sequence "
+                    f"per query sequence."
+                )
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(
+                f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}; every key needs exactly "
+                f"one value: pass a value with the same {'batch size and ' if batched else ''}length S as key."
+            )
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.device != weight.device:
+                raise ValueError(
+                    f"{name} is on {x.device} but the module's weights are on {weight.device}; move one of "
+                    f"them: {name}.to({str(weight.device)!r}) or mha.to({str(x.device)!r})."
+                )
+            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one of them "
+                    f"({name}.to({weight.dtype}) or mha.to({x.dtype})), or run under torch.autocast."
+                )
+
+    def _check_masks(
+        self,
+        attn_mask: object,
+        key_padding_mask: object,
+        is_causal: bool,
+        batched: bool,
+        B: int,
+        T: int,
+        S: int,
+        device: torch.device,
+    ) -> None:
+        """Types, dtypes, shapes and devices of the masks, in torch's conventions."""
+        H = self.num_heads
+        if key_padding_mask is not None:
+            _check_mask_kind("key_padding_mask", key_padding_mask, "True = padding")
+            assert isinstance(key_padding_mask, Tensor)
+            if tuple(key_padding_mask.shape) != ((B, S) if batched else (S,)):
+                expected = f"(B, S) = ({B}, {S})" if batched else f"(S,) = ({S},) for unbatched input"
+                raise ValueError(
+                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected {expected}, one flag "
+                    f"per key position (True = padding, or a float added to the scores)."
+                )
+            _check_mask_device("key_padding_mask", key_padding_mask, device)
+        if attn_mask is None:
+            if is_causal:
+                raise ValueError(
+                    "is_causal=True was given without attn_mask; as in nn.MultiheadAttention, is_causal is only a "
+                    "hint that attn_mask is causal: pass attn_mask=nn.Transformer.generate_square_subsequent_mask(T) "
+                    "along with it, or drop is_causal."
+                )
+            return
+        _check_mask_kind("attn_mask", attn_mask, "True = blocked")
+        assert isinstance(attn_mask, Tensor)
+        rows = f"(B*num_heads, T, S) = ({B * H}, {T}, {S})" if batched else f"(num_heads, T, S) = ({H}, {T}, {S})"
+        if attn_mask.dim() not in (2, 3):
+            fix = " (a (B, num_heads, T, S) mask: pass attn_mask.flatten(0, 1))" if attn_mask.dim() == 4 else ""
+            raise ValueError(
+                f"attn_mask has {attn_mask.dim()} dimensions (shape {tuple(attn_mask.shape)}); expected (T, S) = "
+                f"({T}, {S}) or {rows}{fix}."
+            )
+        expected_shape = (T, S) if attn_mask.dim() == 2 else (B * H, T, S)
+        if tuple(attn_mask.shape) != expected_shape:
+            raise ValueError(
+                f"attn_mask has shape {tuple(attn_mask.shape)}; expected (T, S) = ({T}, {S}) or {rows}, row "
+                f"b*num_heads + h of a 3-D mask being batch b, head h; build it for T={T} queries and S={S} keys."
+            )
+        _check_mask_device("attn_mask", attn_mask, device)
+
+
+def _check_mask_kind(name: str, mask: object, bool_meaning: str) -> None:
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor (bool: {bool_meaning}, or float: added to the scores), "
+            f"got {type(mask).__name__}; wrap it with torch.as_tensor(...)."
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} has dtype {mask.dtype}; expected torch.bool ({bool_meaning}, torch's polarity) or a float "
+            f"dtype (added to the scores): pass {name}.bool() if its 1s mark the positions to leave out."
+        )
+
+
+def _check_mask_device(name: str, mask: Tensor, device: torch.device) -> None:
+    if mask.device != device:
+        raise ValueError(
+            f"{name} is on {mask.device} but the query is on {device}; move it with {name}.to({str(device)!r})."
+        )
