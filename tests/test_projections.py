@@ -3,11 +3,11 @@ takes effect, PEFT's LoRA can target them, and state dicts of the old fused layo
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 from torch import Tensor, nn
 
-import attnlab.core.attention as attention_mod
 from attnlab import MultiHeadAttention
 
 
@@ -24,10 +24,8 @@ class LoRALinear(nn.Module):
         return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
 
 
-@pytest.fixture(params=[8, 2048], ids=["few-rows", "fused-gemm-rows"])
+@pytest.fixture(params=[3, 1100], ids=["short", "long"])
 def x(request):
-    """Inputs on both sides of the fused-QKV threshold: the one-GEMM path must respect swaps too."""
-    assert (2 * request.param >= attention_mod.FUSED_QKV_MIN_ROWS) == (request.param == 2048)
     return torch.randn(2, request.param, 16)
 
 
@@ -62,15 +60,6 @@ def test_a_global_module_hook_sees_each_projection(x):
     finally:
         handle.remove()
     assert {"q_proj", "k_proj", "v_proj", "out_proj"} <= set(seen)
-
-
-def test_fused_and_separate_gemms_agree():
-    torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 4, num_kv_heads=2)
-    x = torch.randn(2, 1024, 16)
-    fused = mha(x)
-    mha.k_proj.register_forward_pre_hook(lambda mod, inp: None)  # a no-op hook forces three GEMMs
-    assert torch.allclose(mha(x), fused, atol=1e-5)
 
 
 def test_freezing_a_projection_freezes_it():
@@ -125,8 +114,6 @@ def test_old_tinygpt_checkpoint_loads(tmp_path):
 
 
 def test_peft_lora_on_q_and_v_trains_only_the_adapters():
-    peft = pytest.importorskip("peft", reason="pip install peft (the test extra installs it)")
-
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()

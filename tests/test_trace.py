@@ -157,18 +157,6 @@ def test_cli_trace_reports_bad_sizes_in_one_line(capsys):
     assert "Traceback" not in err
 
 
-def test_many_rows_trace_the_one_gemm_projection():
-    """Above FUSED_QKV_MIN_ROWS rows, self-attention runs Q, K and V as one GEMM; the trace says so."""
-    from attnlab.core.attention import FUSED_QKV_MIN_ROWS
-
-    mha = MultiHeadAttention(E, H, backend="sdpa")
-    with trace(mha) as calls:
-        mha(torch.randn(1, FUSED_QKV_MIN_ROWS, E))
-    rows = _rows(calls)
-    assert rows[1] == ("Q/K/V projection (one GEMM)", [1, FUSED_QKV_MIN_ROWS, 3 * E], "new")
-    assert rows[2][0] == "split Q, K, V"
-
-
 def test_low_precision_math_shows_the_float32_accumulation():
     mha = MultiHeadAttention(E, H, backend="math", dtype=torch.bfloat16)
     with trace(mha) as calls:

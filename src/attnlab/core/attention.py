@@ -10,7 +10,6 @@ import math
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional
@@ -23,19 +22,6 @@ if TYPE_CHECKING:
     from .kv_cache import KVCache
 
 __all__ = ["Backend", "MultiHeadAttention"]
-
-
-# Below this many query rows (B * T), Q, K and V run as three GEMMs: concatenating the three
-# weights costs a copy of every weight, which a decode step (B rows) would pay on each call,
-# while above it the copy is a small fraction of one GEMM of that many rows.
-FUSED_QKV_MIN_ROWS = 1024
-
-
-def _plain_linear(m: nn.Module) -> bool:
-    """An ``nn.Linear`` as torch ships it, with no hook: only then may its GEMM be merged with
-    another's. A LoRA wrapper, a quantized or parametrized Linear, or a forward hook, each means
-    the module's own ``forward`` must run."""
-    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 class MultiHeadAttention(nn.Module):
@@ -78,9 +64,9 @@ class MultiHeadAttention(nn.Module):
 
     The projections ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are ordinary
     ``nn.Linear`` children that own their parameters: replace or wrap any of them (LoRA, a
-    quantized Linear, a hook) and the module runs it. While all three input projections are
-    plain ``nn.Linear`` without hooks, self-attention on many rows computes Q, K and V with one
-    GEMM on their concatenated weights (same result, fewer passes over the input).
+    quantized Linear, a hook) and the module runs it. Each runs as its own GEMM: one GEMM on
+    the three weights concatenated per call was measured slower in training (the copy and its
+    backward cost more than the merged GEMM saves; see the README's benchmark notes).
 
     State dicts written before the projections were separate (one ``in_proj`` weight, rows Q
     then K then V) still load: ``in_proj.*`` keys are split on load.
@@ -162,29 +148,8 @@ class MultiHeadAttention(nn.Module):
         w = getattr(self.out_proj, "weight", None)
         return w if isinstance(w, Tensor) else next(self.parameters())
 
-    def _fusable(self, query: Tensor, key: Tensor, value: Tensor) -> bool:
-        """Whether Q, K and V may come from one GEMM: self-attention on many rows, three plain
-        Linears (see :func:`_plain_linear`) alike in bias, dtype and device, no global hooks."""
-        if not (key is query and value is query) or query.numel() < FUSED_QKV_MIN_ROWS * self.embed_dim:
-            return False
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(_plain_linear(p) for p in projs) or _global_module_hooks():
-            return False
-        weights = [p.weight for p in projs]
-        biases = [p.bias for p in projs]
-        same = all(w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights)
-        return same and (all(b is None for b in biases) or all(b is not None for b in biases))
-
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K, V projections: (B, T_q, E), (B, T_k, G*D), (B, T_k, G*D)."""
-        if self._fusable(query, key, value):
-            E, KV = self.embed_dim, self.kv_dim
-            qp, kp, vp = cast(nn.Linear, self.q_proj), cast(nn.Linear, self.k_proj), cast(nn.Linear, self.v_proj)
-            w = torch.cat([qp.weight, kp.weight, vp.weight])  # (E + 2*KV, E): rows Q, then K, then V
-            b = None if qp.bias is None else torch.cat([qp.bias, kp.bias, vp.bias])  # (E + 2*KV,)
-            qkv = F.linear(query, w, b)  # (B, T, E + 2*KV): one GEMM
-            qf, kf, vf = torch.split(qkv, [E, KV, KV], dim=-1)  # views: (B, T, E), (B, T, KV), (B, T, KV)
-            return qf, kf, vf
         q: Tensor = self.q_proj(query)  # (B, T_q, E)
         k: Tensor = self.k_proj(key)  # (B, T_k, KV)
         v: Tensor = self.v_proj(value)  # (B, T_k, KV)
@@ -325,14 +290,6 @@ class MultiHeadAttention(nn.Module):
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` computing the same function (GQA K/V heads repeated)."""
         return to_torch_mha(self, batch_first=batch_first)
-
-
-def _global_module_hooks() -> bool:
-    """Whether hooks registered for every module (``nn.modules.module.register_module_forward_hook``)
-    exist: they must see each projection's own call."""
-    from torch.nn.modules import module as module_mod
-
-    return bool(module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
 
 
 def _split_fused_in_proj(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:

@@ -72,7 +72,6 @@ def _fmt_shape(shape: list) -> str:
 _AXES = {
     "input": "(b, t, e): batch, position, features",
     "proj": "(b, t, features of all heads)",
-    "split": "(b, t, h*d) each",
     "view_heads": "(b, t, h, d): features cut into h heads of d",
     "heads_first": "(b, h, t, d): heads become a batch dim",
     "repeat_kv": "(b, h, t, d): K/V head g shared by its query group",
@@ -139,19 +138,10 @@ class _Recorder(TorchFunctionMode):
         m = self.m
         if fname == "linear":
             self.linears += 1
-            width = outs[0].size(-1)
             if self.core_done:
                 return "output projection", "out", _AXES["out"]
-            if width == m.embed_dim + 2 * m.kv_dim:
-                return "Q/K/V projection (one GEMM)", "qkv", _AXES["proj"]
-            if width == 2 * m.kv_dim and srcname != "query" and self.linears > 1:
-                return "K/V projection (one GEMM)", "kv", _AXES["proj"]
             which = {1: "q", 2: "k", 3: "v"}[min(self.linears, 3)]
             return f"{which.upper()} projection", which, _AXES["proj"]
-        if fname == "split":
-            return (
-                ("split Q, K, V", "q,k,v", _AXES["split"]) if len(outs) == 3 else ("split K, V", "k,v", _AXES["split"])
-            )
         if fname == "view" and outs[0].dim() == 4:
             return "split heads (view)", srcname, _AXES["view_heads"]
         if fname == "transpose" and not self.core_done and tuple(args[1:]) == (1, 2):
