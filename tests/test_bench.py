@@ -4,11 +4,20 @@ and its peers compute the same function as attnlab before anything is compared."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
-from attnlab.bench.attention import BenchConfig, attention_flops, build_runners
+from attnlab.bench.attention import (
+    RUNNERS,
+    BenchConfig,
+    BenchResult,
+    Row,
+    attention_flops,
+    build_runners,
+    compact_table,
+)
 from attnlab.bench.train import train_throughput
 from attnlab.cli import main
 
@@ -37,7 +46,9 @@ def test_flop_count_counts_the_causal_half():
 
 
 @pytest.mark.slow
-def test_bench_cli_writes_table_json_and_png(tmp_path, capsys):
+def test_bench_cli_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.chdir(tmp_path)  # a short --out-dir, so that the paths it prints fit too
     args = [
         "bench",
         "--lengths",
@@ -54,12 +65,15 @@ def test_bench_cli_writes_table_json_and_png(tmp_path, capsys):
         "--gemm-size",
         "128",
         "--no-train",
-        "--out",
-        str(tmp_path),
+        "--out-dir",
+        "out",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "| T | B | runner |" in out and "| 32 | 2 | attnlab |" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    tmp_path = tmp_path / "out"
+    assert "T=32, B=2:" in out and re.search(r"^attnlab +[0-9.]+ +[0-9.]+ ", out, re.M)
+    assert "| T | B | runner |" in (tmp_path / "bench_attention.md").read_text()  # the full table, every column
     data = json.loads((tmp_path / "bench_attention.json").read_text())
     rows = [r for r in data["rows"] if r["fwd_ms"] is not None]
     assert {r["runner"] for r in rows} >= {"attnlab", "torch-mha", "floor", "seed-000"}
@@ -70,3 +84,20 @@ def test_bench_cli_writes_table_json_and_png(tmp_path, capsys):
 def test_train_throughput_compares_identical_models():
     r = train_throughput(steps=2, repeats=1)  # raises if the torch copy's logits differ from attnlab's
     assert r.attnlab_tok_s > 0 and r.torch_tok_s > 0 and "TinyGPT" in r.model
+
+
+def test_printed_table_fits_80_columns_with_large_figures():
+    """GPU-sized figures (GFLOP/s in the hundreds of thousands, GiB of memory) still fit 80 columns."""
+    res = BenchResult({}, "cuda:0", "bfloat16", "2.13.0", 989_000.0)
+    for T, B in ((4096, 2), (16384, 1)):
+        for i, name in enumerate(RUNNERS[:-1]):
+            res.rows.append(Row(T, B, name, 1234.5 + i, 9876.5 + i, 987_654.3, 65_432.0 + i))
+    res.rows.append(
+        Row(32768, 1, "attnlab-math", note="skipped: materialises (B, H, T, T) scores, T > math_max_len=16384")
+    )
+    res.skipped["flash-attn"] = "flash-attn not importable (ModuleNotFoundError: No module named 'flash_attn')"
+    lines = compact_table(res).splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    assert "attnlab-math: skipped, T > math_max_len=16384" in lines
+    row = next(line for line in lines if line.startswith("attnlab-compiled"))
+    assert row.split() == ["attnlab-compiled", "1236.5", "9878.5", "1.00", "1.00", "987654", "100%", "65434", "1.00"]

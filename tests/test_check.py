@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
 import torch
@@ -296,5 +298,72 @@ def test_cli_table(capsys):
 def test_cli_bad_target_is_one_sentence(capsys, target, message):
     assert main(["check", "--target", target]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("attnlab check: error: --target") or "error:" in err
+    assert err.startswith("attnlab: error: --target")
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.splitlines()]
+
+
+TORCH_FINDINGS = ["--target", "torch", "--checks", "low_precision[bf16]", "padded_kv_nonfinite", "mask_semantics"]
+
+
+def test_cli_table_fits_80_columns_with_details_below(capsys, monkeypatch):
+    """At 80 columns a detail column would wrap into a tall ribbon: the details are listed under the table."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["check", *TORCH_FINDINGS]) == 1
+    lines = _lines(capsys.readouterr().out)
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if "check" in line and "status" in line)
+    assert header.split() == ["┃", "check", "┃", "status", "┃", "measured", "┃", "tolerance", "┃"]
+    assert any(line.startswith("│ padded_kv_nonfinite") and "FAIL" in line for line in lines)
+    detail = next(i for i, line in enumerate(lines) if line.startswith("padded_kv_nonfinite "))
+    assert lines[detail].split(maxsplit=1)[1].startswith("pad rows of the K/V inputs set to NaN, inf;")
+    assert lines[detail + 1].startswith(" " * len("padded_kv_nonfinite  ")) and lines[detail + 1].strip()  # wrapped
+    assert "FAILED: 2 passed, 1 failed, 0 skipped" in lines
+
+
+def test_cli_table_keeps_its_detail_column_when_wide(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["check", *TORCH_FINDINGS]) == 1
+    lines = _lines(capsys.readouterr().out)
+    header = next(line for line in lines if "check" in line and "status" in line)
+    assert header.split()[-2:] == ["detail", "┃"]
+    assert not any(line.startswith("padded_kv_nonfinite ") for line in lines)
+
+
+def test_cli_shows_progress_as_plain_lines_when_piped(capsys):
+    assert main(["check", "--checks", "parity_self", "kv_cache"]) == 0
+    lines = _lines(capsys.readouterr().out)
+    assert lines[:2] == [
+        "checking MultiHeadAttention(backend='math'): 2 checks ...",
+        "checking MultiHeadAttention(backend='sdpa'): 2 checks ...",
+    ]
+    assert lines[2].startswith("done in ") and lines[2].endswith(" s")
+
+
+def test_cli_shows_a_live_bar_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["check", "--backend", "sdpa", "--checks", "parity_self", "parity_cross"]) == 0
+    text = out.getvalue()
+    bar = text[: text.index("attnlab check: ")]
+    assert "MultiHeadAttention(backend='sdpa'): parity_cross" in bar and "2/2" in bar  # drawn, then erased
+    assert "checking MultiHeadAttention" not in text  # no plain progress lines on a terminal
+
+
+def test_one_check_at_a_time_gives_the_same_figures():
+    """The CLI runs the checks one by one to show progress; each seeds its own inputs, so nothing changes."""
+    from attnlab.check.cli import _run_all
+
+    names = ["parity_masked", "low_precision[fp16]", "gradcheck[padding]", "dropout_rate", "kv_cache"]
+    module = attnlab_module("sdpa", num_kv_heads=2)
+    seen: list[tuple[str, str, int]] = []
+    (one_by_one,) = _run_all([module], names, seed=3, batch_size=2, seq_len=8, on_check=lambda *a: seen.append(a))
+    assert seen == [("MultiHeadAttention(backend='sdpa')", n, i) for i, n in enumerate(names)]
+    assert one_by_one.to_dict() == run_checks(module, checks=names, seed=3).to_dict()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import sys
+
 import torch
 
 from attnlab.cli import main
@@ -49,3 +52,53 @@ def test_doctor_exits_nonzero_when_attnlab_cannot_run(monkeypatch, capsys):
 
 def test_compile_probe_works_here():
     assert doctor_mod.try_compile() == (True, "")
+
+
+def test_doctor_fits_80_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(  # the long fix text must wrap, not run off the screen
+        doctor_mod.importlib.util, "find_spec", lambda name, *a: None
+    )
+    assert main(["doctor", "--no-compile"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    fix = next(i for i, line in enumerate(lines) if line.startswith("       fix: Not needed:"))
+    assert lines[fix + 1].startswith(" " * 12) and lines[fix + 1].strip()  # wrapped under its first line
+
+
+def test_doctor_announces_the_compile_probe_before_running_it(capsys, monkeypatch):
+    events: list[str] = []
+
+    def probe():
+        events.append(capsys.readouterr().out)  # what was on the screen while the probe ran
+        return True, ""
+
+    monkeypatch.setattr(doctor_mod, "try_compile", probe)
+    assert main(["doctor"]) == 0
+    before, after = events[0], capsys.readouterr().out
+    assert before.splitlines()[-1] == "[ .. ] torch.compile                running (compiles a tiny function) ..."
+    assert "[  ok] python" in before  # findings are printed as they come, not at the end
+    assert after.startswith("[  ok] torch.compile                works (")
+
+
+def test_doctor_on_a_terminal_replaces_the_running_line(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(doctor_mod, "try_compile", lambda: (True, ""))
+    assert main(["doctor"]) == 0
+    text = out.getvalue()
+    running = "[ .. ] torch.compile                running (compiles a tiny function) ..."
+    assert f"{running}\r\x1b[K[  ok] torch.compile " in text  # no newline: the finding overwrites it
+
+
+def test_iter_findings_yields_as_it_goes(monkeypatch):
+    seen: list[str] = []
+    monkeypatch.setattr(doctor_mod, "try_compile", lambda: (seen.append("compile ran"), (True, ""))[1])
+    for f in doctor_mod.iter_findings(announce=lambda topic, what: seen.append(f"announce {topic}")):
+        seen.append(f.topic)
+    assert seen.index("announce torch.compile") == seen.index("compile ran") - 1
+    assert seen.index("python") == 0 and seen[-1] == "attnlab"

@@ -111,9 +111,16 @@ def test_generation_errors_name_the_argument_and_the_fix():
     model = tiny()
     with pytest.raises(
         ValueError,
-        match=r"prompt length 30 \+ max_new_tokens 5 = 35 exceeds block_size=32, .*keep the prompt's last 27 tokens or ask for at most 2 new tokens",
+        match=r"prompt length 30 \+ max_new_tokens 5 = 35 exceeds block_size=32, .*keep the prompt's last 27 tokens \(idx\[:, -27:\]\) or ask for at most 2 new tokens\.$",
     ):
         generate(model, torch.zeros(1, 30, dtype=torch.long), 5)
+    # more new tokens than the model has positions: cropping the prompt cannot help, so it is not offered
+    with pytest.raises(ValueError, match=r"= 201 exceeds block_size=32, .*; ask for at most 31 new tokens\.$"):
+        generate(model, torch.zeros(1, 1, dtype=torch.long), 200)
+    with pytest.raises(
+        ValueError, match=r"= 232 exceeds .*; keep the prompt's last 16 tokens and ask for at most 16 new tokens\.$"
+    ):
+        generate(model, torch.zeros(1, 32, dtype=torch.long), 200)
     with pytest.raises(ValueError, match="prompts must be padded on the left"):
         generate(
             model, torch.zeros(2, 3, dtype=torch.long), 2, key_padding_mask=torch.tensor([[False, False, True]] * 2)
@@ -144,3 +151,51 @@ def test_decode_step_compiles_once_fullgraph_and_matches_eager():
     assert torch.equal(other, generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0))
     assert torch.equal(other, again)
     assert counters["stats"]["unique_graphs"] == 2  # one more for batch size 1; the same cache size reused
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_out_of_vocabulary_prompt_ids_name_the_id_the_place_and_the_vocabulary(dtype):
+    model = tiny()  # vocab_size 50
+    idx = torch.tensor([[1, 2, 3], [4, 50, 50]], dtype=dtype)
+    with pytest.raises(
+        ValueError,
+        match=r"^idx holds token id 50 at \[1, 1\], outside the model's vocabulary of 50 ids \(0 \.\. 49\); encode the "
+        r"text with the model's own tokenizer, or build the model with GPTConfig\(vocab_size=51\) or more\.$",
+    ):
+        generate(model, idx, 2)
+    with pytest.raises(
+        ValueError, match=r"^idx holds token id -1 at \[0, 0\], .*; token ids are >= 0; pad with a real id"
+    ):
+        generate(model, torch.tensor([[-1, 3]], dtype=dtype), 2, use_cache=False)
+    with pytest.raises(ValueError, match=r"token id 99 at \[0, 0\]"):  # left-padding ids are embedded too
+        padded, pad = left_pad([[3], [1, 2]], pad_token_id=99)
+        generate(model, padded, 2, key_padding_mask=pad)
+
+
+def _spread(model: TinyGPT) -> TinyGPT:
+    """Weights N(0, 0.3) instead of GPT-2's 0.02: logits far apart, so that greedy tokens do not hinge on
+    rounding (near-ties would make a bf16 comparison a coin toss)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=IDS)
+def test_generate_runs_under_autocast(flags):
+    """Under torch.autocast(bf16) the K/V projections return bf16: the cache holds bf16 (it held the
+    model's float32 and refused the first write, with advice the caller could not follow)."""
+    model = _spread(tiny(**flags))
+    idx = torch.randint(0, 50, (2, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached = list(generate_steps(model, idx, 10, temperature=0))
+        recomputed = list(generate_steps(model, idx, 10, temperature=0, use_cache=False))
+        caches = model.setup_caches(2, 16)
+    assert caches[0].k.dtype == torch.bfloat16 and model.setup_caches(2, 16)[0].k.dtype == torch.float32
+    for a, b in zip(cached, recomputed, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and a.logits.dtype == torch.bfloat16
+        assert 0 <= int(a.tokens.min()) and int(a.tokens.max()) < 50
+    with torch.no_grad():
+        full = model(idx)[:, -1]  # float32 logits of the first new token
+    torch.testing.assert_close(cached[0].logits.float(), full, atol=0.1 * full.abs().max().item(), rtol=0)

@@ -30,7 +30,7 @@ ARGS = [
     "50",
     "--model.dropout",
     "0.1",
-    "--model.n-embd",
+    "--model.embed-dim",
     "32",
     "--no-progress",
 ]
@@ -55,8 +55,8 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    p_full = _attnlab(*ARGS, "--run-dir", str(full))
-    p_kill = _attnlab(*ARGS, "--run-dir", str(killed))
+    p_full = _attnlab(*ARGS, "--out-dir", str(full))
+    p_kill = _attnlab(*ARGS, "--out-dir", str(killed))
     deadline = time.monotonic() + 120
     while not (killed / CKPT_NAME).exists():
         assert p_kill.poll() is None and time.monotonic() < deadline, p_kill.communicate()[0]
@@ -66,7 +66,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert not (killed / "summary.json").exists()  # it really died mid-run
     step_at_kill = int(train_state.read_meta(killed / CKPT_NAME)["step"])
     assert 20 <= step_at_kill < 150
-    out = _attnlab("--run-dir", str(killed), "--resume")  # no other flags: the run's config.json is reloaded
+    out = _attnlab("--out-dir", str(killed), "--resume")  # no other flags: the run's config.json is reloaded
     log = out.communicate(timeout=120)[0]
     assert out.returncode == 0, log
     assert f"resumed {killed / CKPT_NAME} at step {step_at_kill}" in log
@@ -81,7 +81,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
 
 
 def _tiny(tmp_path, **kw) -> TrainConfig:
-    return TrainConfig(**{**dict(steps=10, eval_every=5, ckpt_every=5, progress=False, run_dir=tmp_path / "run"), **kw})
+    return TrainConfig(**{**dict(steps=10, eval_every=5, ckpt_every=5, progress=False, out_dir=tmp_path / "run"), **kw})
 
 
 def test_checkpoint_round_trip_restores_model_optimizer_rng(tmp_path):
@@ -104,11 +104,11 @@ def test_a_killed_writer_leaves_the_previous_checkpoint_intact(tmp_path, monkeyp
     path = result.run_dir / CKPT_NAME
     before = path.read_bytes()
 
-    def dies_halfway(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"half a file")
-        raise KeyboardInterrupt  # as a signal would, mid-write
+    def dies_halfway(fd):
+        os.ftruncate(fd, 11)  # half a file in the temp file, then a signal before it is renamed
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr("safetensors.torch.save_file", dies_halfway)
+    monkeypatch.setattr(os, "fsync", dies_halfway)
     opt = torch.optim.AdamW(result.model.parameters())
     with pytest.raises(KeyboardInterrupt):
         save_train_state(path, result.model, opt, 99, {})
@@ -119,7 +119,7 @@ def test_a_killed_writer_leaves_the_previous_checkpoint_intact(tmp_path, monkeyp
 def test_resume_ignores_a_stray_temp_file_and_refuses_a_torn_checkpoint(tmp_path):
     cfg = _tiny(tmp_path)
     train(cfg, quiet=True)
-    run = cfg.run_dir
+    run = cfg.out_dir
     (run / f".{CKPT_NAME}.12345.tmp").write_bytes(b"\x00" * 100)  # what a SIGKILL mid-write leaves
     resumed = train(TrainConfig(**{**cfg.__dict__, "steps": 12, "resume": True}), quiet=True)
     assert resumed.final["steps"] == 12
@@ -139,7 +139,7 @@ def test_resume_refuses_a_different_run(tmp_path):
 def test_resume_survives_a_metrics_line_torn_by_the_kill(tmp_path):
     cfg = _tiny(tmp_path, ckpt_every=5, steps=10)
     train(cfg, quiet=True)
-    metrics = cfg.run_dir / "metrics.jsonl"
+    metrics = cfg.out_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"step": 11, "lo')  # a kill mid-write
     resumed = train(TrainConfig(**{**cfg.__dict__, "steps": 12, "resume": True}), quiet=True)
     steps = [r["step"] for r in resumed.history]

@@ -12,7 +12,7 @@ from attnlab.lab.config import DataConfig, TrainConfig, config_from_dict, config
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
-TINY = ["--steps", "12", "--eval-every", "6", "--ckpt-every", "0", "--model.n-embd", "32", "--no-progress"]
+TINY = ["--steps", "12", "--eval-every", "6", "--ckpt-every", "0", "--model.embed-dim", "32", "--no-progress"]
 
 
 def test_config_round_trips_through_json(tmp_path):
@@ -24,8 +24,8 @@ def test_config_round_trips_through_json(tmp_path):
 
 def test_unknown_config_keys_are_rejected(tmp_path):
     data = config_to_dict(TrainConfig())
-    data["model"]["n_heads"] = 4  # typo of n_head
-    with pytest.raises(ValueError, match=r"config model\. has unknown key\(s\) \['n_heads'\]"):
+    data["model"]["num_head"] = 4  # typo of num_heads
+    with pytest.raises(ValueError, match=r"config model\. has unknown key\(s\) \['num_head'\]"):
         config_from_dict(data)
     (tmp_path / "bad.json").write_text(json.dumps(data))
     assert main(["train", "--config", str(tmp_path / "bad.json")]) == 2
@@ -33,20 +33,20 @@ def test_unknown_config_keys_are_rejected(tmp_path):
 
 def test_train_writes_a_reloadable_config_and_flags_override_it(tmp_path, capsys):
     run = tmp_path / "a"
-    assert main(["train", *TINY, "--data.copy-len", "5", "--run-dir", str(run)]) == 0
+    assert main(["train", *TINY, "--data.copy-len", "5", "--out-dir", str(run)]) == 0
     out = capsys.readouterr().out
     assert "done: 12 steps" in out and f"artifacts: {run}" in out
     saved = load_config(run / "config.json")
     assert saved.data.copy_len == 5 and saved.steps == 12
     run_b = tmp_path / "b"
-    assert main(["train", "--config", str(run / "config.json"), "--steps", "6", "--run-dir", str(run_b)]) == 0
+    assert main(["train", "--config", str(run / "config.json"), "--steps", "6", "--out-dir", str(run_b)]) == 0
     reloaded = load_config(run_b / "config.json")
-    assert reloaded.data.copy_len == 5 and reloaded.steps == 6 and reloaded.model.n_embd == 32
+    assert reloaded.data.copy_len == 5 and reloaded.steps == 6 and reloaded.model.embed_dim == 32
 
 
 def test_unknown_flag_is_rejected(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["train", "--model.n-heads", "4"])
+        main(["train", "--model.n-head", "4"])  # the name before the flag vocabulary was unified
     assert e.value.code == 2
 
 
@@ -74,7 +74,7 @@ def test_ablate_heads_prints_table_and_writes_png(tmp_path, capsys):
                 "20",
                 "--train.eval-every",
                 "10",
-                "--train.model.n-embd",
+                "--train.model.embed-dim",
                 "32",
                 "--target-acc",
                 "0.2",

@@ -33,12 +33,12 @@ def test_two_cpu_processes_end_with_identical_weights(tmp_path):
         "10",
         "--ckpt-every",
         "10",
-        "--model.n-embd",
+        "--model.embed-dim",
         "32",
         "--no-progress",
         "--device",
         "cpu",
-        "--run-dir",
+        "--out-dir",
         str(run),
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

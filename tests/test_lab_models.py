@@ -40,20 +40,20 @@ def test_causal_mask_decides_whether_the_future_leaks(causal):
 
 @pytest.mark.parametrize("kind", ["gpt", "minimal"])
 def test_build_model_maps_ids_to_logits(kind):
-    model = build_model(ModelConfig(kind=kind, n_layer=1, n_head=2, n_embd=16), vocab_size=11, block_size=9)
+    model = build_model(ModelConfig(kind=kind, num_layers=1, num_heads=2, embed_dim=16), vocab_size=11, block_size=9)
     assert isinstance(model, TinyGPT if kind == "gpt" else MinimalFormer)
     assert model(torch.randint(0, 11, (3, 9))).shape == (3, 9, 11)
 
 
 def test_build_model_rejects_heads_that_do_not_divide_d_model():
-    with pytest.raises(ValueError, match="--model.n-head 3 must divide --model.n-embd 16"):
-        build_model(ModelConfig(n_head=3, n_embd=16), 5, 5)
+    with pytest.raises(ValueError, match="--model.num-heads 3 must divide --model.embed-dim 16"):
+        build_model(ModelConfig(num_heads=3, embed_dim=16), 5, 5)
 
 
 @pytest.mark.parametrize("init, lo, hi", [("gpt2", 0.015, 0.025), ("torch", 0.05, 0.2)])
 def test_gpt_init_choice_scales_the_linear_layers(init, lo, hi):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(kind="gpt", n_layer=1, n_head=4, n_embd=64, init=init), 10, 8)
+    model = build_model(ModelConfig(kind="gpt", num_layers=1, num_heads=4, embed_dim=64, init=init), 10, 8)
     block = model.transformer.h[0]
     assert lo < float(block.mlp.c_fc.weight.detach().std()) < hi
     assert lo < float(block.attn.q_proj.weight.detach().std()) < hi

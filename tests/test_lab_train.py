@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _cfg(tmp_path, **kw) -> TrainConfig:
-    base = dict(steps=60, eval_every=20, ckpt_every=0, progress=False, run_dir=tmp_path / "run")
+    base = dict(steps=60, eval_every=20, ckpt_every=0, progress=False, out_dir=tmp_path / "run")
     return TrainConfig(**{**base, **kw})
 
 
@@ -49,7 +49,7 @@ def test_minimal_former_learns_recall_above_chance(tmp_path):
         tmp_path,
         steps=150,
         data=DataConfig(task="recall", n_pairs=4),
-        model=ModelConfig(kind="minimal", n_layer=2, n_head=4, n_embd=64),
+        model=ModelConfig(kind="minimal", num_layers=2, num_heads=4, embed_dim=64),
     )
     result = train(cfg, write=False, quiet=True)
     assert result.run_dir is None and not (tmp_path / "run").exists()
@@ -62,7 +62,7 @@ def test_seed_random_data_loss_goes_to_ln_vocab(tmp_path):
         tmp_path,
         steps=100,
         data=DataConfig(task="random", vocab_size=8, seq_len=32, num_samples=20000),
-        model=ModelConfig(kind="minimal", n_layer=1, n_head=4, n_embd=64, dropout=0.1),
+        model=ModelConfig(kind="minimal", num_layers=1, num_heads=4, embed_dim=64, dropout=0.1),
         optim=OptimConfig(lr=5e-4, schedule="constant", warmup_steps=1),
     )
     result = train(cfg, write=False, quiet=True)

@@ -1,6 +1,6 @@
 """The package's layering: imports only go down, and no two modules import each other.
 
-Layers, lowest first: ``core`` (the attention), ``models`` and ``compat`` (built on it), then ``check``
+Layers, lowest first: ``core`` (the attention) and ``runtime`` (devices, files, usage errors), ``models``, ``compat`` and ``hf`` (built on it), then ``check``
 and ``lab`` (each on its own), then ``bench`` and ``tools``, then the package root (``attnlab``,
 ``attnlab.cli``). A module may import from a lower layer or from its own subpackage. Every import
 counts: top-level, inside functions, and under ``if TYPE_CHECKING:`` (an annotation that needs an
@@ -15,7 +15,7 @@ from pathlib import Path
 import attnlab
 
 PACKAGE_DIR = Path(attnlab.__file__).parent
-LAYERS = {"core": 0, "models": 1, "compat": 1, "check": 2, "lab": 2, "bench": 3, "tools": 3}
+LAYERS = {"runtime": 0, "core": 0, "models": 1, "compat": 1, "hf": 1, "check": 2, "lab": 2, "bench": 3, "tools": 3}
 ROOT_LAYER = 4  # attnlab/__init__.py, cli.py, __main__.py
 
 

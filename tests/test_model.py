@@ -90,6 +90,12 @@ def test_errors_name_the_argument_and_the_fix():
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"positions reach 40 but block_size=32"):
         model(torch.zeros(1, 2, dtype=torch.long), positions=torch.tensor([0, 40]))
+    with pytest.raises(
+        ValueError, match=r"idx holds token id 50 at \[0, 1\], outside the model's vocabulary of 50 ids \(0 \.\. 49\)"
+    ):
+        model(torch.tensor([[3, 50, 51]]))  # an IndexError from the embedding before
+    with pytest.raises(ValueError, match=r"idx holds token id -2 at \[1, 0\].*token ids are >= 0"):
+        model(torch.tensor([[3, 4], [-2, 1]]))
     with pytest.raises(ValueError, match=r"max_len=40 exceeds block_size=32"):
         model.setup_caches(1, 40)
     with pytest.raises(

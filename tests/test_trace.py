@@ -126,7 +126,7 @@ def test_cli_trace_defaults_to_seed_000(capsys):
 def test_cli_trace_json_with_odd_sizes(capsys):
     args = [
         "trace",
-        "--batch",
+        "--batch-size",
         "3",
         "--seq-len",
         "7",
@@ -136,7 +136,7 @@ def test_cli_trace_json_with_odd_sizes(capsys):
         "6",
         "--context-len",
         "5",
-        "--kv-heads",
+        "--num-kv-heads",
         "3",
         "--pad",
         "1",
@@ -164,3 +164,44 @@ def test_low_precision_math_shows_the_float32_accumulation():
     stages = [r.stage for r in calls[0].rows]
     assert "to float32 (accumulate)" in stages and "back to bfloat16" in stages
     assert stages.index("to float32 (accumulate)") < stages.index("scores = Q K^T") < stages.index("back to bfloat16")
+
+
+def _widths(text: str) -> list[int]:
+    return [len(line) for line in text.splitlines()]
+
+
+def test_cli_trace_fits_80_columns(capsys, monkeypatch):
+    """At 80 columns each stage takes two lines: stage, shape, memory; then the operation with its axes."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["trace", "--num-kv-heads", "2", "--pad", "2", "--causal", "--dropout", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert max(_widths(out)) <= 80
+    lines = out.splitlines()
+    assert lines[1].split() == ["#", "stage", "shape", "memory"] and lines[2].strip() == "operation  # axes"
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("5   split heads (view)"))
+    assert lines[i].split()[-1] == "view" and "[2, 10, 8, 8]" in lines[i]
+    assert lines[i + 1] == "    q = view(q, 2, 10, 8, 8)  # (b, t, h, d): features cut into h heads of d"
+    # an operation and its axes that do not fit one line: the axes comment goes on the next
+    i = next(i for i, ln in enumerate(lines) if "GQA: repeat K/V heads" in ln)
+    assert lines[i + 1 : i + 3] == [
+        "    k = repeat_interleave(k, 4, dim=1)",
+        "    # (b, h, t, d): K/V head g shared by its query group",
+    ]
+
+
+def test_cli_trace_wide_terminal_and_json_keep_every_column(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["trace"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["#", "stage", "operation", "shape", "axes", "memory"]
+    assert len(lines) == 3 + 19  # title, header, rule, one line per stage
+    monkeypatch.setenv("COLUMNS", "40")
+    assert main(["trace", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)[0]["rows"]
+    assert rows[4] == {
+        "stage": "split heads (view)",
+        "operation": "q = view(q, 2, 10, 8, 8)",
+        "shape": [2, 10, 8, 8],
+        "axes": "(b, t, h, d): features cut into h heads of d",
+        "memory": "view",
+    }

@@ -36,7 +36,9 @@ import tyro
 from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
+from ..runtime import UsageError, check_range, check_writable_dir, resolve_device, resolve_dtype
 from .seed_module import SeedMultiHeadAttention
+from .table import aligned, terminal_width, wrap
 
 RUNNERS = ("attnlab", "attnlab-math", "attnlab-compiled", "torch-mha", "floor", "seed-000", "flash-attn")
 
@@ -52,7 +54,7 @@ class BenchConfig:
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
     """sequence lengths T to run (8192 fits the fused runners; the math ones are capped by --math-max-len)."""
     tokens: int = 8192
-    """tokens per batch: B = tokens // T."""
+    """tokens per batch: B = tokens // T (at least the longest length)."""
     repeats: int = 5
     """timed repeats per runner and length (median reported)."""
     warmup: int = 1
@@ -62,17 +64,17 @@ class BenchConfig:
     math_max_len: int = 4096
     """longest T for runners that materialise (B, H, T, T) scores (attnlab-math, seed-000)."""
     device: str = "auto"
-    """cpu, cuda, or auto (cuda when available)."""
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps."""
     dtype: str = "auto"
-    """float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)."""
+    """auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64)."""
     memory: bool = True
     """measure peak memory of one forward+backward per runner and length."""
     gemm_size: int = 4096
     """n of the (n, n) @ (n, n) matmul whose best rate is the run's large-GEMM rate."""
     train: bool = True
     """also measure training throughput of the lab's default model (attnlab vs torch attention)."""
-    out: Path = Path("bench_results")
-    """directory for bench_attention.json and bench_attention.png."""
+    out_dir: Path = Path("bench_results")
+    """directory for bench_attention.json, bench_attention.md and bench_attention.png (checked writable first)."""
     seed: int = 0
 
 
@@ -171,6 +173,9 @@ def build_runners(
 
             runners[name] = run_floor
         elif name == "seed-000":
+            if dtype == torch.float16:  # tried: masked_fill(mask == 0, -1e9) raises, -1e9 overflows float16
+                skipped[name] = "seed 000 fills masked scores with -1e9, which float16 cannot hold (its max is 65504)"
+                continue
             seed = SeedMultiHeadAttention(E, H).to(device=device, dtype=dtype)
             _copy_weights(ours, (seed.w_q, seed.w_k, seed.w_v, seed.w_o))
 
@@ -195,7 +200,7 @@ def build_runners(
 
             runners[name] = run_peer
         else:
-            raise ValueError(f"runners contains {name!r}; expected names among {RUNNERS}.")
+            raise UsageError(f"--runners got {name!r}, expected names among {', '.join(RUNNERS)}.")
     return runners, skipped
 
 
@@ -309,14 +314,50 @@ class BenchResult:
     train_throughput: dict | None = None
 
 
-def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
-    device = torch.device(
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if cfg.device == "auto" else cfg.device)
+def validate(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:
+    """Every flag checked before any work; the device and dtype to run in. Raises :class:`UsageError`."""
+    if not cfg.lengths:
+        raise UsageError("--lengths got no length; pass sequence lengths, e.g. --lengths 128 256 512.")
+    for T in cfg.lengths:
+        check_range("--lengths", T, low=1, integer=True, hint="each is a sequence length T, e.g. --lengths 128 256")
+    longest = max(cfg.lengths)
+    check_range(
+        "--tokens",
+        cfg.tokens,
+        low=longest,
+        integer=True,
+        hint=f"B = tokens // T needs at least one sequence of the longest length {longest}; pass --tokens {longest}",
     )
-    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
+    check_range("--embed-dim", cfg.embed_dim, low=1, integer=True)
+    check_range("--num-heads", cfg.num_heads, low=1, integer=True)
+    if cfg.embed_dim % cfg.num_heads:
+        divisors = [h for h in range(1, cfg.embed_dim + 1) if cfg.embed_dim % h == 0]
+        nearest = sorted(divisors, key=lambda h: abs(h - cfg.num_heads))[:2]
+        raise UsageError(
+            f"--embed-dim {cfg.embed_dim} is not divisible by --num-heads {cfg.num_heads}; "
+            f"pass --num-heads among its divisors (nearest: {sorted(nearest)})."
+        )
+    check_range("--repeats", cfg.repeats, low=1, integer=True, hint="the median of the timed repeats is reported")
+    check_range("--warmup", cfg.warmup, low=0, integer=True)
+    check_range("--math-max-len", cfg.math_max_len, low=1, integer=True)
+    check_range("--gemm-size", cfg.gemm_size, low=1, integer=True)
+    unknown = [n for n in cfg.runners if n not in RUNNERS]
+    if unknown or not cfg.runners:
+        raise UsageError(
+            f"--runners got {list(cfg.runners)}, expected one or more of {', '.join(RUNNERS)}; "
+            f"e.g. --runners attnlab floor torch-mha."
+        )
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    check_writable_dir(cfg.out_dir, "--out-dir")
+    return device, dtype
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
+    """Time every runner at every length (after :func:`validate`, which ``bench`` calls first)."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
     torch.manual_seed(cfg.seed)
     runners, skipped = build_runners(cfg, device, dtype)
     mem = PeakMemory(device)
@@ -325,8 +366,15 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
         f"device {device}, {dtype_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"large-GEMM rate {gemm:.1f} GFLOP/s"
     )
+    for name, why in skipped.items():
+        log(f"{name}: skipped, {why}")
     result = BenchResult(
-        asdict(cfg) | {"out": str(cfg.out)}, str(device), dtype_name, torch.__version__, gemm, skipped=dict(skipped)
+        asdict(cfg) | {"out_dir": str(cfg.out_dir)},
+        str(device),
+        dtype_name,
+        torch.__version__,
+        gemm,
+        skipped=dict(skipped),
     )
     E = cfg.embed_dim
     checked = False
@@ -380,7 +428,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
             r.fwd_bwd_ms = 1e3 * statistics.median(fb[n])
             r.fwd_gflops = flops / (r.fwd_ms / 1e3) / 1e9
         result.rows.extend(rows.values())
-        log(f"T={T:5d} B={B:3d}  " + "  ".join(f"{n} {rows[n].fwd_bwd_ms:.1f}ms" for n in active))
+        log(f"T={T} B={B}: fwd+bwd ms " + ", ".join(f"{n} {rows[n].fwd_bwd_ms:.1f}" for n in active))
 
     result.gemm_gflops = max(result.gemm_gflops, gemm_gflops(device, dtype, cfg.gemm_size))
     if cfg.memory and mem.available:  # after all timings: the allocator setting below slows allocation
@@ -426,6 +474,48 @@ def markdown(res: BenchResult) -> str:
         )
     for name, why in res.skipped.items():
         lines.append(f"\n{name}: skipped, {why}.")
+    return "\n".join(lines)
+
+
+def compact_table(res: BenchResult) -> str:
+    """The table for a terminal (fits 80 columns): one group per length, the runners under it.
+
+    The same figures as :func:`markdown`, B moved into the group's title; the Markdown file and the
+    JSON keep every column.
+    """
+    by = {(r.T, r.runner): r for r in res.rows}
+    header = ("runner", "fwd ms", "f+b ms", "/floor", "/mha", "GFLOP/s", "%GEMM", "MiB", "/floor")
+    rows: list[tuple[str, ...]] = []
+    for T in dict.fromkeys(r.T for r in res.rows):
+        group = [r for r in res.rows if r.T == T]
+        rows.append((f"T={T}, B={group[0].B}:",))
+        for r in group:
+            if r.fwd_ms is None:
+                rows.append((f"{r.runner}: skipped, {r.note.rsplit(', ', 1)[-1]}",))
+                continue
+            assert r.fwd_gflops is not None and r.fwd_bwd_ms is not None  # a timed row has all its timings
+            floor, tm = by.get((T, "floor")), by.get((T, "torch-mha"))
+            rows.append(
+                (
+                    r.runner,
+                    f"{r.fwd_ms:.1f}",
+                    f"{r.fwd_bwd_ms:.1f}",
+                    _ratio(r.fwd_bwd_ms, floor.fwd_bwd_ms if floor else None),
+                    _ratio(r.fwd_bwd_ms, tm.fwd_bwd_ms if tm else None),
+                    f"{r.fwd_gflops:.0f}" if r.fwd_gflops >= 1000 else f"{r.fwd_gflops:.1f}",
+                    f"{100 * r.fwd_gflops / res.gemm_gflops:.0f}%",
+                    "" if r.peak_mib is None else f"{r.peak_mib:.0f}",
+                    _ratio(r.peak_mib, floor.peak_mib if floor else None),
+                )
+            )
+    lines = [
+        f"{res.device} {res.dtype}, torch {res.torch}; large GEMM {res.gemm_gflops:.1f} GFLOP/s",
+        "f+b = forward+backward; /floor, /mha: f+b time (or peak MiB) over the floor's",
+        "and torch.nn.MultiheadAttention's; MiB: peak memory of one f+b",
+        "",
+        *aligned(header, rows, right=(False, *([True] * 8))),
+    ]
+    lines += [wrap(f"{name}: skipped, {why}.") for name, why in res.skipped.items()]
     return "\n".join(lines)
 
 
@@ -491,9 +581,12 @@ def plot(res: BenchResult, path: Path) -> None:
 
 def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
     """Benchmark attention: attnlab (auto, math, compiled) vs torch.nn.MultiheadAttention, the
-    SDPA floor and the seed-000 module; prints a Markdown table, writes JSON and a PNG."""
-    res = run_bench(cfg)
-    table, summary = markdown(res), goals(res)
+    SDPA floor and the seed-000 module; prints a table, writes Markdown, JSON and a PNG to --out-dir."""
+    validate(cfg)  # flags, device, dtype and --out-dir: a mistake fails now, not after minutes of timing
+    width = terminal_width()
+    log = lambda text: print(wrap(text, width), flush=True)
+    res = run_bench(cfg, log=log)
+    summary = goals(res)
     if cfg.train:
         from .train import train_throughput
 
@@ -503,13 +596,11 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
             f"\ntraining throughput ({tp.model}): attnlab {tp.attnlab_tok_s:,.0f} tok/s, "
             f"torch.nn.MultiheadAttention {tp.torch_tok_s:,.0f} tok/s, ratio {tp.ratio:.2f}x"
         )
-    print("\n" + table + "\n\n" + summary)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    data = asdict(res)
-    (cfg.out / "bench_attention.json").write_text(json.dumps(data, indent=2))
-    (cfg.out / "bench_attention.md").write_text(table + "\n\n" + summary + "\n")
-    plot(res, cfg.out / "bench_attention.png")
-    print(
-        f"\nwrote {cfg.out / 'bench_attention.json'}, {cfg.out / 'bench_attention.md'}, {cfg.out / 'bench_attention.png'}"
-    )
+    out = cfg.out_dir
+    paths = [out / "bench_attention.json", out / "bench_attention.md", out / "bench_attention.png"]
+    paths[0].write_text(json.dumps(asdict(res), indent=2))
+    paths[1].write_text(markdown(res) + "\n\n" + summary + "\n")
+    plot(res, paths[2])
+    print("\n" + compact_table(res) + "\n\n" + wrap(summary, width))
+    print("\nwrote (the Markdown table has every column):\n" + "\n".join(f"  {p}" for p in paths))
     return 0

@@ -100,7 +100,7 @@ def train_throughput(steps: int = 20, repeats: int = 5) -> ThroughputResult:
             runs[name].append(run(name))
     c = cfg.model
     what = (
-        f"TinyGPT {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads, copy task, "
+        f"TinyGPT {c.num_layers} layers, embed_dim {c.embed_dim}, {c.num_heads} heads, copy task, "
         f"batch {x.size(0)} x {x.size(1)} tokens"
     )
     return ThroughputResult(what, x.numel(), statistics.median(runs["attnlab"]), statistics.median(runs["torch"]))

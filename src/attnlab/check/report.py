@@ -20,15 +20,24 @@ def _figure(value: float | str | None) -> str:
     return "0" if value == 0 else f"{value:.2e}"
 
 
-def _row(r: CheckResult) -> tuple[str, ...]:
+def _row(r: CheckResult, *, detail: bool = True) -> tuple[str, ...]:
     from rich.markup import escape  # names like "low_precision[bf16]" would otherwise read as markup tags
 
     status = f"[{_STYLE[r.status]}]{r.status.upper()}[/]"
-    return (escape(r.name), status, escape(_figure(r.measured)), escape(_figure(r.tolerance)), escape(r.detail))
+    cells = (escape(r.name), status, escape(_figure(r.measured)), escape(_figure(r.tolerance)))
+    return (*cells, escape(r.detail)) if detail else cells
+
+
+_MIN_DETAIL = 40  # narrower than this, a detail column becomes a tall ribbon: details go below the table
 
 
 def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None:
-    """One table per target on stdout, then a one-line verdict each."""
+    """One table per target on stdout, then a one-line verdict each.
+
+    ``width``: the terminal's columns (``None``: as rich finds them, ``COLUMNS`` included). When the
+    detail column would get fewer than 40 of them (and fewer than the longest detail needs), the table
+    keeps check, status and figures, and each row's detail is listed under it, wrapped.
+    """
     from rich.console import Console  # imported here: the library API must not need a terminal
     from rich.markup import escape
     from rich.table import Table
@@ -36,27 +45,51 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
     console = Console(width=width)
     for report in reports:
         cfg = report.config
+        figures = [(r.name, r.status, _figure(r.measured), _figure(r.tolerance)) for r in report.results]
+        # each column's widest cell plus rich's borders and padding: 3 per column and 1 for the last border
+        fixed = sum(max(len(head), *(len(f[c]) for f in figures)) + 3 for c, head in enumerate(_HEADS[:4])) + 4
+        longest = max((len(r.detail) for r in report.results), default=0)
+        wide = console.width - fixed >= min(_MIN_DETAIL, longest)
+        title = f"attnlab check: {report.target}"
         table = Table(
-            title=f"attnlab check: {escape(report.target)}",
+            title=escape(title),
             title_justify="left",
+            min_width=min(len(title), console.width),  # the title on one line, however narrow the columns
             caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
             f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']} torch {cfg['torch']}",
             caption_justify="left",
         )
-        for col, kw in (
-            ("check", {"no_wrap": True}),
-            ("status", {}),
-            ("measured", {"justify": "right"}),
-            ("tolerance", {"justify": "right"}),
-            ("detail", {"ratio": 1}),
-        ):
+        for col, kw in zip(_HEADS if wide else _HEADS[:4], _COLUMN_STYLE, strict=False):
             table.add_column(col, **kw)
         for r in report.results:
-            table.add_row(*_row(r))
+            table.add_row(*_row(r, detail=wide))
         console.print(table)
+        if not wide:
+            _print_details(console, report)
         counts = {s: sum(r.status == s for r in report.results) for s in ("pass", "fail", "skip")}
         verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
         console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped\n")
+
+
+_HEADS = ("check", "status", "measured", "tolerance", "detail")
+_COLUMN_STYLE: tuple[dict, ...] = ({"no_wrap": True}, {}, {"justify": "right"}, {"justify": "right"}, {"ratio": 1})
+
+
+def _print_details(console: object, report: Report) -> None:
+    """Each row's detail under the table: the check's name, then its detail wrapped in a hanging indent."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    assert isinstance(console, Console)
+    console.print()
+    details = Table.grid(padding=(0, 2))
+    details.add_column(no_wrap=True)
+    details.add_column(ratio=1)
+    for r in report.results:
+        if r.detail:
+            details.add_row(escape(r.name), escape(r.detail))
+    console.print(details)
 
 
 def to_json(reports: Sequence[Report]) -> str:

@@ -1,12 +1,18 @@
 """``attnlab train`` and ``attnlab ablate-heads``: flags derived from the dataclasses by tyro.
 
 Both accept ``--config FILE`` (a run's ``config.json``): the file becomes tyro's defaults, and any
-other flag overrides it. ``attnlab train --run-dir R --resume`` reloads ``R/config.json`` the
-same way, so a resumed run needs no flags repeated.
+other flag overrides it. ``attnlab train --out-dir R --resume`` reloads ``R/config.json`` the
+same way, so a resumed run needs no flags repeated; ``attnlab ablate-heads --out-dir D --resume``
+likewise reloads the study's ``D/config.json``.
+
+Exit codes: 0 done; 2 a usage error (raised as :class:`attnlab.runtime.UsageError`, printed as
+``attnlab: error: ...`` by :func:`attnlab.cli.main`); 1 training diverged (NaN/inf loss); 130/143
+stopped by SIGINT/SIGTERM after saving a checkpoint, with one line saying how to resume.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,9 +20,11 @@ from typing import Annotated
 
 import tyro
 
-from .ablate import AblateConfig, ablate
-from .config import TrainConfig, load_config
+from .ablate import AblateConfig, ablate, load_ablate_config
+from .config import TrainConfig, config_from_dict, load_config
+from .stopping import TrainingDiverged, TrainingInterrupted, exit_code
 from .train import train
+from .train_state import CKPT_NAME, read_meta
 
 __all__ = ["train_command", "ablate_command", "lab_main", "LAB_COMMANDS"]
 
@@ -25,21 +33,45 @@ CONFIG_HELP = (
 )
 
 
+def _stopped(run: Callable[[], int]) -> int:
+    """Run ``run``; an interrupt or a divergence becomes its line on stderr and its exit code."""
+    try:
+        return run()
+    except TrainingInterrupted as e:
+        if e.announce:
+            print(e.line, file=sys.stderr, flush=True)
+        return e.exit_code
+    except TrainingDiverged as e:
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        if e.announce:
+            print(f"attnlab: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
 def train_command(cfg: Annotated[TrainConfig, tyro.conf.arg(name="")]) -> int:
     """Train a model on a synthetic task, seed 002's random data or a text file (see attnlab.lab)."""
-    result = train(cfg)
-    if result.run_dir is not None:
-        print(
-            f"artifacts: {result.run_dir} (config.json, metrics.jsonl, checkpoint.safetensors, curve.png, summary.json"
-            + (", model/)" if "model_dir" in result.final else ")")
-        )
-    return 0
+
+    def run() -> int:
+        result = train(cfg)
+        if result.run_dir is not None:
+            print(
+                f"artifacts: {result.run_dir} (config.json, metrics.jsonl, checkpoint.safetensors, curve.png, "
+                "summary.json" + (", model/)" if "model_dir" in result.final else ")")
+            )
+        return 0
+
+    return _stopped(run)
 
 
 def ablate_command(cfg: Annotated[AblateConfig, tyro.conf.arg(name="")]) -> int:
-    """Seed 002 section 4.4: fixed d_model, 1/2/4/8 heads, several seeds; a table and a PNG of loss curves."""
-    ablate(cfg)
-    return 0
+    """Seed 002 section 4.4: fixed d_model, several head counts and seeds; a table and a PNG of loss curves."""
+
+    def run() -> int:
+        ablate(cfg)
+        return 0
+
+    return _stopped(run)
 
 
 def _split_config_flag(args: list[str]) -> tuple[Path | None, list[str]]:
@@ -70,23 +102,30 @@ def _parse_train(args: list[str]) -> TrainConfig:
         prog="attnlab train",
         description=f"{train_command.__doc__}\n\n{CONFIG_HELP}",
     )
-    saved = Path(cfg.run_dir) / "config.json"
-    if cfg.resume and path is None and saved.exists():  # resume a run with its own config; flags still override
-        cfg = tyro.cli(TrainConfig, args=rest, default=load_config(saved), prog="attnlab train")
+    saved, ckpt = Path(cfg.out_dir) / "config.json", Path(cfg.out_dir) / CKPT_NAME
+    if cfg.resume and path is None and (saved.exists() or ckpt.exists()):
+        # resume a run with its own config (config.json, else the copy inside the checkpoint); flags still override
+        own = load_config(saved, "--resume") if saved.exists() else config_from_dict(read_meta(ckpt)["config"])
+        cfg = tyro.cli(TrainConfig, args=rest, default=own, prog="attnlab train")
         cfg.resume = True
     return cfg
 
 
 def _parse_ablate(args: list[str]) -> AblateConfig:
     path, rest = _split_config_flag(args)
-    base = AblateConfig(train=load_config(path)) if path else AblateConfig()
-    return tyro.cli(
-        AblateConfig,
-        args=rest,
-        default=base,
-        prog="attnlab ablate-heads",
-        description=f"{ablate_command.__doc__}\n\n--config FILE: a run's config.json as the base training run.",
+    base = load_ablate_config(path) if path else AblateConfig()
+    description = (
+        f"{ablate_command.__doc__}\n\n--config FILE: a study's config.json, or a training run's config.json as the "
+        "base run; flags given after it override it."
     )
+    cfg = tyro.cli(AblateConfig, args=rest, default=base, prog="attnlab ablate-heads", description=description)
+    saved = Path(cfg.out_dir) / "config.json"
+    if cfg.resume and path is None and saved.exists():  # resume a study with its own config; flags still override
+        cfg = tyro.cli(
+            AblateConfig, args=rest, default=load_ablate_config(saved, "--resume"), prog="attnlab ablate-heads"
+        )
+        cfg.resume = True
+    return cfg
 
 
 # subcommand -> (parse its flags into a config, run it)
@@ -97,10 +136,21 @@ LAB_COMMANDS: dict[str, tuple[Callable[[list[str]], TrainConfig | AblateConfig],
 
 
 def lab_main(argv: Sequence[str]) -> int:
-    """Run ``train``/``ablate-heads`` from ``argv`` (the subcommand first); tyro exits 2 on bad flags."""
-    parse, _ = LAB_COMMANDS[argv[0]]
-    cfg = parse(list(argv[1:]))
-    return train_command(cfg) if isinstance(cfg, TrainConfig) else ablate_command(cfg)
+    """Run ``train``/``ablate-heads`` from ``argv`` (the subcommand first); tyro exits 2 on bad flags.
+
+    A :class:`attnlab.runtime.UsageError` propagates to :func:`attnlab.cli.main`, which prints it and
+    returns 2. Ctrl-C before training starts (while parsing, importing, checking) ends with one
+    line and 130: nothing has been written then.
+    """
+    try:
+        parse, _ = LAB_COMMANDS[argv[0]]
+        cfg = parse(list(argv[1:]))
+        return train_command(cfg) if isinstance(cfg, TrainConfig) else ablate_command(cfg)
+    except TrainingInterrupted:
+        raise  # handled in train_command/ablate_command; never reaches here
+    except KeyboardInterrupt:
+        print(f"attnlab: interrupted before {argv[0]} started; nothing was written.", file=sys.stderr, flush=True)
+        return exit_code(2)
 
 
 if __name__ == "__main__":

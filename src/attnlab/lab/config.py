@@ -1,7 +1,9 @@
-"""Configuration of a training run: four dataclasses, saved as ``run_dir/config.json``.
+"""Configuration of a training run: four dataclasses, saved as ``out_dir/config.json``.
 
 The ``attnlab train`` flags are derived from :class:`TrainConfig` by tyro (``--data.task``,
-``--model.n-head``, ``--optim.lr``, ...), so this file is the single list of options.
+``--model.num-heads``, ``--optim.lr``, ...), so this file is the single list of options. Field names
+are the flag names with ``-`` written ``_``. Configs saved before the flag vocabulary was unified
+(``n_layer``, ``n_head``, ``n_embd``, ``n_kv_head``, ``run_dir``) load under the new names.
 """
 
 from __future__ import annotations
@@ -9,9 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from ..runtime import UsageError, atomic_write_text
 
 __all__ = [
     "DataConfig",
@@ -19,9 +25,12 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "config_from_dict",
+    "config_to_dict",
+    "dataclass_from_dict",
     "load_config",
     "save_config",
     "demo_config",
+    "command_flags",
 ]
 
 Task = Literal["recall", "copy", "random", "text"]
@@ -31,9 +40,7 @@ Task = Literal["recall", "copy", "random", "text"]
 class DataConfig:
     """What the model is trained on; every batch is a pure function of (seed, step, rank)."""
 
-    task: Task = (
-        "copy"  # copy/recall need attention; copy is default as it passes 95% in ~100 steps, recall takes thousands
-    )
+    task: Task = "copy"  # copy and recall need attention (copy learns in ~50 steps); random: seed 002's; text: a file
     seed: int = 0  # seeds the data stream; the held-out split uses a disjoint stream derived from it
     batch_size: int = 64  # sequences per step over all ranks (each of N ranks gets batch_size // N)
     n_pairs: int = 8  # recall: key-value pairs shown before the queries (the memory to search)
@@ -52,16 +59,15 @@ class ModelConfig:
     """Which network learns: TinyGPT (GPT-2 shape) or seed 002's MinimalFormerBlock stack."""
 
     kind: Literal["gpt", "minimal"] = "gpt"  # gpt = attnlab.TinyGPT; minimal = seed 002's MinimalFormerBlock stack
-    n_layer: int = 2  # blocks; recall needs two (one finds the key, one reads the value after it)
-    n_head: int = 4  # attention heads; must divide n_embd (the quantity ablate-heads varies)
-    n_embd: int = 64  # d_model, fixed while ablate-heads varies n_head
-    ff_mult: int = 2  # minimal only: ff_dim = ff_mult * n_embd (seed 002: 64 -> 128); TinyGPT uses 4
-    dropout: float = 0.0  # tiny synthetic tasks do not overfit; seed 002 uses 0.1 (pass --model.dropout 0.1)
+    num_layers: int = 2  # blocks; recall needs two (one finds the key, one reads the value after it)
+    num_heads: int = 4  # attention heads; must divide embed_dim (the quantity ablate-heads varies)
+    num_kv_heads: int | None = None  # key/value heads (GQA; 1 = MQA); must divide num_heads; None: num_heads
+    embed_dim: int = 64  # d_model, fixed while ablate-heads varies num_heads
+    ff_mult: int = 2  # minimal only: ff_dim = ff_mult * embed_dim (seed 002: 64 -> 128); TinyGPT uses 4
+    dropout: float = 0.0  # in [0, 1); tiny synthetic tasks do not overfit; seed 002 uses 0.1
     causal: bool = True  # minimal only: seed 002 passes no mask, so position t sees x[t+1] == y[t] and copies it
     position: Literal["learned", "rotary"] = "learned"  # gpt only: GPT-2's wpe table or RoPE
-    init: Literal["torch", "gpt2"] = (
-        "torch"  # gpt only: GPT-2's N(0, 0.02) is tuned for width 768; at 64 it stalls recall
-    )
+    init: Literal["torch", "gpt2"] = "torch"  # gpt only: GPT-2's N(0, 0.02) suits width 768; at 64 it stalls recall
 
 
 @dataclass
@@ -85,82 +91,144 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    steps: int = 400  # optimiser steps; the default (copy) run passes 95% held-out accuracy well before the end
+    steps: int = 400  # optimiser steps; the default copy run passes 95% held-out accuracy well before the end
     seed: int = 0  # seeds model init and dropout (torch's global RNG), saved in checkpoints
     eval_every: int = 25  # steps between held-out evaluations (the resolution of "steps to 90%")
     eval_batches: int = 4  # held-out batches per evaluation, always the same ones
     log_every: int = 50  # steps between plain log lines when stdout is not a terminal
-    ckpt_every: int = 100  # steps between checkpoints (one more is written at the end); 0: only at the end
+    ckpt_every: int = 100  # steps between checkpoints (one more at the end, and on SIGINT/SIGTERM); 0: only those
     stop_at_acc: float | None = None  # stop early once held-out accuracy reaches this (e.g. 0.95); None: run all steps
-    run_dir: Path = Path("runs/train")  # config.json, metrics.jsonl, checkpoint, curve.png, model/ go here
-    resume: bool = False  # continue from run_dir's checkpoint with its saved config, RNG and step
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda if available, else cpu
+    out_dir: Path = Path("runs/train")  # the run directory; a run already there is never replaced (see --resume)
+    resume: bool = False  # continue the run in out_dir from its checkpoint, with its saved config, RNG and step
+    device: str = "auto"  # one of: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps
     progress: bool = True  # rich progress bar on a terminal; plain log lines otherwise
 
 
-def demo_config(run_dir: str | os.PathLike = "runs/demo") -> TrainConfig:
+def demo_config(out_dir: str | os.PathLike[str] = "runs/demo") -> TrainConfig:
     """The demo's run: the default copy task, stopped once held-out accuracy reaches 95% (~100 steps)."""
-    return TrainConfig(steps=300, eval_every=10, ckpt_every=0, stop_at_acc=0.95, run_dir=Path(run_dir))
+    return TrainConfig(steps=300, eval_every=10, ckpt_every=0, stop_at_acc=0.95, out_dir=Path(out_dir))
 
 
-def _from_dict(cls: type, data: Any, where: str) -> Any:
+# Keys of configs saved before the flag vocabulary was unified: old name -> new name, per class.
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "TrainConfig": {"run_dir": "out_dir"},
+    "ModelConfig": {"n_layer": "num_layers", "n_head": "num_heads", "n_embd": "embed_dim", "n_kv_head": "num_kv_heads"},
+}
+
+
+def _is_path(hint: Any) -> bool:
+    return hint is Path or Path in typing.get_args(hint)
+
+
+def dataclass_from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """An instance of the dataclass ``cls`` from its ``asdict`` form (nested dataclasses included).
+
+    Unknown keys raise :class:`UsageError`; keys renamed since the file was written are mapped to
+    their new names without a word, so old runs still load and resume.
+    """
     if not isinstance(data, dict):
-        raise ValueError(
+        raise UsageError(
             f"config {where or 'root'} must be a JSON object, got {type(data).__name__}; "
-            f'write it as {{"field": value, ...}} as run_dir/config.json does.'
+            f'write it as {{"field": value, ...}} as out_dir/config.json does.'
         )
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known.keys())
+    renamed = RENAMED_KEYS.get(cls.__name__, {})
+    data = {renamed.get(k, k) if renamed.get(k, k) not in data else k: v for k, v in data.items()}
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"config {where or 'root'} has unknown key(s) {unknown}, expected only {sorted(known)}; "
             f"remove or rename them."
         )
     kwargs = {}
     for name, value in data.items():
-        sub = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}.get(name) if cls is TrainConfig else None
-        if sub is not None:
-            value = _from_dict(sub, value, f"{where}{name}.")
-        elif name in ("run_dir", "text_path") and value is not None:
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            value = dataclass_from_dict(hint, value, f"{where}{name}.")
+        elif _is_path(hint) and isinstance(value, str):
             value = Path(value)
         kwargs[name] = value
     return cls(**kwargs)
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    """A :class:`TrainConfig` from its ``asdict`` form; unknown keys raise ``ValueError``."""
-    return _from_dict(TrainConfig, data, "")
+    """A :class:`TrainConfig` from its ``asdict`` form; unknown keys raise :class:`UsageError`."""
+    cfg: TrainConfig = dataclass_from_dict(TrainConfig, data)
+    return cfg
 
 
-def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """JSON-ready form: paths as strings."""
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """JSON-ready form of any config dataclass: paths as strings."""
 
     def fix(obj: Any) -> Any:
         if isinstance(obj, dict):
             return {k: fix(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [fix(v) for v in obj]
         return str(obj) if isinstance(obj, Path) else obj
 
     return fix(asdict(cfg))
 
 
-def load_config(path: str | os.PathLike) -> TrainConfig:
-    """Read a config written by :func:`save_config` (or by hand); JSON only."""
+def read_config_dict(path: str | os.PathLike[str], flag: str = "--config") -> dict[str, Any]:
+    """The JSON object in ``path``; a missing or broken file is a :class:`UsageError` naming ``flag``."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"--config {str(path)!r} does not exist; pass a run's config.json.") from None
+        raise UsageError(f"{flag} {str(path)!r} does not exist; pass a run's config.json.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {str(path)!r} cannot be read ({e}); pass a readable config.json.") from None
     except json.JSONDecodeError as e:
-        raise ValueError(
-            f"--config {str(path)!r} is not valid JSON ({e}); fix the file or pass a run's config.json."
+        raise UsageError(
+            f"{flag} {str(path)!r} is not valid JSON ({e}); fix the file or pass a run's config.json."
         ) from None
-    return config_from_dict(data)
+    if not isinstance(data, dict):
+        raise UsageError(f"{flag} {str(path)!r} holds a JSON {type(data).__name__}, expected an object.")
+    return data
 
 
-def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+def load_config(path: str | os.PathLike[str], flag: str = "--config") -> TrainConfig:
+    """Read a config written by :func:`save_config` (or by hand); JSON only. Errors name ``flag``."""
+    return config_from_dict(read_config_dict(path, flag))
+
+
+def save_config(cfg: Any, path: str | os.PathLike[str]) -> None:
     """Write ``cfg`` as indented JSON, atomically (temp file in the same directory, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(config_to_dict(cfg), indent=2) + "\n")
+
+
+def command_flags(cfg: Any, default: Any, prefix: str = "--", skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that turn ``default`` into ``cfg`` (both instances of one config dataclass), shell-quoted.
+
+    Used to print commands the user can run as they are: ``attnlab train`` plus these flags
+    rebuilds ``cfg``. Fields named in ``skip`` (top level only) are left out.
+    """
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        if f.name in skip:
+            continue
+        value, base = getattr(cfg, f.name), getattr(default, f.name)
+        flag = prefix + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += command_flags(value, base, flag + ".")
+        elif value == base:
+            continue
+        elif isinstance(value, bool):
+            out.append(flag if value else f"{prefix}no-{f.name.replace('_', '-')}")
+        elif isinstance(value, list):
+            out += [flag, *(shlex.quote(_text(v)) for v in value)]
+        else:
+            out += [flag, shlex.quote(_text(value))]
+    return out
+
+
+def _text(value: Any) -> str:
+    """A value as typed on a command line: floats in their shortest exact form (1e-08, not 1.0000000000000001e-08)."""
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    return str(value)

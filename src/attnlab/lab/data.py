@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..models.tokenizer import CharTokenizer
+from ..runtime import UsageError
 from .config import DataConfig
 
 __all__ = ["IGNORE", "CharDataset", "RandomTask", "RecallTask", "CopyTask", "TextCharDataset", "build_task"]
@@ -88,7 +89,7 @@ class RandomTask:
 
     def __init__(self, cfg: DataConfig) -> None:
         if not 2 <= cfg.vocab_size:
-            raise ValueError(f"--data.vocab-size must be >= 2, got {cfg.vocab_size}; pass e.g. --data.vocab-size 16.")
+            raise UsageError(f"--data.vocab-size must be >= 2, got {cfg.vocab_size}; pass e.g. --data.vocab-size 16.")
         self.cfg = cfg
         self.train_pool = CharDataset(cfg.seq_len, cfg.num_samples, cfg.vocab_size, seed=stream_seed(cfg.seed, "train"))
         self.eval_pool = CharDataset(
@@ -121,7 +122,7 @@ class RecallTask:
 
     def __init__(self, cfg: DataConfig) -> None:
         if not 1 <= cfg.n_pairs <= cfg.n_keys <= len(KEYS) or not 2 <= cfg.n_values <= len(VALUES):
-            raise ValueError(
+            raise UsageError(
                 f"recall needs 1 <= n_pairs <= n_keys <= {len(KEYS)} and 2 <= n_values <= {len(VALUES)}, got "
                 f"n_pairs={cfg.n_pairs}, n_keys={cfg.n_keys}, n_values={cfg.n_values}; change --data.n-pairs/n-keys/n-values."
             )
@@ -160,7 +161,7 @@ class CopyTask:
 
     def __init__(self, cfg: DataConfig) -> None:
         if not 1 <= cfg.copy_len or not 2 <= cfg.n_symbols <= len(KEYS):
-            raise ValueError(
+            raise UsageError(
                 f"copy needs copy_len >= 1 and 2 <= n_symbols <= {len(KEYS)}, got copy_len={cfg.copy_len}, "
                 f"n_symbols={cfg.n_symbols}; change --data.copy-len or --data.n-symbols."
             )
@@ -185,21 +186,23 @@ class TextCharDataset:
 
     def __init__(self, cfg: DataConfig) -> None:
         if cfg.text_path is None:
-            raise ValueError(
+            raise UsageError(
                 "--data.task text needs --data.text-path, got none; pass a UTF-8 text file, e.g. --data.text-path README.md."
             )
         path = Path(cfg.text_path)
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(
+            raise UsageError(
                 f"--data.text-path {str(path)!r} could not be read as UTF-8 ({e}); pass a readable UTF-8 text file."
             ) from None
         n_val = len(text) // 10
         if len(text) - n_val < cfg.seq_len + 2 or n_val < cfg.seq_len + 2:
-            raise ValueError(
-                f"--data.text-path {str(path)!r} has {len(text)} characters, too few for seq_len={cfg.seq_len} "
-                f"(need {10 * (cfg.seq_len + 2)}); use a longer file or a smaller --data.seq-len."
+            fits = n_val - 2  # the held-out tenth must hold one window of seq_len + 1 and a start to draw
+            fix = f"pass --data.seq-len {fits} or less, or a longer file" if fits >= 1 else "pass a longer file"
+            raise UsageError(
+                f"--data.text-path {str(path)!r} has {len(text)} characters, too few for --data.seq-len {cfg.seq_len} "
+                f"(it needs {10 * (cfg.seq_len + 2)}: a tenth is held out); {fix}."
             )
         self.cfg = cfg
         self.tokenizer = CharTokenizer.from_text(text)
@@ -228,5 +231,5 @@ def build_task(cfg: DataConfig) -> RandomTask | RecallTask | CopyTask | TextChar
         "text": TextCharDataset,
     }
     if cfg.task not in tasks:
-        raise ValueError(f"--data.task must be one of {sorted(tasks)}, got {cfg.task!r}; pick one of them.")
+        raise UsageError(f"--data.task must be one of {sorted(tasks)}, got {cfg.task!r}; pick one of them.")
     return tasks[cfg.task](cfg)

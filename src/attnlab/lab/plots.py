@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,18 @@ matplotlib.use("Agg")  # files only: no display on a server or in CI
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..runtime import atomic_write_bytes
+
 __all__ = ["plot_run", "plot_ablation"]
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    """Write the PNG whole or not at all: an interrupt mid-save leaves the previous file."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path
 
 
 def plot_run(
@@ -34,9 +46,7 @@ def plot_run(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_ablation(curves: dict[int, list[list[float]]], steps: list[int], path: Path, *, title: str) -> Path:
@@ -51,6 +61,4 @@ def plot_ablation(curves: dict[int, list[list[float]]], steps: list[int], path: 
     ax.set(xlabel="step", ylabel="held-out cross-entropy", title=title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

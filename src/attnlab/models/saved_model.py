@@ -2,21 +2,28 @@
 
 Loading reads tensors with safetensors and everything else as JSON: a checkpoint never runs
 code (no pickle). Each file is written to a temporary name in the same directory and moved
-into place with ``os.replace``, so a crash mid-save never leaves a half-written file.
+into place (:func:`attnlab.runtime.atomic_write_bytes`), so a crash mid-save never leaves a
+half-written file.
+
+Loading checks the two files against each other before building anything from them: a damaged
+file, a config that disagrees with the weights, or a directory of another kind is a
+:class:`CheckpointError` naming the file and the mismatch, never a raw safetensors or
+``load_state_dict`` error.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import uuid
+import re
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from ..runtime import UsageError, atomic_write_bytes, atomic_write_text
 from .gpt import GPTConfig, TinyGPT
 from .tokenizer import Tokenizer, tokenizer_from_json
 
@@ -24,22 +31,15 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
 FORMAT = "attnlab.TinyGPT"
 VERSION = 1
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that is missing, incomplete or of another format."""
+class CheckpointError(UsageError):
+    """A checkpoint directory that is missing, damaged, inconsistent or of another format.
 
-
-def _atomic_write(path: Path, write) -> None:
-    # A fresh name that the writer creates itself (not mkstemp's 0600 file): permissions follow the umask.
-    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"))
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    A ``ValueError`` (through :class:`attnlab.runtime.UsageError`), so ``attnlab generate`` prints
+    it as one line with exit code 2.
+    """
 
 
 def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: Tokenizer | None = None) -> Path:
@@ -62,47 +62,193 @@ def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: 
         "tokenizer": None if tokenizer is None else tokenizer.to_json(),
     }
     blob = save(tensors, metadata={"format": FORMAT})  # bytes, written by us: safetensors' own file would be 0600
-    _atomic_write(directory / "model.safetensors", lambda p: Path(p).write_bytes(blob))
-    _atomic_write(directory / "config.json", lambda p: Path(p).write_text(json.dumps(meta, indent=2) + "\n"))
+    atomic_write_bytes(directory / "model.safetensors", blob)
+    atomic_write_text(directory / "config.json", json.dumps(meta, indent=2) + "\n")
     return directory
 
 
-def load_checkpoint(
-    directory: str | os.PathLike, *, device: str | torch.device = "cpu"
-) -> tuple[TinyGPT, Tokenizer | None]:
-    """``(model in eval mode, tokenizer or None)`` from a directory written by :func:`save_checkpoint`."""
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"checkpoint {str(directory)!r} does not exist or is not a directory; pass the directory that save_checkpoint wrote (holding config.json and model.safetensors)."
-        )
-    for p in (config_path, weights_path):
-        if not p.is_file():
-            raise CheckpointError(
-                f"checkpoint {str(directory)!r} has no {p.name}; pass a directory written by attnlab's save_checkpoint."
-            )
+def _shape_reason(key: str, c: GPTConfig) -> str:
+    """The config fields that fix the shape of ``key``, as ``name=value`` pairs."""
+    names: tuple[str, ...] = ("n_embd",)
+    if key.endswith("wte.weight"):
+        names = ("vocab_size", "n_embd")
+    elif key.endswith("wpe.weight"):
+        names = ("block_size", "n_embd")
+    elif re.search(r"attn\.(k|v|in)_proj\.", key):
+        names = ("n_kv_head", "n_head", "n_embd")
+    return ", ".join(f"{n}={getattr(c, n)}" for n in names)
+
+
+def _key_mismatch(expected: set[str], found: set[str], c: GPTConfig) -> str:
+    """Why the tensor names of the file and of the model built from config.json differ, in words."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    layers = {int(m.group(1)) for k in found if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
+    if not layers:
+        return f"it holds no transformer blocks (transformer.h.*) but config.json says n_layer={c.n_layer}"
+    if len(layers) != c.n_layer:
+        return f"it holds {len(layers)} blocks (transformer.h.0 .. h.{max(layers)}) but config.json says n_layer={c.n_layer}"
+    if "transformer.wpe.weight" in missing:
+        return "it has no transformer.wpe.weight but config.json says position='learned' (a table of positions)"
+    if "transformer.wpe.weight" in unexpected:
+        return "it has transformer.wpe.weight but config.json says position='rotary' (no table of positions)"
+    if c.bias and missing and all(k.endswith(".bias") for k in missing):
+        return f"it has no biases (e.g. {missing[0]}) but config.json says bias=True"
+    if not c.bias and unexpected and all(k.endswith(".bias") for k in unexpected):
+        return f"it has biases (e.g. {unexpected[0]}) but config.json says bias=False"
+    parts = []
+    if missing:
+        parts.append(f"it lacks {len(missing)} tensor(s) config.json implies, e.g. {missing[:3]}")
+    if unexpected:
+        parts.append(f"it has {len(unexpected)} tensor(s) TinyGPT does not, e.g. {unexpected[:3]}")
+    return " and ".join(parts)
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    config_path = directory / "config.json"
     try:
-        meta = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except OSError as e:
         raise CheckpointError(
-            f"{str(config_path)!r} is not valid JSON ({e}); the checkpoint is corrupt, save it again."
+            f"{str(config_path)!r} cannot be read ({e.strerror or e}); make it readable (chmod u+r) or pass another checkpoint."
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{str(config_path)!r} is not valid JSON ({e}); the checkpoint is damaged: save it again with save_checkpoint."
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else None
+        hint = "it was not written by attnlab's save_checkpoint"
+        if (directory / "model" / "config.json").is_file():  # a training run directory: its model sits in model/
+            hint = f"this is a training run's directory; its model is {str(directory / 'model')!r}: pass that"
+        raise CheckpointError(f"{str(config_path)!r} has format {got!r}, expected {FORMAT!r}; {hint}.")
+    if not isinstance(meta.get("config"), dict):
         raise CheckpointError(
-            f"{str(config_path)!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}; it was not written by attnlab's save_checkpoint."
+            f"{str(config_path)!r} has no 'config' object (got {meta.get('config')!r}); the file is damaged: save the checkpoint again."
         )
+    return meta
+
+
+def _config(meta: dict[str, Any], config_path: Path) -> GPTConfig:
     known = {f.name for f in fields(GPTConfig)}
     unknown = sorted(set(meta["config"]) - known)
     if unknown:
         raise CheckpointError(
             f"{str(config_path)!r} has config keys {unknown} that GPTConfig does not know; upgrade attnlab to the version that wrote it."
         )
-    from safetensors.torch import load_file  # imported only when loading
+    try:
+        return GPTConfig(**meta["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{str(config_path)!r} holds a config TinyGPT cannot build: {e} Fix that value in the file or save the checkpoint again."
+        ) from None
 
-    model = TinyGPT(GPTConfig(**meta["config"]))
+
+def _check_weights(weights_path: Path, config: GPTConfig, expected: dict[str, torch.Size]) -> None:
+    """Read only the header of ``model.safetensors`` and compare names and shapes with ``expected``."""
+    from safetensors import SafetensorError, safe_open  # imported only when loading
+
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        size = weights_path.stat().st_size if weights_path.exists() else 0
+        raise CheckpointError(
+            f"{str(weights_path)!r} is not a readable safetensors file ({e}; {size} bytes): it is damaged or was cut "
+            f"short, e.g. by an interrupted copy; copy it again or save the checkpoint again with save_checkpoint."
+        ) from None
+    for key in [k for k in shapes if ".attn.in_proj." in k]:  # the fused layout from before the projections were split
+        head, kind = key.rsplit("in_proj.", 1)
+        parts = [f"{head}{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj")]
+        if not all(part in expected for part in parts):
+            continue
+        fused = (sum(expected[part][0] for part in parts), *expected[parts[0]][1:])  # Q, K, V rows stacked
+        if shapes[key] != fused:
+            raise CheckpointError(
+                f"{str(weights_path)!r}: {key} has shape {shapes[key]} but config.json says {_shape_reason(key, config)} "
+                f"-> {fused}; the two files come from different models: restore the config.json saved with these "
+                f"weights, or save both again."
+            )
+        del shapes[key]  # MultiHeadAttention's load hook splits it into the three projections
+        shapes.update({part: tuple(expected[part]) for part in parts})
+    if set(shapes) != set(expected):
+        raise CheckpointError(
+            f"{str(weights_path)!r} does not match config.json: {_key_mismatch(set(expected), set(shapes), config)}; "
+            f"the two files come from different models: restore the config.json saved with these weights, or save both again."
+        )
+    for key, want in expected.items():
+        if shapes[key] != tuple(want):
+            raise CheckpointError(
+                f"{str(weights_path)!r}: {key} has shape {shapes[key]} but config.json says {_shape_reason(key, config)} "
+                f"-> {tuple(want)}; the two files come from different models: restore the config.json saved with these "
+                f"weights, or save both again."
+            )
+
+
+def _missing_hint(directory: Path) -> str:
+    """Advice for a checkpoint directory that is not there: a lab run of seed 002's block writes none."""
+    run_config = directory.parent / "config.json"
+    try:
+        kind = json.loads(run_config.read_text(encoding="utf-8"))["model"]["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        kind = None
+    if directory.name == "model" and kind == "minimal":
+        return (
+            f"the run in {str(directory.parent)!r} trained seed 002's block (model.kind 'minimal'), which is not a "
+            f"TinyGPT and is saved only in its training checkpoint; train with --model.kind gpt to get a model/ directory"
+        )
+    return "pass the directory that save_checkpoint wrote (holding config.json and model.safetensors)"
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, *, device: str | torch.device = "cpu"
+) -> tuple[TinyGPT, Tokenizer | None]:
+    """``(model in eval mode, tokenizer or None)`` from a directory written by :func:`save_checkpoint`.
+
+    Raises :class:`CheckpointError` (a ``ValueError``) naming the file and what is wrong with it:
+    missing, unreadable, not JSON, damaged safetensors, or weights whose names or shapes disagree
+    with ``config.json``.
+    """
+    directory = Path(directory)
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    if directory.is_file() and directory.name in ("config.json", "model.safetensors"):
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} is a file; pass the directory holding it, {str(directory.parent)!r}."
+        )
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} does not exist or is not a directory; {_missing_hint(directory)}."
+        )
+    if not weights_path.is_file() and (directory / "model" / "model.safetensors").is_file():
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} is a training run's directory; its model is {str(directory / 'model')!r}: pass that."
+        )
+    for p in (config_path, weights_path):
+        if not p.is_file():
+            raise CheckpointError(
+                f"checkpoint {str(directory)!r} has no {p.name}; pass a directory written by attnlab's save_checkpoint."
+            )
+    meta = _read_meta(directory)
+    config = _config(meta, config_path)
+    dtype = _DTYPES.get(str(meta.get("dtype", "float32")))
+    if dtype is None:
+        raise CheckpointError(
+            f"{str(config_path)!r} has dtype {meta.get('dtype')!r}, expected one of {sorted(_DTYPES)}; fix the file or save the checkpoint again."
+        )
+    try:
+        tokenizer = None if meta.get("tokenizer") is None else tokenizer_from_json(meta["tokenizer"])
+    except ValueError as e:
+        raise CheckpointError(f"{str(config_path)!r}: {e}") from None
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{str(config_path)!r}: its tokenizer has {tokenizer.vocab_size} ids but config vocab_size={config.vocab_size}; "
+            f"the tokenizer belongs to another model: save the checkpoint again with the model's own tokenizer."
+        )
+
+    model = TinyGPT(config)
+    _check_weights(weights_path, config, {k: v.shape for k, v in model.state_dict().items()})
+    from safetensors.torch import load_file
+
     state = load_file(str(weights_path), device=str(device))
-    model.load_state_dict(state, strict=True)
-    model.to(device=device, dtype=getattr(torch, meta.get("dtype", "float32")))
-    tokenizer = None if meta.get("tokenizer") is None else tokenizer_from_json(meta["tokenizer"])
+    model.load_state_dict(state, strict=True)  # names and shapes already checked
+    model.to(device=device, dtype=dtype)
     return model.eval(), tokenizer

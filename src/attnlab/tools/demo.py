@@ -8,28 +8,66 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
+import textwrap
 import time
 from pathlib import Path
 
 import torch
 
 from ..core.attention import MultiHeadAttention
+from ..lab.config import TrainConfig, config_to_dict, demo_config, load_config
+from ..lab.run_dir import RUN_FILES, free_sibling
+from ..runtime import UsageError, check_writable_dir
 from .trace import trace
 
 
+def _width() -> int:
+    return max(60, shutil.get_terminal_size((80, 24)).columns)
+
+
 def _section(title: str) -> None:
-    print(f"\n=== {title} " + "=" * max(0, 70 - len(title)))
+    print(f"\n=== {title} " + "=" * max(0, min(_width(), 80) - 5 - len(title)))
 
 
-def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> int:
+def _demo_run(out_dir: Path, seed: int) -> TrainConfig:
+    cfg = demo_config(out_dir=out_dir)
+    cfg.seed = cfg.data.seed = seed
+    return cfg
+
+
+def _check_out_dir(out_dir: Path, seed: int) -> None:
+    """``out_dir`` writable, and holding nothing or a demo's run (which the demo replaces): never a user's run."""
+    check_writable_dir(out_dir, "--out-dir")
+    if not any((out_dir / name).exists() for name in RUN_FILES):
+        return
+    try:
+        saved = config_to_dict(load_config(out_dir / "config.json", "--out-dir"))
+    except UsageError:
+        saved = None
+    want = config_to_dict(_demo_run(out_dir, seed))
+    if saved is not None:
+        saved["seed"], saved["data"]["seed"] = want["seed"], want["data"]["seed"]  # a demo run with another seed
+    if saved != want:
+        raise UsageError(
+            f"--out-dir {str(out_dir)!r} holds a run that is not a demo run (its config.json is not the demo's), "
+            f"and the demo replaces what it finds; run it in another directory: attnlab demo --out-dir "
+            f"{shlex.quote(str(free_sibling(out_dir)))}{f' --seed {seed}' if seed else ''}"
+        )
+
+
+def demo(out_dir: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> int:
     """The tour: seed-000 trace, verification, training on the default task, KV-cache samples.
 
     Args:
-        out: directory for the training run's artifacts.
+        out_dir: directory for the training run's artifacts; a demo run there is replaced, any other run is not.
         seed: torch.manual_seed for the seed-000 case and the training run.
         train: run steps 3 and 4 (training and generation); --no-train stops after the verification.
     """
     start = time.perf_counter()
+    if train:  # before any work: a directory that cannot be written, or that holds another run, stops the tour now
+        _check_out_dir(out_dir, seed)
     _section("1. seed 000: MultiHeadAttention(64, 8) on x of shape (2, 10, 64)")
     torch.manual_seed(seed)
     x = torch.randn(2, 10, 64)
@@ -39,26 +77,26 @@ def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> in
     print(f"output  : {list(out_t.shape)}  (batch, seq, model_dim), head_dim = {mha.head_dim}")
     print(f"backend : {mha.last_backend}" + (f" ({mha.last_backend_reason})" if mha.last_backend_reason else ""))
     _, weights = mha(x, need_weights=True)
-    print(
-        f"weights : {list(weights.shape)}  (batch, heads, query, key) via backend "
-        f"{mha.last_backend!r}: {mha.last_backend_reason}"
-    )
-    print("\nEvery stage of the same call on the math backend, shapes read off the real tensors:\n")
+    why = f"weights : {list(weights.shape)}  (batch, heads, query, key) via backend {mha.last_backend!r}: "
+    print(textwrap.fill(why + str(mha.last_backend_reason), _width(), subsequent_indent=" " * 10))
+    print("\nEvery stage of the same call on the math backend, shapes read off the tensors:\n")
     mha.backend = "math"
     with trace(mha) as calls:
         mha(x, x)
-    print(calls[0].to_text())
+    print(calls[0].to_text(width=_width()))
 
     _section("2. verification: attnlab check against the float64 reference")
     from ..check import run_checks
 
     report = run_checks(MultiHeadAttention(32, 4, num_kv_heads=2, dropout=0.1), seed=seed)
     fmt = lambda v: f"{v:.2e}" if isinstance(v, float) else str(v)
-    for r in report.results:
-        print(f"  {r.status.upper():4s}  {r.name:26s} measured {fmt(r.measured):>18}   allowed {fmt(r.tolerance)}")
+    cells = [(r.status.upper(), r.name, fmt(r.measured), fmt(r.tolerance)) for r in report.results]
+    widths = [max(len(c[i]) for c in [("", "check", "measured", "allowed"), *cells]) for i in range(4)]
+    for c in [("", "check", "measured", "allowed"), *cells]:
+        print(f"  {c[0]:{widths[0]}}  {c[1]:{widths[1]}}  {c[2]:>{widths[2]}}  {c[3]:>{widths[3]}}")
     print(
         f"{sum(r.status == 'pass' for r in report.results)} passed, {len(report.failures)} failed "
-        f"(GQA module, backend 'auto'; `attnlab check` runs every backend)"
+        f"(GQA, backend 'auto'; `attnlab check` runs every backend)"
     )
     if report.failures:
         return 1
@@ -66,21 +104,18 @@ def demo(out: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> in
         print(f"\ndone in {time.perf_counter() - start:.0f}s (training skipped).")
         return 0
 
-    _section("3. training: TinyGPT on the copy task (attention must read 13 positions back)")
-    from ..lab.config import demo_config
+    _section("3. training: TinyGPT on the copy task (it must read 13 positions back)")
     from ..lab.samples import heldout_samples, print_samples
     from ..lab.train import train as run_training
 
-    cfg = demo_config(run_dir=out)
-    cfg.seed = cfg.data.seed = seed
-    result = run_training(cfg)
+    result = run_training(_demo_run(out_dir, seed), overwrite=True)  # _check_out_dir made sure it is a demo run
 
     _section("4. held-out prompts completed greedily with the KV cache")
     print_samples(heldout_samples(result, n=4))
 
     _section("artifacts")
     run_dir = result.run_dir
-    assert run_dir is not None
+    assert run_dir is not None  # a training run that writes has a directory
     for name, what in (
         ("metrics.jsonl", "per-step metrics"),
         ("curve.png", "loss/accuracy curve"),

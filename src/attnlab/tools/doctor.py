@@ -12,7 +12,9 @@ import importlib.util
 import platform
 import shutil
 import sys
+import textwrap
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -97,129 +99,155 @@ def try_compile() -> tuple[bool, str]:
 
 def diagnose(*, compile_check: bool = True) -> list[Finding]:
     """Every finding, in the order the report prints them."""
-    found: list[Finding] = []
+    return list(iter_findings(compile_check=compile_check))
+
+
+def iter_findings(
+    *, compile_check: bool = True, announce: Callable[[str, str], None] = lambda topic, what: None
+) -> Iterator[Finding]:
+    """Each finding as soon as it is known, so that a report can show them live.
+
+    ``announce(topic, what)`` is called before a step that takes seconds (the torch.compile probe).
+    """
     py = sys.version_info
-    found.append(
-        Finding(
-            "python",
-            "ok" if py >= (3, 10) else "fail",
-            platform.python_version(),
-            "" if py >= (3, 10) else "attnlab needs Python >= 3.10; create a venv with a newer Python.",
-        )
+    yield Finding(
+        "python",
+        "ok" if py >= (3, 10) else "fail",
+        platform.python_version(),
+        "" if py >= (3, 10) else "attnlab needs Python >= 3.10; create a venv with a newer Python.",
     )
     cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
     build = f"CUDA {cuda}" if cuda else ("ROCm " + hip if hip else "CPU-only")
-    found.append(Finding("torch", "ok", f"{torch.__version__} ({build} build)"))
+    yield Finding("torch", "ok", f"{torch.__version__} ({build} build)")
 
     has_nvidia = shutil.which("nvidia-smi") is not None
     if cuda and not torch.cuda.is_available():
-        found.append(
-            Finding(
-                "cuda",
-                "warn",
-                f"torch is a CUDA {cuda} build but no GPU is usable",
-                "Check the driver with nvidia-smi; the driver must support CUDA "
-                f"{cuda} (or install the torch wheel built for the driver's CUDA).",
-            )
+        yield Finding(
+            "cuda",
+            "warn",
+            f"torch is a CUDA {cuda} build but no GPU is usable",
+            "Check the driver with nvidia-smi; the driver must support CUDA "
+            f"{cuda} (or install the torch wheel built for the driver's CUDA).",
         )
     elif not cuda and has_nvidia:
-        found.append(
-            Finding(
-                "cuda",
-                "warn",
-                "an NVIDIA GPU is present but torch is a CPU-only build",
-                f"Install the CUDA build for this Python ({platform.python_version()}) from the "
-                f"command on pytorch.org's install page, pinned: pip install torch=={torch.__version__.split('+')[0]}.",
-            )
+        yield Finding(
+            "cuda",
+            "warn",
+            "an NVIDIA GPU is present but torch is a CPU-only build",
+            f"Install the CUDA build for this Python ({platform.python_version()}) from the "
+            f"command on pytorch.org's install page, pinned: pip install torch=={torch.__version__.split('+')[0]}.",
         )
     devices = _devices()
     names = [torch.cuda.get_device_name(int(d.split(":")[1])) if d.startswith("cuda") else d for d in devices]
-    found.append(
-        Finding("devices", "ok", ", ".join(f"{d} ({n})" if n != d else d for d, n in zip(devices, names, strict=True)))
+    yield Finding(
+        "devices", "ok", ", ".join(f"{d} ({n})" if n != d else d for d, n in zip(devices, names, strict=True))
     )
 
     for device in devices:
         for kernel in SDPA_KERNELS:
             if device == "cpu" and kernel in ("memory-efficient", "cudnn"):
-                found.append(Finding(f"sdpa {kernel} @ {device}", "info", "CUDA-only kernel"))
+                yield Finding(f"sdpa {kernel} @ {device}", "info", "CUDA-only kernel")
                 continue
             ran, why = try_sdpa_kernel(kernel, device)
             label = "CPU flash" if (device == "cpu" and kernel == "flash") else kernel
-            found.append(
-                Finding(f"sdpa {label} @ {device}", "ok" if ran else "info", "runs" if ran else f"not available: {why}")
+            yield Finding(
+                f"sdpa {label} @ {device}", "ok" if ran else "info", "runs" if ran else f"not available: {why}"
             )
 
     spec = importlib.util.find_spec("flash_attn")
     if spec is None:
-        found.append(
-            Finding(
-                "flash-attn package",
-                "info",
-                "not installed",
-                "Not needed: SDPA's flash kernel ships inside torch. If you want the package, "
-                "install a prebuilt wheel matching your torch, CUDA and Python versions; do not "
-                "compile it from source (ninja/gcc/CUDA-toolkit mismatches).",
-            )
+        yield Finding(
+            "flash-attn package",
+            "info",
+            "not installed",
+            "Not needed: SDPA's flash kernel ships inside torch. If you want the package, "
+            "install a prebuilt wheel matching your torch, CUDA and Python versions; do not "
+            "compile it from source (ninja/gcc/CUDA-toolkit mismatches).",
         )
     else:
         try:
             mod = importlib.import_module("flash_attn")
-            found.append(Finding("flash-attn package", "ok", f"importable, version {getattr(mod, '__version__', '?')}"))
+            found = Finding("flash-attn package", "ok", f"importable, version {getattr(mod, '__version__', '?')}")
         except Exception as err:
-            found.append(
-                Finding(
-                    "flash-attn package",
-                    "warn",
-                    f"installed but fails to import: {_first_line(err)}",
-                    "Its binary does not match this torch/CUDA/Python: reinstall the wheel built for "
-                    f"torch {torch.__version__.split('+')[0]}, or uninstall it and use attnlab's SDPA backend.",
-                )
+            found = Finding(
+                "flash-attn package",
+                "warn",
+                f"installed but fails to import: {_first_line(err)}",
+                "Its binary does not match this torch/CUDA/Python: reinstall the wheel built for "
+                f"torch {torch.__version__.split('+')[0]}, or uninstall it and use attnlab's SDPA backend.",
             )
+        yield found
 
     if compile_check:
+        announce("torch.compile", "running (compiles a tiny function) ...")
         start = time.perf_counter()
         ok, why = try_compile()
         took = time.perf_counter() - start
-        found.append(
-            Finding(
-                "torch.compile",
-                "ok" if ok else "warn",
-                f"works ({took:.1f} s for a tiny function)" if ok else f"fails: {why}",
-                ""
-                if ok
-                else "Install a C++ compiler (e.g. apt-get install g++) for inductor, or run "
-                "eager: attnlab does not need torch.compile.",
-            )
+        yield Finding(
+            "torch.compile",
+            "ok" if ok else "warn",
+            f"works ({took:.1f} s for a tiny function)" if ok else f"fails: {why}",
+            ""
+            if ok
+            else "Install a C++ compiler (e.g. apt-get install g++) for inductor, or run "
+            "eager: attnlab does not need torch.compile.",
         )
 
     ok, why = try_attnlab()
-    found.append(
-        Finding(
-            "attnlab",
-            "ok" if ok else "fail",
-            "MultiHeadAttention forward+backward, math and sdpa agree" if ok else why,
-            ""
-            if ok
-            else f"Reinstall with the pinned torch: pip install torch=={torch.__version__.split('+')[0]}, "
-            "then pip install -e . (make test does both).",
-        )
+    yield Finding(
+        "attnlab",
+        "ok" if ok else "fail",
+        "forward+backward runs; math and sdpa agree" if ok else why,
+        ""
+        if ok
+        else f"Reinstall with the pinned torch: pip install torch=={torch.__version__.split('+')[0]}, "
+        "then pip install -e . (make test does both).",
     )
-    return found
 
 
-def doctor(no_compile: bool = False) -> int:
+def doctor(compile: bool = True) -> int:
     """Report Python, torch build, devices, the SDPA kernels that actually run here, flash-attn,
     torch.compile and attnlab itself, with a fix for each problem. Exit code 1 if attnlab cannot run.
 
     Args:
-        no_compile: skip the torch.compile check (it takes a few seconds).
+        compile: probe torch.compile (a few seconds); --no-compile skips it.
     """
-    findings = diagnose(compile_check=not no_compile)
-    width = max(len(f.topic) for f in findings)
-    for f in findings:
-        print(f"[{f.status:>4}] {f.topic.ljust(width)}  {f.detail}")
-        if f.fix:
-            print(f"       {' ' * width}  fix: {f.fix}")
-    failed = [f for f in findings if f.status == "fail"]
-    print("\nattnlab can run here." if not failed else f"\nattnlab cannot run here: {len(failed)} problem(s) above.")
+    live = sys.stdout.isatty()  # on a terminal the "running" line is replaced by the finding
+    columns = max(60, shutil.get_terminal_size((80, 24)).columns)
+    width = max(len("flash-attn package"), *(len(f"sdpa memory-efficient @ {d}") for d in _devices()))
+    indent = " " * (7 + width + 2)
+    pending = False
+
+    def show(text: str) -> None:
+        nonlocal pending
+        print(("\r\x1b[K" if pending else "") + text, flush=True)
+        pending = False
+
+    def announce(topic: str, what: str) -> None:
+        nonlocal pending
+        line = f"[ .. ] {topic.ljust(width)}  {what}"
+        line = line if len(line) < columns else line[: columns - 5] + " ..."
+        if live:
+            print(line, end="", flush=True)
+            pending = True
+        else:
+            show(line)
+
+    failed = 0
+    try:
+        for f in iter_findings(compile_check=compile, announce=announce):
+            line = f"[{f.status:>4}] {f.topic.ljust(width)}  {f.detail}"
+            show(textwrap.fill(line, columns, subsequent_indent=indent, break_on_hyphens=False))
+            if f.fix:  # under the status, not the detail: a fix is prose and needs the width
+                fix = f"fix: {f.fix}"
+                print(
+                    textwrap.fill(
+                        fix, columns, initial_indent=" " * 7, subsequent_indent=" " * 12, break_on_hyphens=False
+                    )
+                )
+            failed += f.status == "fail"
+    finally:
+        if pending:  # interrupted during a "running" line: end it, so that what follows starts a line of its own
+            print(flush=True)
+    print("\nattnlab can run here." if not failed else f"\nattnlab cannot run here: {failed} problem(s) above.")
     return 1 if failed else 0

@@ -15,7 +15,10 @@ weighted sum happen inside one fused kernel and appear as a single row.
 from __future__ import annotations
 
 import json as _json
-from collections.abc import Iterator
+import re
+import shutil
+import textwrap
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,7 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..core.attention import MultiHeadAttention
+from ..core.attention import Backend, MultiHeadAttention
+from ..runtime import UsageError, check_range
 
 __all__ = ["TraceRow", "AttentionTrace", "trace"]
 
@@ -49,16 +53,40 @@ class AttentionTrace:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_text(self) -> str:
-        """A plain, aligned table (what ``attnlab trace`` prints)."""
+    def to_text(self, width: int | None = None) -> str:
+        """An aligned table (what ``attnlab trace`` prints), one line per stage.
+
+        Args:
+            width: the columns the table may use (``None``: no limit). When one line per stage does not
+                fit, each stage takes two: stage, shape and memory; then, indented, the operation with
+                its axes as a trailing comment (on a line of its own when that does not fit either).
+        """
         head = ("#", "stage", "operation", "shape", "axes", "memory")
         body = [
             (str(i), r.stage, r.operation, _fmt_shape(r.shape), r.axes, r.memory) for i, r in enumerate(self.rows, 1)
         ]
-        widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-        out = [f"{self.module}  (backend: {self.backend})", line(head), line(tuple("-" * w for w in widths))]
-        return "\n".join(out + [line(r) for r in body])
+        title = f"{self.module}  (backend: {self.backend})"
+        wide = _aligned(head, body)
+        if width is None or max(len(line) for line in wide) <= width:
+            return "\n".join([title, *wide])
+        short = _aligned(("#", "stage", "shape", "memory"), [(b[0], b[1], b[3], b[5]) for b in body])
+        out = [title, short[0], "    operation  # axes", short[1]]
+        for line, (_, _, op, _, axes, _) in zip(short[2:], body, strict=True):
+            out.append(line)
+            detail = f"    {op}  # {axes}" if axes else f"    {op}"
+            if len(detail) <= width:
+                out.append(detail)
+            else:  # the comment on a line of its own, each piece wrapped if it still does not fit
+                out += textwrap.wrap(op, width, initial_indent="    ", subsequent_indent="      ")
+                out += textwrap.wrap(f"# {axes}", width, initial_indent="    ", subsequent_indent="      # ")
+        return "\n".join(out)
+
+
+def _aligned(head: tuple[str, ...], body: Sequence[tuple[str, ...]]) -> list[str]:
+    """Header, a rule of dashes, then the rows; columns padded to their widest cell, two spaces apart."""
+    widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+    return [line(head), line(tuple("-" * w for w in widths)), *(line(r) for r in body)]
 
 
 def _fmt_shape(shape: list) -> str:
@@ -245,49 +273,71 @@ def traces_to_json(calls: list[AttentionTrace]) -> str:
 
 
 def trace_command(
-    batch: int = 2,
+    batch_size: int = 2,
     seq_len: int = 10,
     embed_dim: int = 64,
     num_heads: int = 8,
-    kv_heads: int | None = None,
+    num_kv_heads: int | None = None,
     context_len: int | None = None,
     causal: bool = False,
     pad: int = 0,
     dropout: float = 0.0,
-    backend: str = "math",
+    backend: Backend = "math",
     json: bool = False,
     seed: int = 0,
 ) -> int:
     """Trace every stage of attention on random input (defaults: the seed-000 case).
 
     Args:
-        batch: B.
+        batch_size: B.
         seq_len: T_q, the query length.
         embed_dim: E (model_dim).
         num_heads: H.
-        kv_heads: G key/value heads (GQA; 1 = MQA). Default: num_heads.
+        num_kv_heads: G key/value heads (GQA; 1 = MQA); must divide num_heads. Default: num_heads.
         context_len: T_k of a separate context: cross-attention. Default: self-attention.
         causal: apply causal masking (is_causal=True).
         pad: mark the last PAD keys of the first sequence as padding (key_padding_mask).
-        dropout: attention dropout; when > 0 the module runs in training mode so it shows.
+        dropout: attention dropout in [0, 1); when > 0 the module runs in training mode so it shows.
         backend: math (every stage visible), sdpa (one fused kernel) or auto.
-        json: print JSON instead of a table.
+        json: print JSON instead of a table (every field, never shortened).
         seed: torch.manual_seed.
     """
-    torch.manual_seed(seed)
-    mha = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=kv_heads, dropout=dropout, backend=backend)  # type: ignore[arg-type]
-    mha.train(dropout > 0)
-    x = torch.randn(batch, seq_len, embed_dim)
-    ctx = torch.randn(batch, context_len, embed_dim) if context_len else None
+    check_range("--batch-size", batch_size, low=1, integer=True)
+    check_range("--seq-len", seq_len, low=1, integer=True, hint="it is T_q, the number of query positions")
+    check_range("--embed-dim", embed_dim, low=1, integer=True)
+    check_range("--num-heads", num_heads, low=1, integer=True)
+    if num_kv_heads is not None:
+        check_range("--num-kv-heads", num_kv_heads, low=1, high=num_heads, integer=True, hint="leave it out for MHA")
+    if context_len is not None:
+        check_range("--context-len", context_len, low=1, integer=True, hint="leave it out for self-attention")
     t_k = context_len or seq_len
+    check_range(
+        "--pad", pad, low=0, high=t_k, integer=True, hint=f"it counts padded keys out of the T_k = {t_k} of a sequence"
+    )
+    check_range("--dropout", dropout, low=0, high=1, high_inclusive=False)
+    torch.manual_seed(seed)
+    try:
+        mha = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=backend)
+    except ValueError as err:  # the module names its arguments; the user typed flags
+        raise UsageError(_as_flags(str(err))) from None
+    mha.train(dropout > 0)
+    x = torch.randn(batch_size, seq_len, embed_dim)
+    ctx = torch.randn(batch_size, context_len, embed_dim) if context_len else None
     kpm = None
     if pad:
-        kpm = torch.zeros(batch, t_k, dtype=torch.bool)
+        kpm = torch.zeros(batch_size, t_k, dtype=torch.bool)
         kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
     with trace(mha) as calls:
         mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
     if json:
         print(traces_to_json(calls))
     else:
-        print(calls[0].to_text())
+        print(calls[0].to_text(width=shutil.get_terminal_size((80, 24)).columns))
     return 0
+
+
+def _as_flags(message: str) -> str:
+    """A constructor's message about ``embed_dim=64`` / ``num_heads=6`` in the flags' words (``--embed-dim 64``)."""
+    flag = lambda name: "--" + name.replace("_", "-")
+    message = re.sub(r"\b(embed_dim|num_heads|num_kv_heads|dropout)=", lambda m: flag(m.group(1)) + " ", message)
+    return re.sub(r"\b(choose|change) (embed_dim|num_heads|num_kv_heads)\b", lambda m: f"{m[1]} {flag(m[2])}", message)

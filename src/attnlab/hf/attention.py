@@ -1,0 +1,265 @@
+"""attnlab's attention inside Hugging Face ``transformers`` models, through ``AttentionInterface``.
+
+transformers 5 picks a model's attention function by name from a registry
+(``config._attn_implementation``); every attention layer calls it with one signature. After
+:func:`register`, ``attn_implementation="attnlab"`` makes a model's layers call
+:func:`attnlab_attention_forward`, which runs :mod:`attnlab.core.functional`: the math backend when
+the caller asked for the weights (``output_attentions=True``), SDPA otherwise.
+
+Notation: B batch, H query heads, G key/value heads (GQA: H = G * R), T_q query positions,
+T_k key positions (cache included), D head dim.
+
+At this edge HF's conventions hold, inside attnlab's: HF hands ``query (B, H, T_q, D)``,
+``key, value (B, G, T_k, D)`` and a 4-D mask, and takes back ``(B, T_q, H, D)``. The mask comes
+from the mask function registered under the same name, HF's own ``sdpa_mask``: bool,
+``(B, 1, T_q, T_k)``, **True = may attend** (attnlab's convention already), or ``None`` when
+plain causal masking (or none) suffices. A 4-D float mask passed by a user (HF's eager form:
+``0`` keeps, the dtype's minimum or ``-inf`` blocks) is converted to keep + bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core import functional
+from ..core.masks import prepare_masks
+
+__all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
+
+ATTENTION_NAME = "attnlab"
+
+# Keyword arguments some HF models pass that attnlab's attention cannot honour: refused, never ignored.
+_UNSUPPORTED = {
+    "softcap": "tanh soft-capping of the scores (Gemma 2, Grok)",
+    "s_aux": "attention sinks (gpt-oss)",
+    "position_bias": "an additive position bias computed per layer (T5-style relative attention)",
+}
+
+
+def hf_mask_to_keep(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """HF's 4-D attention mask as attnlab's ``(keep, bias)``.
+
+    Args:
+        mask: ``(B or 1, 1 or H, T_q, T_k)``. Bool: True = may attend (HF's ``sdpa_mask``).
+            Float: added to the scores, where an entry at or below half the dtype's minimum
+            (HF's eager masks use the minimum; ``-inf`` also counts) blocks the key.
+
+    Returns:
+        ``keep``: bool, same shape, True = may attend; ``bias``: the float mask with blocked
+        entries set to 0 (they are blocked by ``keep``), or None for a bool mask.
+    """
+    if not isinstance(mask, Tensor):  # e.g. flex attention's BlockMask, built for another implementation
+        raise TypeError(
+            f"attention_mask is a {type(mask).__name__}; attnlab's HF attention takes a 4-D bool or float tensor, "
+            f"the masks transformers builds under {ATTENTION_NAME!r} once attnlab.hf.register() has run."
+        )
+    if mask.dim() != 4:
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)}; attnlab's HF attention expects the 4-D "
+            f"(B, 1, T_q, T_k) mask that transformers builds; pass the 2-D padding mask to the model, "
+            f"not to the attention function."
+        )
+    if mask.dtype == torch.bool:
+        return mask, None
+    if not mask.is_floating_point():
+        raise TypeError(
+            f"attention_mask has dtype {mask.dtype}; expected torch.bool (True = may attend) or a float "
+            f"dtype added to the scores (0 keeps, the dtype's minimum or -inf blocks)."
+        )
+    # HF blocks with finfo.min rather than -inf; adding small scores leaves it near the minimum.
+    blocked = mask <= torch.finfo(mask.dtype).min / 2  # (B, 1, T_q, T_k)
+    return ~blocked, mask.masked_fill(blocked, 0.0)
+
+
+def _refuse_unsupported(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passed {name}={_describe(kwargs[name])} to attention, i.e. {what}, which "
+                f"attn_implementation={ATTENTION_NAME!r} does not support; load this model with "
+                f"attn_implementation='eager' instead."
+            )
+
+
+def _describe(value: object) -> str:
+    return f"<tensor {tuple(value.shape)}>" if isinstance(value, Tensor) else repr(value)
+
+
+def _wants_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the caller will read this call's weights (``output_attentions=True``).
+
+    Llama, Mistral and Qwen2 pass ``output_attentions`` down to attention; GPT-2 drops it. What
+    holds for every model is transformers' output collector, active during the forward: weights
+    are recorded when it has an ``*attentions`` entry. Without one (the function called outside
+    a model's forward), the module's config decides.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the collector: the kwarg and the config are all there is
+        collected = None
+    else:
+        collected = _active_collector.get()  # {"attentions": [...], ...} or None
+    if collected is not None:
+        return any(key.endswith("attentions") for key in collected)
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
+def attnlab_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention for a transformers model, with HF's signature (that of ``eager_attention_forward``).
+
+    Args:
+        module: the calling attention layer; read for ``is_causal`` (default True) and its
+            ``config.output_attentions``.
+        query: ``(B, H, T_q, D)``.
+        key, value: ``(B, G, T_k, D)``, the cache's keys included; G divides H (GQA: query head
+            h reads K/V head ``h // (H // G)``, as ``repeat_kv``).
+        attention_mask: None, or 4-D broadcastable to ``(B, H, T_q, T_k)``, bool (True = may
+            attend) or float (added; see :func:`hf_mask_to_keep`). It already holds causality,
+            padding and any sliding window. None means plain causal masking for a causal layer
+            (HF's SDPA contract: top-left aligned, so with ``T_q < T_k`` only the first T_q keys
+            count, the case of a static cache's prefill), and none at all otherwise.
+        scaling: multiplier of ``Q K^T``; default ``1 / sqrt(D)``.
+        dropout: dropout probability on the weights (HF passes 0.0 in eval mode).
+        is_causal: overrides ``module.is_causal``, as in HF's SDPA function.
+        kwargs: ``output_attentions`` picks the math backend; ``sliding_window`` is checked
+            against a missing mask; ``softcap``, ``s_aux`` and ``position_bias`` are refused
+            (ValueError); the rest (``position_ids``, ``use_cache``, ...) is not for attention.
+
+    Returns:
+        ``(output (B, T_q, H, D), weights (B, H, T_q, T_k) or None)``. A query that may attend
+        to no key (a left-padding position) gets an output of zeros and weights of zeros.
+    """
+    _refuse_unsupported(module, kwargs)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"query, key and value must be 4-D (B, heads, T, D) as transformers hands them, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    B, H, T_q, D = query.shape
+    G = key.size(1)
+    if H % G != 0 or value.size(1) != G:
+        raise ValueError(
+            f"query has {H} heads but key/value have {G} and {value.size(1)}; grouped-query attention needs "
+            f"the same number of key and value heads, dividing the query heads."
+        )
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else D**-0.5
+
+    if attention_mask is None:
+        if causal and 1 < T_q < key.size(2):
+            # HF's SDPA convention for a missing mask is SDPA's top-left is_causal: the keys past the
+            # first T_q are a static cache's empty slots (prefill). attnlab's causal is bottom-right.
+            key, value = key[:, :, :T_q], value[:, :, :T_q]  # (B, G, T_q, D) each
+        sliding_window = kwargs.get("sliding_window")
+        if causal and sliding_window is not None and key.size(2) > sliding_window:
+            raise ValueError(
+                f"{type(module).__name__} has sliding_window={sliding_window} but got no attention mask for "
+                f"{key.size(2)} keys, so the window cannot be applied; build the model's masks with "
+                f"transformers' mask functions (call attnlab.hf.register() before loading the model, which "
+                f"registers them under {ATTENTION_NAME!r})."
+            )
+        keep, bias = None, None
+    else:
+        keep, bias = hf_mask_to_keep(attention_mask)
+    masks = prepare_masks(
+        keep,
+        None,
+        causal and attention_mask is None,
+        batch=B,
+        heads=H,
+        q_len=T_q,
+        k_len=key.size(2),
+        dtype=query.dtype,
+        device=query.device,
+    )
+    if bias is not None:
+        masks = dataclasses.replace(masks, bias=bias.to(query.dtype))
+
+    if _wants_weights(module, kwargs):
+        context, weights = functional.math_attention(
+            query,
+            key,
+            value,  # (B, H, T_q, D), (B, G, T_k, D), (B, G, T_k, D)
+            keep=masks.keep,
+            bias=masks.bias,
+            causal=masks.causal,
+            empty_rows=masks.empty_rows,
+            scale=scale,
+            dropout_p=dropout,
+            need_weights=True,
+        )  # context (B, H, T_q, D), weights (B, H, T_q, T_k)
+    else:
+        compute_dtype, _ = functional.sdpa_compute_dtype(query)
+        context, weights = functional.sdpa_attention(
+            query,
+            key,
+            value,  # (B, H, T_q, D), (B, G, T_k, D), (B, G, T_k, D)
+            keep=masks.keep,
+            bias=masks.bias,
+            causal=masks.causal,
+            empty_rows=masks.empty_rows,
+            scale=scale,
+            dropout_p=dropout,
+            compute_dtype=compute_dtype,
+        )  # context (B, H, T_q, D), weights None
+    return context.transpose(1, 2).contiguous(), weights  # (B, T_q, H, D), as HF's layers reshape it
+
+
+def _same_function(registered: object, ours: object) -> bool:
+    """Identity, or the same module and name (a reloaded module makes new function objects)."""
+    return registered is ours or (
+        getattr(registered, "__module__", None) == getattr(ours, "__module__", None)
+        and getattr(registered, "__qualname__", None) == getattr(ours, "__qualname__", None)
+    )
+
+
+def register() -> str:
+    """Register attnlab's attention with transformers under :data:`ATTENTION_NAME`; returns the name.
+
+    Registers :func:`attnlab_attention_forward` with ``AttentionInterface`` and transformers'
+    ``sdpa_mask`` with ``AttentionMaskInterface`` (without a mask function registered under the
+    name, transformers hands a custom attention no mask at all: padding and sliding windows would
+    be lost). Idempotent; raises if another function already holds the name.
+
+    Usage::
+
+        import attnlab.hf
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attnlab.hf.register())
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as err:  # transformers is an optional dependency of attnlab
+        raise ImportError(
+            f"attnlab.hf.register() needs transformers 5 (AttentionInterface and AttentionMaskInterface), "
+            f"which could not be imported ({err}); install it with pip install 'transformers>=5'."
+        ) from err
+    for interface, ours in (
+        (AttentionInterface, attnlab_attention_forward),
+        (AttentionMaskInterface, sdpa_mask),
+    ):
+        registered = interface._global_mapping.get(ATTENTION_NAME)
+        if registered is not None and not _same_function(registered, ours):
+            raise ValueError(
+                f"{interface.__name__} already maps {ATTENTION_NAME!r} to {registered!r}, not attnlab's "
+                f"{ours.__qualname__}; remove that entry (del {interface.__name__}._global_mapping"
+                f"[{ATTENTION_NAME!r}]) before calling attnlab.hf.register()."
+            )
+        interface.register(ATTENTION_NAME, ours)
+    return ATTENTION_NAME

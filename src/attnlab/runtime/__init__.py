@@ -1,0 +1,20 @@
+"""What every command shares about the machine it runs on: devices and dtypes this torch build can
+use, output directories that can be written, files written atomically, and the one exception
+class for a user's mistake. Below every other layer but ``core``'s peers: it imports no attnlab code.
+"""
+
+from .devices import DEVICE_HELP, DTYPE_HELP, resolve_device, resolve_dtype
+from .errors import UsageError, check_range
+from .files import atomic_write_bytes, atomic_write_text, check_writable_dir
+
+__all__ = [
+    "DEVICE_HELP",
+    "DTYPE_HELP",
+    "UsageError",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_range",
+    "check_writable_dir",
+    "resolve_device",
+    "resolve_dtype",
+]

@@ -1,0 +1,49 @@
+"""``UsageError``: a mistake in what the user asked for, reported as one sentence and exit 2."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["UsageError", "check_range"]
+
+
+class UsageError(ValueError):
+    """Bad input from the user: ``attnlab`` prints ``attnlab: error: <message>`` and exits 2.
+
+    The message names the argument, what was received, what was expected and the fix. A
+    ``ValueError`` so that Python callers can catch it as the usual kind of bad argument.
+    """
+
+
+def check_range(
+    flag: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    integer: bool = False,
+    hint: str = "",
+) -> None:
+    """Raise :class:`UsageError` unless ``low <= value <= high`` (bounds as asked) and finite.
+
+    ``flag`` is the name the user typed (``"--steps"``), so the message points at it.
+    """
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer and not isinstance(value, int):
+        ok = False
+    if ok and low is not None:
+        ok = value >= low if low_inclusive else value > low
+    if ok and high is not None:
+        ok = value <= high if high_inclusive else value < high
+    if ok:
+        return
+    parts = []
+    if low is not None:
+        parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
+    if high is not None:
+        parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
+    kind = "an integer" if integer else "a number"
+    want = f"{kind} {' and '.join(parts)}" if parts else f"a finite {kind[3:] if integer else 'number'}"
+    raise UsageError(f"{flag} must be {want}, got {value!r}{'; ' + hint if hint else ''}.")
