@@ -5,6 +5,9 @@ from .core.functional import math_attention, sdpa_attention
 from .core.kv_cache import KVCache
 from .models.generation import generate, left_pad
 from .models.gpt import GPTConfig, TinyGPT
+from .models.llama import Llama
+from .models.llama_config import LlamaConfig
+from .models.pretrained import from_pretrained
 from .models.saved_model import load_checkpoint, save_checkpoint
 from .models.tokenizer import ByteTokenizer, CharTokenizer
 
@@ -13,6 +16,9 @@ __all__ = [
     "CharTokenizer",
     "GPTConfig",
     "TinyGPT",
+    "Llama",
+    "LlamaConfig",
+    "from_pretrained",
     "generate",
     "left_pad",
     "load_checkpoint",

@@ -1,0 +1,254 @@
+"""``Llama``: the Llama family's decoder-only language model, its attention being attnlab's.
+
+Reads top-down: RMSNorm, MLP, block, model. Shapes: B batch, T tokens of this call, E = n_embd,
+F = intermediate_size, V = vocab_size, H = n_head, G = n_kv_head, D = E // H. Token ids are
+int64 ``(B, T)``.
+
+Exactly Hugging Face's ``LlamaForCausalLM`` (SmolLM2, TinyLlama, Llama 2/3 without RoPE scaling):
+token embedding with no position table, pre-RMSNorm blocks, grouped-query attention with rotary
+embeddings on Q and K (theta ``rope_base``), SwiGLU MLP, final RMSNorm, output head tied to the
+embedding or its own matrix. Differs from :class:`attnlab.TinyGPT` only where Llama differs
+from GPT-2; attention, KV cache, masks and :func:`attnlab.generate` are the same code.
+
+RoPE: attnlab's :func:`attnlab.core.rope.apply_rope` rotates channel pair ``(c, c + D/2)``, which
+is Hugging Face's ``rotate_half`` (``cat(-x2, x1)``) with ``cos``/``sin`` = ``cat(freqs, freqs)``,
+so HF Llama weights load as they are. GGUF files store Q/K rows in llama.cpp's interleaved
+pair order; :mod:`attnlab.models.gguf` puts them back into this order on load.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core.attention import MultiHeadAttention
+from ..core.kv_cache import KVCache
+from ..core.masks import Masks, prepare_masks
+from ..core.rope import rope_cos_sin
+from .generation import check_token_ids, generate
+from .llama_config import LlamaConfig
+
+__all__ = ["LlamaConfig", "RMSNorm", "MLP", "Block", "Llama"]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, normalised in float32 as Hugging Face does.
+
+    The normalised value is cast back to the input dtype *before* the weight multiplies it
+    (HF's ``LlamaRMSNorm``), so that bf16 outputs round exactly as HF's do.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()  # (B, T, E)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, T, E) / (B, T, 1)
+        return self.weight * normed.to(x.dtype)  # (E,) * (B, T, E)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.size(0)}, eps={self.eps}"
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``, E -> F -> E."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, E) -> (B, T, F) -> (B, T, E)
+
+
+class Block(nn.Module):
+    """Pre-RMSNorm block: ``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)  # HF: input_layernorm
+        self.attn = MultiHeadAttention(
+            config.n_embd, config.n_head, num_kv_heads=config.n_kv_head, bias=config.attention_bias
+        )
+        self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)  # HF: post_attention_layernorm
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        masks: Masks,
+        rope: tuple[Tensor, Tensor],
+        *,
+        kv_cache: KVCache | None = None,
+        cache_positions: Tensor | None = None,
+    ) -> Tensor:
+        """``masks``: causal (+ padding), converted once per model call; ``rope``: ``(cos, sin)`` of this call's positions."""
+        a = self.attn(
+            self.attn_norm(x), attn_mask=masks, kv_cache=kv_cache, cache_positions=cache_positions, rope=rope
+        )  # (B, T, E)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, E)
+
+
+class Llama(nn.Module):
+    """A Llama-family decoder with attnlab attention; ``model(idx)`` returns logits ``(B, T, V)``.
+
+    Build one from real weights with :func:`attnlab.models.pretrained.from_pretrained` (a GGUF
+    file, a Hugging Face directory); ``Llama(config)`` alone is randomly initialised.
+
+    Args:
+        config: a :class:`LlamaConfig`, kept whole as ``model.config``.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)  # (V, E)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        # Tied: the output head is embed.weight itself (F.linear in forward), one state_dict key.
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Hugging Face Llama's init: N(0, 0.02) weights, zero biases, unit RMSNorm weights."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                    bias = getattr(module, "bias", None)  # nn.Embedding has none
+                    if bias is not None:
+                        nn.init.zeros_(bias)
+                elif isinstance(module, RMSNorm):
+                    nn.init.ones_(module.weight)
+
+    def num_params(self) -> int:
+        """Parameters, counting a tied embedding once."""
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The ``(V, E)`` matrix that turns the last hidden state into logits."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """KV-cache bytes one token costs per sequence, all layers: 2 (K, V) * n_layer * G * D * itemsize."""
+        c = self.config
+        return 2 * c.n_layer * c.n_kv_head * c.head_dim * self.embed.weight.element_size()
+
+    def setup_caches(self, batch_size: int, max_len: int) -> nn.ModuleList:
+        """One :class:`KVCache` per block, ``(B, G, max_len, D)`` each, on the model's device and dtype."""
+        if max_len > self.config.block_size:
+            raise ValueError(
+                f"max_len={max_len} exceeds block_size={self.config.block_size}, the longest sequence this model "
+                f"was trained for; use max_len <= {self.config.block_size}."
+            )
+        c = self.config
+        return nn.ModuleList(
+            KVCache(
+                batch_size, max_len, c.n_kv_head, c.head_dim, dtype=self._kv_dtype(), device=self.embed.weight.device
+            )
+            for _ in range(c.n_layer)
+        )
+
+    def _kv_dtype(self) -> torch.dtype:
+        """The dtype K/V come out in: the model's own, or under ``torch.autocast`` the autocast dtype
+        (see ``TinyGPT._kv_dtype``); the cache and RoPE's cos/sin must match it."""
+        weight = self.embed.weight
+        if weight.dtype != torch.float64 and torch.is_autocast_enabled(weight.device.type):
+            return torch.get_autocast_dtype(weight.device.type)
+        return weight.dtype
+
+    def _check_idx(self, idx: Tensor, positions: Tensor | None) -> None:
+        if not isinstance(idx, Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
+            raise TypeError(
+                f"idx must be an int64 tensor of token ids with shape (B, T), got "
+                f"{getattr(idx, 'dtype', type(idx).__name__)} of shape {tuple(getattr(idx, 'shape', ()))}; "
+                f"add a batch dimension with idx.unsqueeze(0) or cast with idx.long()."
+            )
+        if positions is not None and positions.shape[-1] != idx.size(1):
+            raise ValueError(
+                f"positions has shape {tuple(positions.shape)}; expected (T,) or (B, T) with T={idx.size(1)}, one position per token."
+            )
+        if idx.device.type == "cpu":  # free on CPU; generate() checks the prompt once on any device
+            check_token_ids(idx, self.config.vocab_size)
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        caches: nn.ModuleList | None = None,
+        cache_positions: Tensor | None = None,
+        only_last: bool = False,
+    ) -> Tensor:
+        """Logits of the next token at every position.
+
+        Args:
+            idx: ``(B, T)`` int64 token ids in ``0 .. vocab_size - 1``.
+            key_padding_mask: ``(B, T_k)`` bool, True = padding, over the keys attended: the
+                ``T`` tokens of this call without a cache, the ``max_len`` cache slots with one.
+            positions: ``(T,)`` or ``(B, T)`` int64 position of each token (per row under left
+                padding). Default: ``cache_positions`` if given, else ``0 .. T-1``. RoPE has no
+                table, so positions past ``block_size`` compute; the model was not trained there.
+            caches: from :meth:`setup_caches`; with ``cache_positions`` ``(T,)`` (the slots this
+                call writes) attention runs over the cache in position mode (fixed shapes).
+            only_last: the logits of the last position only, ``(B, 1, V)``: generation needs no
+                others, and the output projection is the largest matmul of a step.
+
+        Returns:
+            ``(B, T, V)`` logits (``(B, 1, V)`` with ``only_last``).
+        """
+        if not torch.compiler.is_compiling():
+            self._check_idx(idx, positions)
+        if positions is None:
+            positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
+        if caches is not None and len(caches) != self.config.n_layer:
+            raise ValueError(
+                f"caches has {len(caches)} entries; expected one per layer, {self.config.n_layer} (use model.setup_caches)."
+            )
+
+        x = self.embed(idx)  # (B, T, E)
+        rope = rope_cos_sin(
+            positions, self.config.head_dim, base=self.config.rope_base, dtype=self._kv_dtype()
+        )  # (..., T, D) each
+        B, T = idx.shape
+        if caches is None:
+            k_len = T
+        else:  # position mode attends over every slot; append mode over the filled ones after this call
+            first = cast(KVCache, caches[0])
+            k_len = first.max_len if cache_positions is not None else first.length + T
+        masks = prepare_masks(  # once per call, shared by every layer
+            None,
+            key_padding_mask,
+            True,
+            batch=B,
+            heads=self.config.n_head,
+            q_len=T,
+            k_len=k_len,
+            dtype=x.dtype,
+            device=x.device,
+            q_positions=cache_positions,
+        )
+        for i, block in enumerate(self.layers):
+            x = block(
+                x, masks, rope, kv_cache=None if caches is None else caches[i], cache_positions=cache_positions
+            )  # (B, T, E)
+        if only_last:
+            x = x[:, -1:]  # (B, 1, E)
+        x = self.norm(x)
+        return F.linear(x, self.output_weight)  # (B, T, E) @ (E, V) -> (B, T, V)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """See :func:`attnlab.generate`; returns ``(B, T + new)`` ids, prompt first."""
+        return generate(self, idx, max_new_tokens, **kwargs)
