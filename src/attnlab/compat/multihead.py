@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..core import functional
+from ..core.dispatch import attend
 from ..core.masks import Masks, prepare_masks
 from ..core.validation import Backend, check_backend, check_init_args
 
@@ -312,34 +312,10 @@ class MultiheadAttention(nn.Module):
         backend = self._choose_backend(need_weights)
         if not torch.compiler.is_compiling():
             self.__dict__["last_backend"] = backend  # a plain attribute: no Module.__setattr__ per call
-        scale, dropout_p = 1.0 / math.sqrt(D), self.dropout if self.training else 0.0
-        if backend == "math":
-            context, weights = functional.math_attention(
-                q,
-                k,
-                v,
-                keep=masks.keep,
-                bias=masks.bias,
-                causal=masks.causal,
-                empty_rows=masks.empty_rows,
-                scale=scale,
-                dropout_p=dropout_p,
-                need_weights=need_weights,
-            )  # context (B, H, T, D), weights (B, H, T, S')
-        else:  # fp16/bf16 on a CPU computes in float32, as attnlab.MultiHeadAttention does (measured there)
-            compute_dtype, _ = functional.sdpa_compute_dtype(q)
-            context, weights = functional.sdpa_attention(
-                q,
-                k,
-                v,
-                keep=masks.keep,
-                bias=masks.bias,
-                causal=masks.causal,
-                empty_rows=masks.empty_rows,
-                scale=scale,
-                dropout_p=dropout_p,
-                compute_dtype=compute_dtype,
-            )  # context (B, H, T, D), weights None
+        dropout_p = self.dropout if self.training else 0.0
+        context, weights, _ = attend(
+            backend, q, k, v, masks, scale=1.0 / math.sqrt(D), dropout_p=dropout_p, need_weights=need_weights
+        )  # context (B, H, T, D), weights (B, H, T, S') or None
 
         # Merge heads straight into the caller's layout, so the output is contiguous as torch's is.
         if batched and not self.batch_first:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from . import functional
+from .dispatch import attend
 from .interop import from_torch_mha, to_torch_mha
 from .masks import Masks, prepare_masks
 from .rope import apply_rope
@@ -157,7 +157,7 @@ class MultiHeadAttention(nn.Module):
 
     def _choose_backend(self, need_weights: bool) -> tuple[str, str | None]:
         """The backend for this call and, when it is not the fused one, why (see
-        :func:`functional.sdpa_compute_dtype` for how the fused one may be adapted)."""
+        :func:`attnlab.core.functional.sdpa_compute_dtype` for how the fused one may be adapted)."""
         if self.backend == "math":
             return "math", "backend='math' was requested"
         if need_weights:
@@ -241,41 +241,12 @@ class MultiHeadAttention(nn.Module):
             pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1)
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # (B, G, T_k, D) each
         backend, reason = self._choose_backend(need_weights)
-        compute_dtype = None
-        if backend == "sdpa":
-            compute_dtype, why = functional.sdpa_compute_dtype(q)
-            reason = reason or why
-        if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
-            self.__dict__.update(
-                last_backend=backend, last_backend_reason=reason
-            )  # plain attrs, no Module.__setattr__ cost
         dropout_p = self.dropout if self.training else 0.0
-        if backend == "math":
-            context, weights = functional.math_attention(
-                q,
-                k,
-                v,
-                keep=masks.keep,
-                bias=masks.bias,
-                causal=masks.causal,
-                empty_rows=masks.empty_rows,
-                scale=self.scale,
-                dropout_p=dropout_p,
-                need_weights=need_weights,
-            )  # context: (B, H, T_q, D)
-        else:
-            context, weights = functional.sdpa_attention(
-                q,
-                k,
-                v,
-                keep=masks.keep,
-                bias=masks.bias,
-                causal=masks.causal,
-                empty_rows=masks.empty_rows,
-                scale=self.scale,
-                dropout_p=dropout_p,
-                compute_dtype=compute_dtype,
-            )  # context: (B, H, T_q, D)
+        context, weights, adapted = attend(
+            backend, q, k, v, masks, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
+        )  # context: (B, H, T_q, D)
+        if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
+            self.__dict__.update(last_backend=backend, last_backend_reason=reason or adapted)  # plain attrs
 
         context = context.transpose(1, 2).contiguous().view(B, T_q, H * D)  # (B, T_q, E): heads merged
         out = self.out_proj(context)  # (B, T_q, E)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import functional
+from ..core.dispatch import attend
 from ..core.masks import prepare_masks
 
 __all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
@@ -191,33 +191,10 @@ def attnlab_attention_forward(
     if bias is not None:
         masks = dataclasses.replace(masks, bias=bias.to(query.dtype))
 
-    if _wants_weights(module, kwargs):
-        context, weights = functional.math_attention(
-            query,
-            key,
-            value,  # (B, H, T_q, D), (B, G, T_k, D), (B, G, T_k, D)
-            keep=masks.keep,
-            bias=masks.bias,
-            causal=masks.causal,
-            empty_rows=masks.empty_rows,
-            scale=scale,
-            dropout_p=dropout,
-            need_weights=True,
-        )  # context (B, H, T_q, D), weights (B, H, T_q, T_k)
-    else:
-        compute_dtype, _ = functional.sdpa_compute_dtype(query)
-        context, weights = functional.sdpa_attention(
-            query,
-            key,
-            value,  # (B, H, T_q, D), (B, G, T_k, D), (B, G, T_k, D)
-            keep=masks.keep,
-            bias=masks.bias,
-            causal=masks.causal,
-            empty_rows=masks.empty_rows,
-            scale=scale,
-            dropout_p=dropout,
-            compute_dtype=compute_dtype,
-        )  # context (B, H, T_q, D), weights None
+    backend = "math" if _wants_weights(module, kwargs) else "sdpa"
+    context, weights, _ = attend(
+        backend, query, key, value, masks, scale=scale, dropout_p=dropout, need_weights=backend == "math"
+    )  # (B, H, T_q, D), (B, H, T_q, T_k) or None
     return context.transpose(1, 2).contiguous(), weights  # (B, T_q, H, D), as HF's layers reshape it
 
 

@@ -1,0 +1,62 @@
+"""``attend``: one call that runs the chosen backend on converted masks.
+
+:class:`attnlab.MultiHeadAttention`, :class:`attnlab.compat.MultiheadAttention` and
+:mod:`attnlab.hf`'s attention function all end in it, so that a backend's adaptations (fp16/bf16
+computed in float32 on a CPU, see :func:`~attnlab.core.functional.sdpa_compute_dtype`) live in
+one place. Shapes as in :mod:`attnlab.core.functional`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import functional  # called through the module, so that tests can count the calls
+from .masks import Masks
+
+__all__ = ["attend"]
+
+
+def attend(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masks: Masks,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None, str | None]:
+    """Run ``backend`` (``"math"`` or ``"sdpa"``) on ``q (B, H, T_q, D)``, ``k, v (B, G, T_k, D)``.
+
+    Returns ``(context (B, H, T_q, D), weights (B, H, T_q, T_k) or None, how SDPA was adapted or None)``.
+    """
+    if backend == "math":
+        context, weights = functional.math_attention(
+            q,
+            k,
+            v,
+            keep=masks.keep,
+            bias=masks.bias,
+            causal=masks.causal,
+            empty_rows=masks.empty_rows,
+            scale=scale,
+            dropout_p=dropout_p,
+            need_weights=need_weights,
+        )
+        return context, weights, None
+    compute_dtype, why = functional.sdpa_compute_dtype(q)
+    context, _ = functional.sdpa_attention(
+        q,
+        k,
+        v,
+        keep=masks.keep,
+        bias=masks.bias,
+        causal=masks.causal,
+        empty_rows=masks.empty_rows,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        compute_dtype=compute_dtype,
+    )
+    return context, None, why
