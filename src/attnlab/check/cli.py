@@ -1,18 +1,26 @@
-"""``attnlab check``: build or import the target, run the suite, print a table or JSON."""
+"""``attnlab check``: build or import the target, run the suite, print a table or JSON.
+
+``--model smollm2 --layer N`` audits one layer of a real pretrained model instead: its
+:class:`MultiHeadAttention`, with its own weights and widths (SmolLM2: 576 wide, 9 query heads,
+3 key/value heads). :func:`model_layer` finds that layer; ``attnlab trace`` uses it too.
+"""
 
 from __future__ import annotations
 
+import copy
 import importlib
+import inspect
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, TypeVar, cast
 
 import torch
 from torch import nn
 
 from ..core.attention import Backend, MultiHeadAttention
+from ..models import pretrained
 from ..runtime import UsageError, check_range
 from .adapters import AttentionAdapter, TorchMHAAdapter, as_adapter, call_factory
 from .report import print_tables, to_json
@@ -20,6 +28,7 @@ from .result import Report
 from .suite import CHECKS, run_checks
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+SLOW_ON_MODELS = "gradcheck[plain]"  # one forward per input element: 2304 of them at SmolLM2's width, ~70 s on 2 cores
 
 
 class TargetError(UsageError):
@@ -34,6 +43,44 @@ def _random_biases(module: ModuleT, seed: int) -> ModuleT:
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     return module
+
+
+def model_layer(command: str, model: str, layer: int) -> tuple[nn.Module, str, MultiHeadAttention]:
+    """``(the model, the layer's name, its attention)``: the ``layer``-th :class:`MultiHeadAttention` of
+    ``from_pretrained(model)``; a :class:`UsageError` naming the valid range when there is none."""
+    lm, _ = pretrained.from_pretrained(model)  # UsageError naming what is wrong with the source
+    layers = [(name, m) for name, m in lm.named_modules() if isinstance(m, MultiHeadAttention)]
+    if not layers:
+        raise UsageError(
+            f"--model {model!r} holds no attnlab MultiHeadAttention to {command}; pass a model that "
+            f"from_pretrained builds with attnlab attention, e.g. --model smollm2."
+        )
+    if not 0 <= layer < len(layers):
+        raise UsageError(
+            f"--layer {layer} is out of range: --model {model!r} has {len(layers)} attention layers, "
+            f"0 .. {len(layers) - 1}; pass one of them, e.g. attnlab {command} --model {model} --layer {len(layers) - 1}"
+        )
+    name, attn = layers[layer]
+    return lm, name, attn
+
+
+def model_flag_conflicts(
+    command: Callable[..., int], model: str, layer: int, given: Mapping[str, tuple[object, object]]
+) -> None:
+    """With ``--model``, the layer's own sizes are used: a flag set to something else is a mistake, not ignored.
+
+    ``given`` maps a flag to ``(its value, the layer's)``; a flag at ``command``'s default or at the
+    layer's value is fine.
+    """
+    defaults = {n: p.default for n, p in inspect.signature(command).parameters.items()}
+    for flag, (value, own) in given.items():
+        if value != defaults[flag.removeprefix("--").replace("-", "_")] and value != own:
+            what = "the layer as the model calls it" if own is None else f"the layer's own ({own})"
+            name = command.__name__.removesuffix("_command")
+            raise UsageError(
+                f"{flag} {value} does not apply with --model {model!r}, which runs {what}; drop {flag} "
+                f"(attnlab {name} --model {model} --layer {layer})."
+            )
 
 
 def _factory_target(spec: str, kwargs: dict) -> AttentionAdapter:
@@ -140,6 +187,48 @@ def _validate(
         )
 
 
+def _model_targets(
+    model: str,
+    layer: int,
+    target: str,
+    backend: Backend | Literal["both"],
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    dropout: float,
+    batch_size: int,
+    seq_len: int,
+    checks: Sequence[str],
+) -> list[object]:
+    """Copies of layer ``layer`` of ``model``'s attention, one per backend (the checks may retrain or
+    switch a module; the loaded model is left as it was)."""
+    if target != "attnlab":
+        raise UsageError(
+            f"--target {target!r} and --model {model!r} both name what to check; pass one: "
+            f"attnlab check --model {model} --layer {layer}"
+        )
+    _, _, attn = model_layer("check", model, layer)
+    model_flag_conflicts(
+        check,
+        model,
+        layer,
+        {
+            "--embed-dim": (embed_dim, attn.embed_dim),
+            "--num-heads": (num_heads, attn.num_heads),
+            "--num-kv-heads": (num_kv_heads, attn.num_kv_heads),
+            "--dropout": (dropout, attn.dropout),
+        },
+    )
+    _validate(target, attn.embed_dim, attn.num_heads, attn.num_kv_heads, attn.dropout, batch_size, seq_len, checks)
+    backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
+    copies: list[object] = []
+    for b in backends:
+        m = copy.deepcopy(attn).float()  # the checks compare with a float64 reference from fp32 inputs
+        m.backend = b
+        copies.append(m.eval())
+    return copies
+
+
 def _run_all(
     targets: Sequence[object],
     names: Sequence[str],
@@ -180,6 +269,8 @@ def check(
     seq_len: int = 8,
     seed: int = 0,
     checks: tuple[str, ...] = (),
+    model: str | None = None,
+    layer: int | None = None,
 ) -> int:
     """Audit an attention module against attnlab's float64 reference; exit code 1 if a check fails.
 
@@ -199,10 +290,30 @@ def check(
         seq_len: T of the inputs (>= 4).
         seed: seeds weights and inputs.
         checks: run only these checks (default: all).
+        model: check one layer of a pretrained model instead of a built module: 'smollm2', a .gguf file or a Hugging Face directory; its weights and widths (--embed-dim/--num-heads/--num-kv-heads come from it).
+        layer: with --model, which attention layer (0 = the first; default 0).
     """
-    _validate(target, embed_dim, num_heads, num_kv_heads, dropout, batch_size, seq_len, checks)
-    targets = _targets(target, backend, embed_dim, num_heads, num_kv_heads, dropout, need_weights, seed)
+    if model is None:
+        if layer is not None:
+            raise UsageError(
+                f"--layer {layer} picks a layer of a pretrained model, and no --model was given; "
+                f"pass one: attnlab check --model smollm2 --layer {layer}"
+            )
+        _validate(target, embed_dim, num_heads, num_kv_heads, dropout, batch_size, seq_len, checks)
+        targets = _targets(target, backend, embed_dim, num_heads, num_kv_heads, dropout, need_weights, seed)
+    else:
+        targets = _model_targets(
+            model, layer or 0, target, backend, embed_dim, num_heads, num_kv_heads, dropout, batch_size, seq_len, checks
+        )
     names = list(checks) or list(CHECKS)
+    if model is not None and not checks:
+        names.remove(SLOW_ON_MODELS)
+        print(
+            f"attnlab: note: {SLOW_ON_MODELS} (a full float64 Jacobian, about a minute per backend at width "
+            f"{cast(MultiHeadAttention, targets[0]).embed_dim}) is left out with --model; ask for it with "
+            f"--checks {SLOW_ON_MODELS}",
+            file=sys.stderr,
+        )
     reports = _with_progress(targets, names, json=json, seed=seed, batch_size=batch_size, seq_len=seq_len)
     if json:
         print(to_json(reports))

