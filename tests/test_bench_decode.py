@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
+
+import pytest
+import torch
 
 from attnlab.bench.decode import _compact
 from attnlab.cli import main
+from attnlab.models.generation import generate
+from attnlab.models.llama import Llama, LlamaConfig
 
 
 def test_bench_decode_writes_a_table_and_json(tmp_path, capsys, monkeypatch):
@@ -58,3 +64,80 @@ def test_printed_table_fits_80_columns_with_every_runner():
     assert max(len(line) for line in lines) <= 80, "\n".join(lines)
     assert lines[-2].split() == ["context", "cache", "recompute", "compiled", "HF", "speedup", "GB/s", "vs", "HF"]
     assert lines[-1].split() == ["16384", "6.54", "1111.50", "5.67", "11.17", "170.0x", "1234.5", "1.71x"]
+
+
+def _tiny_hf_llama_dir(path, tied: bool = True):
+    """A random-init Hugging Face Llama (GQA) saved as save_pretrained writes it: no 135M download needed."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+def test_bench_decode_model_writes_json_for_every_dtype_and_batch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.chdir(tmp_path)
+    _tiny_hf_llama_dir(tmp_path / "tiny")
+    args = ["bench-decode", "--model", "tiny", "--batch-sizes", "1", "3", "--prompt-len", "5"]
+    assert main([*args, "--max-new-tokens", "4", "--repeats", "1", "--threads", "1", "--out-dir", "out"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    report = json.loads((tmp_path / "out" / "decode_model.json").read_text())
+    assert report["copy_GB_per_s"] > 0 and report["max_new_tokens"] == 4 and report["prompt_len"] == 5
+    assert [(r["dtype"], r["batch"]) for r in report["results"]] == [
+        ("float32", 1),
+        ("float32", 3),
+        ("bfloat16", 1),
+        ("bfloat16", 3),
+    ]
+    for row in report["results"]:
+        assert set(row["same_tokens"]) == {"attnlab", "HF default"}
+        assert row["same_tokens"]["HF default"] or row["dtype"] == "bfloat16"  # fp32 greedy: the same model
+        for name in row["same_tokens"]:
+            assert row[name]["prefill_tokens_per_s"] > 0  # t(1) > 0 always
+            # (t(n) - t(1)) / (n - 1) over 1 noisy repeat may be meaningless here, never absent
+            assert all(isinstance(row[name][k], float) for k in ("tokens_per_s", "bandwidth_fraction"))
+    assert "| dtype | batch |" in (tmp_path / "out" / "decode_model.md").read_text()
+
+
+def test_bench_decode_model_refuses_sweep_flags_by_name(tmp_path, capsys):
+    assert main(["bench-decode", "--model", str(tmp_path), "--num-layers", "2"]) == 2
+    assert "--num-layers" in capsys.readouterr().err
+    assert main(["bench-decode", "--batch-sizes", "2"]) == 2  # a --model flag without --model
+    assert "--model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_column_major_output_head_keeps_logits_and_saves_row_major(tied):
+    """The Llama's (V, E) output weight is stored column-major for decode speed; logits equal the
+    row-major matmul's (1e-5), and state_dict() hands out an ordinary contiguous (V, E) tensor."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, block_size=32, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, tie_embeddings=tied)
+    model = Llama(config).eval()
+    head = model.output_weight
+    assert head.shape == (96, 32) and head.stride() == (1, 96)  # column-major (V, E)
+    idx = torch.randint(0, 96, (3, 7))
+    row_major = copy.deepcopy(model)
+    holder = row_major.embed if tied else row_major.lm_head
+    holder.weight = torch.nn.Parameter(holder.weight.detach().contiguous())
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), row_major(idx), atol=1e-5, rtol=1e-5)
+        ours = generate(model, idx, 5, temperature=0)
+        assert torch.equal(ours, generate(row_major, idx, 5, temperature=0))
+    state = model.state_dict()
+    key = "embed.weight" if tied else "lm_head.weight"
+    assert state[key].is_contiguous() and torch.equal(state[key], head)
+    assert "lm_head.weight" not in state if tied else "lm_head.weight" in state
+    reloaded = Llama(config)
+    reloaded.load_state_dict(state)
+    assert reloaded.output_weight.stride() == (1, 96)  # copy_ keeps the layout

@@ -10,6 +10,7 @@ prefill from every runner alike. Runners are interleaved inside each repeat; med
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import statistics
@@ -80,8 +81,11 @@ def _validate(
 
 
 def bench_decode(
+    model: str | None = None,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    prompt_len: int = 32,
     contexts: tuple[int, ...] = (64, 128, 256, 512, 1024),
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     recompute_max_new_tokens: int = 6,
     repeats: int = 5,
     num_layers: int = 4,
@@ -98,9 +102,20 @@ def bench_decode(
 ) -> int:
     """Measure greedy decode ms/token and tokens/s per context length; print a table, write JSON and Markdown.
 
+    Without ``--model``: a random GPT-2-shaped TinyGPT against HF ``GPT2LMHeadModel`` on the same
+    weights, batch 1, one row per prompt length (``--contexts``). With ``--model``: a real
+    checkpoint (``smollm2``, a ``.gguf`` file or a Hugging Face directory) loaded once by attnlab
+    and once by HF ``AutoModelForCausalLM``, one row per dtype and batch size (``--batch-sizes``,
+    prompt ``--prompt-len``): decode and prefill tokens/s and the share of the bandwidth limit,
+    written to decode_model.json and decode_model.md.
+
     Args:
+        model: a real model to measure: ``smollm2``, a ``.gguf`` path or a Hugging Face directory.
+        batch_sizes: with --model, the batch sizes measured (rows of random prompt ids).
+        prompt_len: with --model, the prompt length of every row.
         contexts: prompt lengths to measure.
-        max_new_tokens: tokens generated per cached run (HF and attnlab with cache); >= 2.
+        max_new_tokens: tokens generated per cached run (HF and attnlab with cache); >= 2. Default
+            32, and 128 with --model.
         recompute_max_new_tokens: tokens generated per recompute run (each costs a full forward); >= 2.
         repeats: timed repeats per runner and context (after one warm-up); medians are reported.
         num_layers: blocks of the benchmark model.
@@ -108,13 +123,26 @@ def bench_decode(
         embed_dim: width of the benchmark model.
         vocab_size: 50257 (GPT-2's) so that the output projection has its real cost.
         hf: also run Hugging Face GPT2LMHeadModel.generate on the same weights (needs transformers).
-        compile: also run attnlab's cached decode with the step under torch.compile(fullgraph=True).
+        compile: also run attnlab's cached decode with the step under torch.compile(fullgraph=True);
+            with --model also HF generate with a static cache and torch.compile (HF's fastest).
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
-        dtype: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64).
+        dtype: auto (float32 on cpu, bfloat16 on cuda; with --model both float32 and bfloat16),
+            float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64).
         threads: torch.set_num_threads (default: torch's choice).
-        out_dir: where decode.json and decode.md are written (checked writable before anything runs).
+        out_dir: where decode.json and decode.md (decode_model.* with --model) are written
+            (checked writable before anything runs).
         seed: seed of the random weights and prompts.
     """
+    if model is not None:
+        return _bench_model_command(
+            model, batch_sizes, prompt_len, contexts, max_new_tokens, recompute_max_new_tokens, repeats,
+            num_layers, num_heads, embed_dim, vocab_size, hf, compile, device, dtype, threads, out_dir, seed,
+        )  # fmt: skip
+    if batch_sizes != (1, 8) or prompt_len != 32:
+        raise UsageError(
+            "--batch-sizes and --prompt-len apply to --model runs; the GPT-2 sweep runs batch 1 at --contexts lengths."
+        )
+    max_new_tokens = 32 if max_new_tokens is None else max_new_tokens
     _validate(
         contexts,
         max_new_tokens,
@@ -136,24 +164,24 @@ def bench_decode(
     config = GPTConfig(
         vocab_size=vocab_size, block_size=block_size, n_layer=num_layers, n_head=num_heads, n_embd=embed_dim
     )
-    model = TinyGPT(config).to(device=dev, dtype=dt).eval()
+    gpt = TinyGPT(config).to(device=dev, dtype=dt).eval()
 
     runners: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], int]] = {
-        "attnlab cache": (lambda idx, n: generate(model, idx, n, temperature=0), max_new_tokens),
+        "attnlab cache": (lambda idx, n: generate(gpt, idx, n, temperature=0), max_new_tokens),
         "attnlab recompute": (
-            lambda idx, n: generate(model, idx, n, temperature=0, use_cache=False),
+            lambda idx, n: generate(gpt, idx, n, temperature=0, use_cache=False),
             recompute_max_new_tokens,
         ),
     }
     if compile:
         runners["attnlab cache+compile"] = (
-            lambda idx, n: generate(model, idx, n, temperature=0, compile=True),
+            lambda idx, n: generate(gpt, idx, n, temperature=0, compile=True),
             max_new_tokens,
         )
     if hf:
         from ..models.hf_gpt2 import to_hf_gpt2
 
-        hf_model = to_hf_gpt2(model)
+        hf_model = to_hf_gpt2(gpt)
         cast(torch.nn.Module, hf_model).to(device=dev, dtype=dt)  # in place; HF wraps .to in a decorator mypy misreads
 
         def hf_generate(idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -176,9 +204,9 @@ def bench_decode(
     results: list[dict[str, Any]] = []  # one JSON row per context
     title = (
         f"decode benchmark: GPT-2 shape (layers {num_layers}, heads {num_heads}, width {embed_dim}, "
-        f"vocab {vocab_size}; {model.num_params() / 1e6:.1f}M params), {dev} {dtype_name}, batch 1, greedy\n"
+        f"vocab {vocab_size}; {gpt.num_params() / 1e6:.1f}M params), {dev} {dtype_name}, batch 1, greedy\n"
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; "
-        f"KV cache {model.kv_cache_bytes_per_token} bytes/token for the whole model"
+        f"KV cache {gpt.kv_cache_bytes_per_token} bytes/token for the whole model"
     )
     print(wrap(title, width), flush=True)
     for ctx in contexts:
@@ -207,7 +235,7 @@ def bench_decode(
                 "new_tokens": n,
             }
         # A decode step reads every weight once plus the cached K/V of the context: its memory traffic.
-        step_bytes = model.num_params() * dt.itemsize + ctx * model.kv_cache_bytes_per_token
+        step_bytes = gpt.num_params() * dt.itemsize + ctx * gpt.kv_cache_bytes_per_token
         row["cache_GB_per_s"] = step_bytes / (row["attnlab cache"]["ms_per_token"] * 1e-3) / 1e9
         ref = outs["attnlab cache"]
         row["same_tokens"] = {
@@ -222,8 +250,7 @@ def bench_decode(
     mismatched = sorted({n for row in results for n, same in row["same_tokens"].items() if not same})
     same = f"greedy tokens identical across runners: {'yes' if not mismatched else 'NO: ' + ', '.join(mismatched)}"
     report = {
-        "config": vars(config)
-        | {"params": model.num_params(), "kv_cache_bytes_per_token": model.kv_cache_bytes_per_token},
+        "config": vars(config) | {"params": gpt.num_params(), "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token},
         "device": str(dev),
         "dtype": dtype_name,
         "torch": torch.__version__,
@@ -240,6 +267,60 @@ def bench_decode(
     print(f"\n{same}")
     print(wrap(f"wrote {out_dir / 'decode.json'} and {out_dir / 'decode.md'} (every column, tokens/s too)", width))
     return 0
+
+
+def _bench_model_command(
+    source: str,
+    batch_sizes: tuple[int, ...],
+    prompt_len: int,
+    contexts: tuple[int, ...],
+    max_new_tokens: int | None,
+    recompute_max_new_tokens: int,
+    repeats: int,
+    num_layers: int,
+    num_heads: int,
+    embed_dim: int,
+    vocab_size: int,
+    hf: bool,
+    compile: bool,
+    device: str,
+    dtype: str,
+    threads: int | None,
+    out_dir: Path,
+    seed: int,
+) -> int:
+    """``--model``: every flag checked, then :func:`bench_decode_model`."""
+    sweep_only = {
+        "--contexts": contexts != (64, 128, 256, 512, 1024),
+        "--recompute-max-new-tokens": recompute_max_new_tokens != 6,
+        "--num-layers": num_layers != 4,
+        "--num-heads": num_heads != 8,
+        "--embed-dim": embed_dim != 256,
+        "--vocab-size": vocab_size != 50257,
+    }
+    given = [flag for flag, changed in sweep_only.items() if changed]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} shape(s) the random GPT-2 sweep; with --model {source} the checkpoint fixes the "
+            f"model and --prompt-len/--batch-sizes the inputs: drop {given[0]}."
+        )
+    if not batch_sizes:
+        raise UsageError("--batch-sizes got no size; pass e.g. --batch-sizes 1 8.")
+    for b in batch_sizes:
+        check_range("--batch-sizes", b, low=1, integer=True, hint="each is a number of prompts decoded together")
+    check_range("--prompt-len", prompt_len, low=1, integer=True, hint="e.g. --prompt-len 32")
+    new = 128 if max_new_tokens is None else max_new_tokens
+    check_range("--max-new-tokens", new, low=2, integer=True, hint="the per-token latency is (t(n) - t(1)) / (n - 1)")
+    check_range("--repeats", repeats, low=1, integer=True, hint="the median of the timed repeats is reported")
+    if threads is not None:
+        check_range("--threads", threads, low=1, integer=True, hint="or leave it out for torch's choice")
+    dev = resolve_device(device)
+    dtypes = (torch.float32, torch.bfloat16) if dtype == "auto" else (resolve_dtype(dtype, dev),)
+    out = check_writable_dir(out_dir, "--out-dir")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    return bench_decode_model(source, batch_sizes, dtypes, prompt_len, new, repeats, hf, compile, dev, out, seed)
 
 
 _SHORT = {
@@ -285,4 +366,248 @@ def _markdown(results: list[dict[str, Any]], names: list[str], hf: bool) -> str:
         if hf:
             line += f" {row['attnlab cache']['tokens_per_s'] / row['HF generate']['tokens_per_s']:.2f}x |"
         lines.append(line)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# --model: a real checkpoint (SmolLM2 and other Llama-family or GPT-2 models) against HF generate
+# ---------------------------------------------------------------------------------------------
+
+_MODEL_RUNNERS = ("attnlab", "attnlab compiled", "HF default", "HF static+compile")
+_MODEL_SHORT = {"attnlab": "ours", "attnlab compiled": "ours+c", "HF default": "HF", "HF static+compile": "HF best"}
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on ``megabytes`` of float32, reads plus writes (best of ``repeats``).
+
+    The bandwidth limit of a decode step is its bytes read over this rate: what this machine
+    moves through memory in one plain streaming kernel, measured in the same run as the model.
+    """
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy faults the pages in
+        t, _ = _time(lambda _n: dst.copy_(src), 0, device)
+        best = min(best, t)
+    return 2 * n * 4 / best
+
+
+def _load_hf(source: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The same checkpoint in Hugging Face transformers (``AutoModelForCausalLM``), the reference runner."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise UsageError(
+            "--model compares with Hugging Face generate, which needs transformers: run `pip install transformers`, or pass --no-hf."
+        ) from None
+    from ..models.pretrained import smollm2_path
+
+    path = smollm2_path() if source.lower() == "smollm2" else Path(source)
+    if path.suffix.lower() == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return cast(Any, model).to(device).eval()
+
+
+def _hf_runner(hf_model: Any, best: bool) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """HF ``generate``, greedy, exactly ``n`` new tokens: its default (dynamic) cache, or a static cache
+    with the forward under ``torch.compile`` (what HF documents as its fastest generate)."""
+    extra: dict[str, Any] = {}
+    if best:
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(fullgraph=True, mode="default")  # "reduce-overhead" means CUDA graphs
+        compile_config._compile_all_devices = True  # type: ignore[assignment]  # HF compiles on CUDA only unless asked
+        extra = {"cache_implementation": "static", "compile_config": compile_config}
+
+    def run(idx: torch.Tensor, n: int) -> torch.Tensor:
+        with torch.no_grad():
+            out = hf_model.generate(
+                idx,
+                attention_mask=torch.ones_like(idx),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,  # eos never ends a timed run early
+                use_cache=True,
+                pad_token_id=0,
+                **extra,
+            )
+        return cast(torch.Tensor, out)
+
+    return run
+
+
+def bench_decode_model(
+    source: str,
+    batch_sizes: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    prompt_len: int,
+    max_new_tokens: int,
+    repeats: int,
+    hf: bool,
+    compile: bool,
+    device: torch.device,
+    out_dir: Path,
+    seed: int,
+) -> int:
+    """``bench-decode --model``: decode tokens/s, prefill tokens/s and bandwidth fraction per batch and dtype."""
+    from ..models.pretrained import from_pretrained
+
+    width = terminal_width()
+    print(
+        wrap(f"loading {source} (attnlab{', and Hugging Face' if hf else ''}), once for the whole run ...", width),
+        flush=True,
+    )
+    base: Any  # a Llama or a TinyGPT: num_params, kv_cache_bytes_per_token, config.vocab_size
+    base, _ = from_pretrained(source, dtype=torch.float32, device=device)
+    hf_base = _load_hf(source, torch.float32, device) if hf else None
+    bandwidth = copy_bandwidth(device)
+    config = base.config
+    vocab = config.vocab_size
+    results: list[dict[str, Any]] = []
+    failures: dict[str, str] = {}  # runner -> why it did not run
+
+    def write() -> tuple[str, list[str], str]:
+        """decode_model.json and .md with the rows so far: an interrupted run keeps what it measured."""
+        names = [n for n in _MODEL_RUNNERS if any(n in row for row in results)]
+        title = (
+            f"decode benchmark: {source} ({base.num_params() / 1e6:.1f}M params), prompt {prompt_len}, "
+            f"{max_new_tokens} new tokens, greedy, {device}; torch {torch.__version__}, {torch.get_num_threads()} "
+            f"threads, {platform.processor() or platform.machine()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+        )
+        report = {
+            "model": source,
+            "params": base.num_params(),
+            "kv_cache_bytes_per_token_fp32": base.kv_cache_bytes_per_token,
+            "prompt_len": prompt_len,
+            "max_new_tokens": max_new_tokens,
+            "copy_GB_per_s": bandwidth / 1e9,
+            "device": str(device),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "repeats": repeats,
+            "failed": failures,
+            "results": results,
+        }
+        failed = "".join(f"\n{name} left out: {why}" for name, why in failures.items())
+        (out_dir / "decode_model.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out_dir / "decode_model.md").write_text(
+            title + "\n\n" + _model_markdown(results, names) + "\n" + failed + "\n"
+        )
+        return title, names, failed
+
+    for dt in dtypes:
+        model = base if dt == torch.float32 else copy.deepcopy(base).to(dtype=dt)  # .to keeps the head's layout
+        hf_model = None if hf_base is None else hf_base if dt == torch.float32 else copy.deepcopy(hf_base).to(dt)
+        dtype_name = str(dt).removeprefix("torch.")
+        for batch in batch_sizes:
+            gen = torch.Generator().manual_seed(seed + batch)
+            idx = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
+            runners: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+                "attnlab": partial(generate, model, temperature=0)
+            }
+            if compile:
+                runners["attnlab compiled"] = partial(generate, model, temperature=0, compile=True)
+            if hf_model is not None:
+                runners["HF default"] = _hf_runner(hf_model, best=False)
+                if compile:
+                    runners["HF static+compile"] = _hf_runner(hf_model, best=True)
+            warmup_s: dict[str, float] = {}
+            for name, fn in list(runners.items()):  # warm-up; for the compiled runners the compilation itself
+                try:
+                    warmup_s[name], _ = _time(partial(fn, idx), max_new_tokens, device)  # the timed cache sizes
+                except Exception as err:  # a compiler failure is a result to report, not a crash of the benchmark
+                    failures[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                    print(
+                        wrap(f"{name} failed ({dtype_name}, batch {batch}), left out: {failures[name]}", width),
+                        flush=True,
+                    )
+                    del runners[name]
+            times: dict[str, dict[int, list[float]]] = {name: {1: [], max_new_tokens: []} for name in runners}
+            outs: dict[str, torch.Tensor] = {}
+            for _ in range(repeats):
+                for name, fn in runners.items():  # interleaved, so that drift hits every runner alike
+                    for k in (1, max_new_tokens):
+                        t, out = _time(partial(fn, idx), k, device)
+                        times[name][k].append(t)
+                        outs[name] = out
+            # Bytes one decode step must read: every weight once, plus each row's cached K/V at the
+            # mean context of the run (the prompt and half the new tokens).
+            mean_context = prompt_len + max_new_tokens / 2
+            step_bytes = model.num_params() * dt.itemsize + batch * mean_context * model.kv_cache_bytes_per_token
+            limit_s = step_bytes / bandwidth
+            row: dict[str, Any] = {
+                "dtype": dtype_name,
+                "batch": batch,
+                "step_bytes": step_bytes,
+                "limit_ms": 1e3 * limit_s,
+            }
+            for name in runners:
+                t1, tn = statistics.median(times[name][1]), statistics.median(times[name][max_new_tokens])
+                per_token = (tn - t1) / (max_new_tokens - 1)
+                row[name] = {
+                    "ms_per_token": 1e3 * per_token,
+                    "tokens_per_s": batch / per_token,  # every row of the batch gains a token per step
+                    "prefill_tokens_per_s": batch * prompt_len / t1,  # t(1): the prefill and one token
+                    "bandwidth_fraction": limit_s / per_token,
+                    "warmup_s": warmup_s[name],
+                }
+            ref = outs["attnlab"]
+            row["same_tokens"] = {name: bool(torch.equal(out, ref)) for name, out in outs.items()}
+            results.append(row)
+            write()
+            print(f"{dtype_name} batch {batch}: done", flush=True)
+
+    title, names, failed = write()
+
+    print()
+    print(wrap(title, width))
+    print(_model_compact(results, names))
+    if failed:
+        print(wrap(failed.strip(), width))
+    print(wrap(f"wrote {out_dir / 'decode_model.json'} and {out_dir / 'decode_model.md'} (every column)", width))
+    return 0
+
+
+def _ratio(row: dict[str, Any], name: str) -> str:
+    best = "attnlab compiled" if "attnlab compiled" in row else "attnlab"
+    return f"{row[best]['tokens_per_s'] / row[name]['tokens_per_s']:.2f}x" if name in row else "-"
+
+
+def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
+    """Decode tokens/s per runner, our best over HF's, and our bandwidth fraction: 80 columns."""
+    hf_names = [n for n in ("HF default", "HF static+compile") if n in names]
+    header = ("dtype", "B", *(_MODEL_SHORT[n] for n in names), *(f"/{_MODEL_SHORT[n]}" for n in hf_names), "%BW")
+    rows = []
+    for row in results:
+        best = "attnlab compiled" if "attnlab compiled" in row else "attnlab"
+        cells = [row["dtype"].replace("float", "fp").replace("bfloat", "bf"), str(row["batch"])]
+        cells += [f"{row[n]['tokens_per_s']:.1f}" if n in row else "-" for n in names]
+        cells += [_ratio(row, n) for n in hf_names]
+        cells.append(f"{100 * row[best]['bandwidth_fraction']:.0f}%")
+        rows.append(cells)
+    legend = (
+        "decode tokens/s (all rows of the batch); /HF: our best (compiled if run) over HF's; "
+        "%BW: our best's share of the bandwidth limit (weights + K/V read per step / copy rate)"
+    )
+    return wrap(legend) + "\n" + "\n".join(aligned(header, rows, right=[False] + [True] * (len(header) - 1)))
+
+
+def _model_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
+    """Every column: decode tokens/s (ms/step), prefill tokens/s, bandwidth fraction, per runner."""
+    header = "| dtype | batch | " + " | ".join(f"{n}: tok/s (ms/step), prefill tok/s, % BW" for n in names) + " |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in results:
+        cells = [
+            f"{row[n]['tokens_per_s']:.1f} ({row[n]['ms_per_token']:.1f}), {row[n]['prefill_tokens_per_s']:.0f}, "
+            f"{100 * row[n]['bandwidth_fraction']:.0f}%"
+            if n in row
+            else "-"
+            for n in names
+        ]
+        lines.append(f"| {row['dtype']} | {row['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
