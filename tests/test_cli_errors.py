@@ -371,5 +371,7 @@ def test_a_signal_ends_bench_with_one_line(tmp_path, sig, code, how):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code
-    assert err == f"attnlab: bench interrupted ({how}) before it finished; nothing more was written.\n"
+    # the last line is ours; a loaded machine may add an unrelated warning above it, never a traceback
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"attnlab: bench interrupted ({how}) before it finished; nothing more was written."
     assert not list(Path(tmp_path).iterdir())  # nothing half-written
