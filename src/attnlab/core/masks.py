@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from .functional import causal_keep
+from .kv_cache import KVCache
 
-__all__ = ["Masks", "prepare_masks"]
+__all__ = ["Masks", "decoder_masks", "prepare_masks"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,37 @@ def prepare_masks(
             tri = causal_keep(q_len, k_len, device)  # (T_q, T_k)
             keep = tri if keep is None else keep & tri
     return Masks(keep=keep, bias=bias, causal=causal, empty_rows=empty_rows)
+
+
+def decoder_masks(
+    key_padding_mask: Tensor | None,
+    *,
+    batch: int,
+    heads: int,
+    q_len: int,
+    cache: KVCache | None,
+    cache_positions: Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Masks:
+    """The causal (+ padding) masks of one decoder call, converted once and shared by every layer.
+
+    ``cache`` is any layer's :class:`KVCache` (all are alike): position mode (``cache_positions``
+    given) attends over every slot, append mode over the slots filled once this call is written.
+    """
+    if cache is None:
+        k_len = q_len
+    else:
+        k_len = cache.max_len if cache_positions is not None else cache.length + q_len
+    return prepare_masks(
+        None,
+        key_padding_mask,
+        True,
+        batch=batch,
+        heads=heads,
+        q_len=q_len,
+        k_len=k_len,
+        dtype=dtype,
+        device=device,
+        q_positions=cache_positions,
+    )

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
 from ..core.kv_cache import KVCache
-from ..core.masks import Masks, prepare_masks
+from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
 from . import hf_gpt2
 from .config import GPTConfig
@@ -257,22 +257,15 @@ class TinyGPT(nn.Module):
             )  # (..., T, D) each
         x = cast(nn.Dropout, self.transformer.drop)(x)
         B, T = idx.shape
-        if caches is None:
-            k_len = T
-        else:  # position mode attends over every slot; append mode over the filled ones after this call
-            first = cast(KVCache, caches[0])
-            k_len = first.max_len if cache_positions is not None else first.length + T
-        masks = prepare_masks(  # once per call, shared by every layer
-            None,
+        masks = decoder_masks(  # once per call, shared by every layer
             key_padding_mask,
-            True,
             batch=B,
             heads=self.config.n_head,
             q_len=T,
-            k_len=k_len,
+            cache=None if caches is None else cast(KVCache, caches[0]),
+            cache_positions=cache_positions,
             dtype=x.dtype,
             device=x.device,
-            q_positions=cache_positions,
         )
         for i, block in enumerate(cast(nn.ModuleList, self.transformer.h)):
             x = block(
