@@ -498,6 +498,7 @@ def bench_decode_model(
         (out_dir / "decode_model.md").write_text(
             title + "\n\n" + _model_markdown(results, names) + "\n" + failed + "\n"
         )
+        plot_decode_model(report, out_dir / "decode_model.png")
         return title, names, failed
 
     for dt in dtypes:
@@ -569,7 +570,12 @@ def bench_decode_model(
     print(_model_compact(results, names))
     if failed:
         print(wrap(failed.strip(), width))
-    print(wrap(f"wrote {out_dir / 'decode_model.json'} and {out_dir / 'decode_model.md'} (every column)", width))
+    print(
+        wrap(
+            f"wrote {out_dir / 'decode_model.json'}, {out_dir / 'decode_model.md'} (every column) and {out_dir / 'decode_model.png'}",
+            width,
+        )
+    )
     return 0
 
 
@@ -585,7 +591,7 @@ def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
     rows = []
     for row in results:
         best = "attnlab compiled" if "attnlab compiled" in row else "attnlab"
-        cells = [row["dtype"].replace("float", "fp").replace("bfloat", "bf"), str(row["batch"])]
+        cells = [row["dtype"].replace("bfloat", "bf").replace("float", "fp"), str(row["batch"])]
         cells += [f"{row[n]['tokens_per_s']:.1f}" if n in row else "-" for n in names]
         cells += [_ratio(row, n) for n in hf_names]
         cells.append(f"{100 * row[best]['bandwidth_fraction']:.0f}%")
@@ -595,6 +601,43 @@ def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
         "%BW: our best's share of the bandwidth limit (weights + K/V read per step / copy rate)"
     )
     return wrap(legend) + "\n" + "\n".join(aligned(header, rows, right=[False] + [True] * (len(header) - 1)))
+
+
+def plot_decode_model(report: dict[str, Any], path: Path) -> Path:
+    """Bars of decode tokens/s per runner, grouped by (dtype, batch), each labelled with its share of the bandwidth limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = [
+        n for n in ("attnlab", "attnlab compiled", "HF default", "HF static+compile") if any(n in r for r in results)
+    ]
+    fig, ax = plt.subplots(figsize=(8.5, 3.6))
+    width = 0.8 / max(len(names), 1)
+    for k, name in enumerate(names):
+        xs, ys, labels = [], [], []
+        for i, row in enumerate(results):
+            if name in row:
+                xs.append(i + (k - (len(names) - 1) / 2) * width)
+                ys.append(row[name]["tokens_per_s"])
+                labels.append(f"{row[name]['bandwidth_fraction']:.0%}")
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, labels, fontsize=6, padding=1)
+    groups = [f"{r['dtype'].replace('bfloat', 'bf').replace('float', 'fp')}, batch {r['batch']}" for r in results]
+    ax.set_xticks(range(len(results)), groups)
+    ax.set_ylabel("decode tokens/s (all rows)")
+    ax.set_title(
+        f"{report['model']}: greedy decode, prompt {report['prompt_len']}, {report['max_new_tokens']} new tokens, "
+        f"{report['device']}, {report['threads']} threads (labels: share of the bandwidth limit)",
+        fontsize=8,
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _model_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
