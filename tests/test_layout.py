@@ -15,7 +15,18 @@ from pathlib import Path
 import attnlab
 
 PACKAGE_DIR = Path(attnlab.__file__).parent
-LAYERS = {"runtime": 0, "core": 0, "models": 1, "compat": 1, "hf": 1, "check": 2, "lab": 2, "bench": 3, "tools": 3}
+LAYERS = {
+    "runtime": 0,
+    "core": 0,
+    "models": 1,
+    "compat": 1,
+    "hf": 1,
+    "heads": 1,
+    "check": 2,
+    "lab": 2,
+    "bench": 3,
+    "tools": 3,
+}
 ROOT_LAYER = 4  # attnlab/__init__.py, cli.py, __main__.py
 
 

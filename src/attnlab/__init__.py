@@ -3,6 +3,7 @@
 from .core.attention import MultiHeadAttention
 from .core.functional import math_attention, sdpa_attention
 from .core.kv_cache import KVCache
+from .heads.report import HeadReport, inspect
 from .models.generation import generate, left_pad
 from .models.gpt import GPTConfig, TinyGPT
 from .models.llama import Llama
@@ -19,6 +20,8 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "from_pretrained",
+    "inspect",
+    "HeadReport",
     "generate",
     "left_pad",
     "load_checkpoint",

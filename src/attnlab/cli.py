@@ -26,6 +26,7 @@ from .models.generate_cli import generate_command
 from .runtime import UsageError
 from .tools.demo import demo
 from .tools.doctor import doctor
+from .tools.inspect_cli import inspect_command
 from .tools.trace import trace_command
 
 LAB = ("train", "ablate-heads")  # they also take --config FILE as tyro defaults, and own their interrupts: lab/cli.py
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": demo,
         "check": check,
         "trace": trace_command,
+        "inspect": inspect_command,
         "doctor": doctor,
         "bench": bench,
         "generate": generate_command,
