@@ -204,6 +204,8 @@ def test_torch_mha_findings(batch_first):
         report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
     )
     assert statuses.pop("kv_cache") == "skip"
+    for name in [n for n in statuses if n.startswith("variant[")]:  # nn.MultiheadAttention has none of them
+        assert statuses.pop(name) == "skip" and "it does not implement this variant" in report[name].detail
     assert set(statuses.values()) == {"pass"}, statuses
     assert report["mask_semantics"].measured == "True = blocked"
 
@@ -270,6 +272,9 @@ def test_cli_user_factory(capsys, factory):
     assert code == 0, data
     report = data["reports"][0]
     skipped = {row["name"]: row["detail"] for row in report["results"] if row["status"] == "skip"}
+    variants = {name for name in skipped if name.startswith("variant[")}
+    assert len(variants) == 6  # a user's module without attnlab's variant attributes: each skipped with the reason
+    skipped = {name: detail for name, detail in skipped.items() if name not in variants}
     if factory.endswith(":tiny"):
         assert set(skipped) == {"kv_cache"}  # the user's module has no cache: skipped with a reason
         assert report["config"]["embed_dim"] == 8  # --embed-dim reached the factory

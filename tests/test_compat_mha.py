@@ -403,7 +403,7 @@ def test_errors_name_the_argument_what_came_what_was_expected_and_the_fix(case):
     [
         ({"num_heads": 5}, r"embed_dim=12 is not divisible by num_heads=5"),
         ({"num_kv_heads": 3}, r"num_heads=4 is not divisible by num_kv_heads=3"),
-        ({"backend": "flash"}, r"backend must be one of \('auto', 'math', 'sdpa'\), got 'flash'"),
+        ({"backend": "flash"}, r"backend must be one of \('auto', 'math', 'sdpa', 'flex'\), got 'flash'"),
     ],
 )
 def test_constructor_errors(kwargs, message):

@@ -45,7 +45,7 @@ def test_heads_not_divisible_by_kv_heads():
         ({"num_heads": 2.0}, "num_heads must be a positive int, got 2.0 (float)."),
         ({"dropout": 1.0}, "dropout must be in [0, 1), got 1.0; it is the probability of zeroing a weight."),
         ({"scale": -1.0}, "scale must be a positive float (default 1/sqrt(head_dim)), got -1.0."),
-        ({"backend": "flash"}, "backend must be one of ('auto', 'math', 'sdpa'), got 'flash'."),
+        ({"backend": "flash"}, "backend must be one of ('auto', 'math', 'sdpa', 'flex'), got 'flash'."),
     ],
 )
 def test_constructor_arguments(kw, message):

@@ -115,7 +115,7 @@ def test_auto_backend_reports_why_math_ran():
 
 def test_backend_attribute_is_validated_and_sdpa_refuses_weights():
     mha = MultiHeadAttention(16, 4)
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'math', 'sdpa'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'math', 'sdpa', 'flex'\), got 'flash'"):
         mha.backend = "flash"
     mha.backend = "sdpa"
     with pytest.raises(ValueError, match="need_weights=True with backend='sdpa'"):

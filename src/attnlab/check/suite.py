@@ -21,6 +21,7 @@ from torch.autograd import gradcheck
 from .adapters import AttentionAdapter, Projections, Unsupported, as_adapter
 from .reference import plain_attention, reference_attention
 from .result import CheckResult, Report
+from .variants import VARIANT_CHECKS
 
 __all__ = ["CHECKS", "Context", "run_checks"]
 
@@ -743,6 +744,7 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "deterministic_backward": check_deterministic_backward,
     "dropout_off_in_eval": check_dropout_off_in_eval,
     "dropout_rate": check_dropout_rate,
+    **VARIANT_CHECKS,
 }
 
 # The only checks that do not feed one tensor as query, key and value.

@@ -7,21 +7,32 @@ D = E // H head dim. The module is always batch-first.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from .dispatch import attend
+from .functional import sdpa_compute_dtype
 from .interop import from_torch_mha, to_torch_mha
+from .kv_cache import KVCache, RollingKVCache
 from .masks import Masks, prepare_masks
 from .rope import apply_rope
-from .validation import Backend, check_backend, check_forward_inputs, check_init_args
-
-if TYPE_CHECKING:
-    from .kv_cache import KVCache
+from .validation import (
+    Backend,
+    check_backend,
+    check_document_ids,
+    check_forward_inputs,
+    check_init_args,
+    check_variant_args,
+)
+from .variants import Structure, alibi_slopes, banded_sdpa, variant_math, variant_sdpa
 
 __all__ = ["Backend", "MultiHeadAttention"]
+
+# Sliding-window calls at least this long (and >= 2 windows) run SDPA per query block on its key band.
+BAND_MIN_TOKENS = 1024
 
 
 class MultiHeadAttention(nn.Module):
@@ -38,8 +49,21 @@ class MultiHeadAttention(nn.Module):
         bias: whether the four projections have biases.
         scale: multiplier of ``Q K^T``; default ``1 / sqrt(D)``.
         backend: ``"auto"`` (SDPA unless the call needs the math path), ``"math"`` (the explicit
-            reference, the only one that can return weights) or ``"sdpa"``. A public attribute:
-            may be changed after construction.
+            reference, the only one that can return weights), ``"sdpa"`` or ``"flex"``
+            (FlexAttention, for the variants). A public attribute: may be changed after construction.
+
+    Variants (keyword options, off by default, composable; the formulas are in
+    :mod:`attnlab.core.variants`):
+        window: sliding window ``W`` (Mistral, Gemma 2): query ``i`` sees keys ``i - W < j <= i``.
+            Needs ``is_causal=True`` at call time.
+        softcap: logit soft-capping ``C`` (Gemma 2): scores ``C * tanh(scores / C)`` before masking.
+        alibi: ALiBi (BLOOM, MPT): head ``h`` adds ``-m_h * |i - j|`` to its scores.
+        sinks: a learned per-head sink logit in the softmax denominator (gpt-oss); ``self.sinks (H,)``.
+        qk_norm: RMSNorm on q and k before rotary: ``True``/``"head"`` over each head's ``D``
+            channels (Qwen 3), ``"full"`` over all of q's ``H*D`` and k's ``G*D`` channels (OLMo 2).
+        qk_norm_eps: the RMSNorm epsilon.
+    ``forward(..., document_ids=(B, T))`` packs several sequences in a row: attention is blocked
+    across documents.
 
     Shapes in ``forward``: ``query (B, T_q, E)``, ``key (B, T_k, kdim)``, ``value (B, T_k, vdim)``,
     output ``(B, T_q, E)``, weights ``(B, H, T_q, T_k)``.
@@ -84,6 +108,12 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         scale: float | None = None,
         backend: Backend = "auto",
+        window: int | None = None,
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
+        qk_norm: bool | str = False,
+        qk_norm_eps: float = 1e-6,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -92,6 +122,7 @@ class MultiHeadAttention(nn.Module):
         kdim = embed_dim if kdim is None else kdim
         vdim = embed_dim if vdim is None else vdim
         check_init_args(embed_dim, num_heads, num_kv_heads, kdim, vdim, dropout, scale, backend)
+        check_variant_args(window, softcap, alibi, sinks, qk_norm)
         self.embed_dim = embed_dim
         self.num_heads = num_heads  # H
         self.num_kv_heads = num_kv_heads  # G: only the cache and K/V projections shrink with it
@@ -110,6 +141,21 @@ class MultiHeadAttention(nn.Module):
         self.k_proj: nn.Module = nn.Linear(kdim, self.kv_dim, bias=bias, **factory)  # kdim -> G*D
         self.v_proj: nn.Module = nn.Linear(vdim, self.kv_dim, bias=bias, **factory)  # vdim -> G*D
         self.out_proj: nn.Module = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)  # H*D -> E
+
+        self.window, self.softcap = window, (None if softcap is None else float(softcap))
+        # ALiBi slopes: a buffer (moves with .to()), not saved: they follow from num_heads.
+        self.alibi_slopes: Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None, persistent=False)
+        self.sinks: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if sinks else None  # (H,) sink logits
+        )
+        self.qk_norm: str | None = "head" if qk_norm is True else (str(qk_norm) if qk_norm else None)
+        q_width, k_width = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (embed_dim, self.kv_dim)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if self.qk_norm is not None:
+            self.q_norm = nn.RMSNorm(q_width, eps=qk_norm_eps, device=device, dtype=dtype)
+            self.k_norm = nn.RMSNorm(k_width, eps=qk_norm_eps, device=device, dtype=dtype)
         self.reset_parameters()
         self.register_load_state_dict_pre_hook(_split_fused_in_proj)  # type: ignore[no-untyped-call]  # unannotated in torch
 
@@ -132,6 +178,11 @@ class MultiHeadAttention(nn.Module):
                     nn.init.xavier_uniform_(weight)
                 if isinstance(bias, Tensor):
                     bias.zero_()
+            if self.sinks is not None:
+                self.sinks.zero_()
+            for norm in (self.q_norm, self.k_norm):
+                if norm is not None:
+                    norm.reset_parameters()
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
@@ -139,7 +190,24 @@ class MultiHeadAttention(nn.Module):
             s += f", num_kv_heads={self.num_kv_heads}"
         if (self.kdim, self.vdim) != (self.embed_dim, self.embed_dim):
             s += f", kdim={self.kdim}, vdim={self.vdim}"
+        for name, value in (("window", self.window), ("softcap", self.softcap), ("qk_norm", self.qk_norm)):
+            if value is not None:
+                s += f", {name}={value!r}"
+        if self.alibi_slopes is not None:
+            s += ", alibi=True"
+        if self.sinks is not None:
+            s += ", sinks=True"
         return s + f", dropout={self.dropout}, backend={self.backend!r}"
+
+    @property
+    def has_variants(self) -> bool:
+        """Whether a variant option (window, softcap, alibi, sinks) is on; qk_norm needs no special backend."""
+        return (
+            self.window is not None
+            or self.softcap is not None
+            or self.alibi_slopes is not None
+            or self.sinks is not None
+        )
 
     # -- forward -------------------------------------------------------------------------
     def _a_weight(self) -> Tensor:
@@ -154,6 +222,125 @@ class MultiHeadAttention(nn.Module):
         k: Tensor = self.k_proj(key)  # (B, T_k, KV)
         v: Tensor = self.v_proj(value)  # (B, T_k, KV)
         return q, k, v
+
+    def _attend_variants(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | Masks | None,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+        cache_positions: Tensor | None,
+        document_ids: Tensor | None,
+        need_weights: bool,
+        dropout_p: float,
+        k_pos: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, str, str | None]:
+        """Attention with the variants on (:mod:`attnlab.core.variants`): ``(context, weights, backend, reason)``."""
+        B, H, T_q, _ = q.shape
+        T_k = k.size(2)
+        if isinstance(attn_mask, Masks):  # a model's shared masks (decoder_masks): causal by construction
+            masks, causal = replace(attn_mask, causal=False), attn_mask.causal or is_causal or self.window is not None
+        else:
+            if self.window is not None and not is_causal:
+                raise ValueError(
+                    f"window={self.window} is a causal sliding window (query i sees keys i - {self.window} < j <= i); "
+                    f"call the module with is_causal=True."
+                )
+            if cache_positions is not None and not is_causal:
+                raise ValueError(
+                    "cache_positions was given with is_causal=False; position mode attends over the whole "
+                    "cache buffer and relies on the causal mask to hide unwritten slots: pass is_causal=True."
+                )
+            if is_causal and T_q > T_k:
+                raise ValueError(
+                    f"is_causal=True needs T_q <= T_k, got T_q={T_q} queries and T_k={T_k} keys; pass an explicit attn_mask."
+                )
+            # the structure does the causal masking, from positions
+            masks = prepare_masks(
+                attn_mask,
+                key_padding_mask,
+                False,
+                batch=B,
+                heads=H,
+                q_len=T_q,
+                k_len=T_k,
+                dtype=q.dtype,
+                device=q.device,
+            )
+            causal = is_causal
+        if document_ids is not None:
+            check_document_ids(document_ids, B, T_q, T_k, kv_cache)
+        if cache_positions is not None:
+            q_pos = cache_positions
+        else:
+            q_pos = torch.arange(T_k - T_q, T_k, device=q.device)  # bottom-right: the last T_q positions
+        if k_pos is None:
+            k_pos = torch.arange(T_k, device=q.device)  # a key's index is its position
+        st = Structure(
+            q_pos=q_pos,
+            k_pos=k_pos,
+            causal=causal,
+            window=self.window,
+            softcap=self.softcap,
+            alibi=self.alibi_slopes,
+            sinks=self.sinks,
+            q_doc=document_ids,
+            k_doc=document_ids,
+        )
+        if key_padding_mask is not None and kv_cache is None:
+            pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1): no NaN in padding reaches the output
+            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+
+        backend, reason = self._choose_variant_backend(need_weights, st, T_q, T_k, kv_cache is None)
+        if backend == "math":
+            context, weights = variant_math(
+                q, k, v, masks, st, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
+            )
+            return context, weights, backend, reason
+        if backend == "flex":
+            from .flex import flex_variant  # torch.nn.attention.flex_attention is imported only when used
+
+            return flex_variant(q, k, v, masks, st, scale=self.scale), None, backend, reason
+        compute_dtype, adapted = sdpa_compute_dtype(q)
+        out_dtype = q.dtype
+        if compute_dtype is not None:
+            q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+            reason = adapted if reason is None else f"{reason}; {adapted}"
+        if backend == "sdpa-band":
+            context = banded_sdpa(q, k, v, masks, st, scale=self.scale, dropout_p=dropout_p)
+        else:
+            context = variant_sdpa(q, k, v, masks, st, scale=self.scale, dropout_p=dropout_p)
+        return context.to(out_dtype), None, backend, reason
+
+    def _choose_variant_backend(
+        self, need_weights: bool, st: Structure, T_q: int, T_k: int, no_cache: bool
+    ) -> tuple[str, str | None]:
+        """``(backend, reason)`` for a call with variants: ``math``, ``sdpa`` (dense mask), ``sdpa-band``
+        (window, key bands, no T x T mask) or ``flex``."""
+        if need_weights:
+            if self.backend in ("sdpa", "flex"):
+                raise ValueError(
+                    f"need_weights=True with backend={self.backend!r}: only the math backend materialises the "
+                    f"weights; set mha.backend = 'auto' or 'math' for this call."
+                )
+            return "math", "need_weights=True: only the math backend materialises the weights"
+        if self.backend == "math":
+            return "math", "backend='math' was requested"
+        if self.backend == "flex":
+            return "flex", None
+        if st.softcap is not None:
+            if self.backend == "sdpa":
+                raise ValueError(
+                    f"softcap={st.softcap} applies tanh to the scores inside the softmax, which SDPA cannot express; "
+                    f"use backend='auto', 'math' or 'flex'."
+                )
+            return "math", "softcap: SDPA cannot apply tanh to the scores, so the math backend runs"
+        if st.window is not None and no_cache and T_q == T_k and T_q >= BAND_MIN_TOKENS and T_q >= 2 * st.window:
+            return "sdpa-band", f"window={st.window}, T={T_q}: SDPA on each query block's key band (no T x T mask)"
+        return "sdpa", None
 
     def _choose_backend(self, need_weights: bool) -> tuple[str, str | None]:
         """The backend for this call and, when it is not the fused one, why (see
@@ -182,6 +369,7 @@ class MultiHeadAttention(nn.Module):
         kv_cache: KVCache | None = None,
         cache_positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -204,6 +392,9 @@ class MultiHeadAttention(nn.Module):
                 ``is_causal=True``: a query sees the slots at or before its own.
             rope: ``(cos, sin)`` from :func:`attnlab.core.rope.rope_cos_sin`, each ``(T_q, D)`` or
                 ``(B, T_q, D)``: rotary embeddings applied to Q and to this call's K.
+            document_ids: ``(B, T)`` int ids of packed sequences (self-attention, no cache): a
+                query sees only keys of its own document. Rotary positions restarting at each
+                document are the caller's ``rope`` (the models compute them).
 
         Returns:
             ``output (B, T_q, E)``, or ``(output, weights)`` when ``need_weights``.
@@ -215,38 +406,67 @@ class MultiHeadAttention(nn.Module):
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
 
         q, k, v = self._project(query, key, value)  # (B, T_q, H*D), (B, T_k, G*D), (B, T_k, G*D)
+        if self.qk_norm == "full":  # OLMo 2: over all of q's H*D and k's G*D channels
+            q, k = cast(nn.RMSNorm, self.q_norm)(q), cast(nn.RMSNorm, self.k_norm)(k)
         q = q.view(B, T_q, H, D).transpose(1, 2)  # (B, H, T_q, D): heads become a batch dim
         k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, T_k, D)
         v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, T_k, D)
+        if self.qk_norm == "head":  # Qwen 3: over each head's D channels
+            q, k = cast(nn.RMSNorm, self.q_norm)(q), cast(nn.RMSNorm, self.k_norm)(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H, T_q, D), (B, G, T_k, D)
-        if kv_cache is not None:
+        k_pos: Tensor | None = None  # positions of the keys when they are not their indices (a rolling cache)
+        if isinstance(kv_cache, RollingKVCache):
+            if self.window is None or self.window > kv_cache.window:
+                raise ValueError(
+                    f"a RollingKVCache of {kv_cache.window} slots serves a sliding-window layer with window <= "
+                    f"{kv_cache.window}; this module has window={self.window}. Use KVCache for full attention."
+                )
+            k, v, k_pos = kv_cache.update_rolling(k, v, cache_positions)  # (B, G, S, D), (S,)
+        elif kv_cache is not None:
             k, v = kv_cache.update(k, v, cache_positions)  # (B, G, T_cached, D): all cached keys
 
-        masks = prepare_masks(
-            attn_mask,
-            key_padding_mask,
-            is_causal,
-            batch=B,
-            heads=H,
-            q_len=T_q,
-            k_len=k.size(2),
-            dtype=q.dtype,
-            device=q.device,
-            q_positions=cache_positions,
-        )
-        if key_padding_mask is not None and kv_cache is None:
-            # Padded keys are never attended, but 0 * NaN is NaN: whatever a caller left in the
-            # padding (NaN, inf) must not reach the output through the zero weights.
-            pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1)
-            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # (B, G, T_k, D) each
-        backend, reason = self._choose_backend(need_weights)
         dropout_p = self.dropout if self.training else 0.0
-        context, weights, adapted = attend(
-            backend, q, k, v, masks, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
-        )  # context: (B, H, T_q, D)
+        if self.has_variants or document_ids is not None or self.backend == "flex":
+            context, weights, backend, reason = self._attend_variants(
+                q,
+                k,
+                v,
+                attn_mask,
+                key_padding_mask,
+                is_causal,
+                kv_cache,
+                cache_positions,
+                document_ids,
+                need_weights,
+                dropout_p,
+                k_pos,
+            )
+        else:
+            masks = prepare_masks(
+                attn_mask,
+                key_padding_mask,
+                is_causal,
+                batch=B,
+                heads=H,
+                q_len=T_q,
+                k_len=k.size(2),
+                dtype=q.dtype,
+                device=q.device,
+                q_positions=cache_positions,
+            )
+            if key_padding_mask is not None and kv_cache is None:
+                # Padded keys are never attended, but 0 * NaN is NaN: whatever a caller left in the
+                # padding (NaN, inf) must not reach the output through the zero weights.
+                pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1)
+                k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # (B, G, T_k, D) each
+            backend, reason = self._choose_backend(need_weights)
+            context, weights, adapted = attend(
+                backend, q, k, v, masks, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
+            )  # context: (B, H, T_q, D)
+            reason = reason or adapted
         if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
-            self.__dict__.update(last_backend=backend, last_backend_reason=reason or adapted)  # plain attrs
+            self.__dict__.update(last_backend=backend, last_backend_reason=reason)  # plain attrs
 
         context = context.transpose(1, 2).contiguous().view(B, T_q, H * D)  # (B, T_q, E): heads merged
         out = self.out_proj(context)  # (B, T_q, E)

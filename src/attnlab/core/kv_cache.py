@@ -139,3 +139,86 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, cache_positions, k)  # (B, G, max_len, D), slots cache_positions written
         self.v.index_copy_(2, cache_positions, v)
         return self.k, self.v
+
+
+# A position no query reaches: an empty slot of a RollingKVCache is hidden by the causal test k_pos <= q_pos.
+EMPTY_SLOT = 2**62
+
+
+class RollingKVCache(KVCache):
+    """A sliding-window layer's cache that keeps only the last ``window`` positions: memory bounded by
+    the window, not by the sequence (Mistral's rolling buffer).
+
+    Position ``p`` lives in slot ``p % window``; ``pos`` ``(window,)`` records which position each slot
+    holds (empty slots hold a position no query reaches). Position mode only: every call passes
+    ``cache_positions`` (the absolute positions of its tokens, consecutive). Use with a
+    :class:`attnlab.MultiHeadAttention` built with ``window <= this window``: a decode step attends
+    over the ``window`` slots, the mask built from ``pos``; a prefill of ``T`` tokens attends over
+    the slots as they were plus its own ``T`` keys, then keeps the last ``window`` of them.
+    """
+
+    pos: Tensor
+
+    def __init__(
+        self,
+        batch_size: int,
+        window: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(batch_size, window, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.register_buffer(
+            "pos", torch.full((window,), EMPTY_SLOT, dtype=torch.long, device=device), persistent=False
+        )
+
+    @classmethod
+    def for_module(cls, mha: nn.Module, batch_size: int, max_len: int | None = None) -> RollingKVCache:
+        """A cache of ``mha.window`` slots (``max_len`` is ignored: the window bounds it)."""
+        window = getattr(mha, "window", None)
+        if not isinstance(window, int):
+            raise ValueError("RollingKVCache.for_module needs a module built with window=W (a sliding-window layer).")
+        w = next(mha.parameters())
+        G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009
+        return cls(batch_size, window, int(G), int(D), dtype=w.dtype, device=w.device)
+
+    @property
+    def window(self) -> int:
+        return self.k.size(2)
+
+    def reset(self) -> None:
+        """Empty the cache: every slot marked empty."""
+        self.pos.fill_(EMPTY_SLOT)
+
+    def update(self, k: Tensor, v: Tensor, cache_positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        keys, values, _ = self.update_rolling(k, v, cache_positions)
+        return keys, values
+
+    def update_rolling(self, k: Tensor, v: Tensor, cache_positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Write ``k, v`` ``(B, G, T, D)`` at positions ``cache_positions`` ``(T,)``; return the keys,
+        values and key positions to attend over: ``(B, G, S, D)`` twice and ``(S,)``."""
+        self._check(k, v)
+        if cache_positions is None:
+            raise ValueError(
+                "RollingKVCache needs cache_positions (the absolute position of each new token); slot = position % window."
+            )
+        T = k.size(2)
+        W = self.window
+        if T == 1:  # decode: write the slot, attend over the window (fixed shapes: compiles once)
+            slot = cache_positions % W
+            self.k.index_copy_(2, slot, k)
+            self.v.index_copy_(2, slot, v)
+            self.pos.index_copy_(0, slot, cache_positions)
+            return self.k, self.v, self.pos
+        # prefill: this call's queries need their own keys even where they overwrite each other's slots
+        keys = torch.cat([self.k, k], dim=2)  # (B, G, W + T, D)
+        values = torch.cat([self.v, v], dim=2)
+        positions = torch.cat([self.pos, cache_positions])  # (W + T,)
+        keep = slice(max(0, T - W), T)  # the last W of this call's tokens stay in the buffer
+        slot = cache_positions[keep] % W
+        self.k.index_copy_(2, slot, k[:, :, keep])
+        self.v.index_copy_(2, slot, v[:, :, keep])
+        self.pos.index_copy_(0, slot, cache_positions[keep])
+        return keys, values, positions

@@ -9,7 +9,7 @@ from typing import Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
-Backend = Literal["auto", "math", "sdpa"]
+Backend = Literal["auto", "math", "sdpa", "flex"]
 BACKEND_NAMES: tuple[str, ...] = get_args(Backend)
 
 
@@ -65,6 +65,43 @@ def check_init_args(
     if scale is not None and not float(scale) > 0.0:
         raise ValueError(f"scale must be a positive float (default 1/sqrt(head_dim)), got {scale!r}.")
     check_backend(backend)
+
+
+def check_variant_args(window: object, softcap: object, alibi: object, sinks: object, qk_norm: object) -> None:
+    """The variant options of :class:`attnlab.MultiHeadAttention` (see :mod:`attnlab.core.variants`)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"window must be a positive int (query i sees keys i - window < j <= i) or None, got {window!r}."
+        )
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive float (Gemma 2 uses 50.0) or None, got {softcap!r}.")
+    for name, flag in (("alibi", alibi), ("sinks", sinks)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r} ({type(flag).__name__}).")
+    if qk_norm not in (False, True, "head", "full"):
+        raise ValueError(
+            f"qk_norm must be False, True or 'head' (RMSNorm over each head's D channels, Qwen 3), or 'full' "
+            f"(over all H*D channels of q and G*D of k, OLMo 2); got {qk_norm!r}."
+        )
+
+
+def check_document_ids(document_ids: object, batch: int, q_len: int, k_len: int, kv_cache: object) -> None:
+    """``document_ids`` of a packed self-attention call: int ``(B, T)``, no KV cache."""
+    if not isinstance(document_ids, Tensor) or document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+        raise TypeError(
+            f"document_ids must be an integer tensor (B, T) of document ids, got "
+            f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}; e.g. torch.tensor([[0, 0, 0, 1, 1]])."
+        )
+    if kv_cache is not None or q_len != k_len:
+        raise ValueError(
+            f"document_ids packs sequences for self-attention over the whole row (T_q == T_k, no kv_cache), got "
+            f"T_q={q_len}, T_k={k_len}{' and a kv_cache' if kv_cache is not None else ''}; decode each document "
+            f"with its own cache instead."
+        )
+    if tuple(document_ids.shape) != (batch, q_len):
+        raise ValueError(
+            f"document_ids has shape {tuple(document_ids.shape)}; expected (B, T) = ({batch}, {q_len}), one id per token."
+        )
 
 
 def check_backend(backend: object) -> None:

@@ -22,6 +22,8 @@ from ..core.attention import MultiHeadAttention
 from ..core.kv_cache import KVCache
 from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
+from ..core.validation import check_document_ids
+from ..core.variants import document_positions
 from . import hf_gpt2
 from .config import GPTConfig
 from .generation import check_token_ids, generate
@@ -64,6 +66,7 @@ class Block(nn.Module):
         kv_cache: KVCache | None = None,
         cache_positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """``masks``: causal (+ padding) masks, converted once per model call by :class:`TinyGPT`."""
         a = self.attn(
@@ -72,6 +75,7 @@ class Block(nn.Module):
             kv_cache=kv_cache,
             cache_positions=cache_positions,
             rope=rope,
+            document_ids=document_ids,
         )  # (B, T, E)
         x = x + self.resid_dropout(a)
         return x + self.mlp(self.ln_2(x))  # (B, T, E)
@@ -219,6 +223,7 @@ class TinyGPT(nn.Module):
         caches: nn.ModuleList | None = None,
         cache_positions: Tensor | None = None,
         only_last: bool = False,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -231,6 +236,10 @@ class TinyGPT(nn.Module):
                 padding). Default: ``cache_positions`` if given, else ``0 .. T-1``.
             caches: from :meth:`setup_caches`; with ``cache_positions`` ``(T,)`` (the slots this
                 call writes) attention runs over the cache in position mode (fixed shapes).
+            document_ids: ``(B, T)`` ids of packed sequences (no cache): attention never crosses a
+                document boundary and positions restart at 0 in each document
+                (:func:`attnlab.core.variants.document_positions`), so a packed row gives each
+                document the logits it gets alone.
             only_last: return the logits of the last position only, ``(B, 1, V)``: generation
                 needs no others, and the output projection is the largest matmul of a step.
 
@@ -239,6 +248,13 @@ class TinyGPT(nn.Module):
         """
         if not torch.compiler.is_compiling():
             self._check_idx(idx, positions)
+        if document_ids is not None:
+            if caches is not None or positions is not None:
+                raise ValueError(
+                    "document_ids packs whole sequences and sets their positions itself; pass it without caches and positions."
+                )
+            check_document_ids(document_ids, idx.size(0), idx.size(1), idx.size(1), None)
+            positions = document_positions(document_ids)  # (B, T), restarting in each document
         if positions is None:
             positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
         if caches is not None and len(caches) != self.config.n_layer:
@@ -274,6 +290,7 @@ class TinyGPT(nn.Module):
                 rope=rope,
                 kv_cache=None if caches is None else caches[i],
                 cache_positions=cache_positions,
+                document_ids=document_ids,
             )  # (B, T, E)
         if only_last:
             x = x[:, -1:]  # (B, 1, E)

@@ -126,6 +126,7 @@ class _Recorder(TorchFunctionMode):
         self.linears = 0
         self.core_done = False  # the weighted sum has happened: later transposes merge heads
         self.rope_seen = False  # Q or K was split in halves: the module applies rotary embeddings
+        self.softcap_seen = False  # tanh ran on the scores: the next multiply is the cap's
         for name, t in inputs.items():
             self._track(t, name)
             self.trace.rows.append(TraceRow("input", name, list(t.shape), _AXES["input"], "input"))
@@ -140,12 +141,15 @@ class _Recorder(TorchFunctionMode):
             return self.names.get(id(a), fallback)
         if isinstance(a, float):
             return f"{a:.4g}"
-        return repr(a) if not isinstance(a, (list, tuple)) else repr(list(a))
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(self._name(b) for b in a) + "]"
+        return repr(a)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        tracked = [a for a in args if isinstance(a, Tensor) and id(a) in self.names]
+        flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else (a,))]  # cat takes a list
+        tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.names]
         outs = out if isinstance(out, tuple) else (out,)
         if not tracked or not all(isinstance(o, Tensor) for o in outs) or out is tracked[0]:
             return out  # not on the data path, not a tensor op, or a no-op (e.g. .to(same dtype))
@@ -207,12 +211,26 @@ class _Recorder(TorchFunctionMode):
             return "K^T (transpose)", f"{srcname}T", _AXES["kT"]
         if fname == "matmul" and not self.core_done and srcname.startswith("q"):
             return "scores = Q K^T", "scores", _AXES["scores"]
+        if fname in ("div", "__truediv__") and srcname == "scores" and m.softcap is not None:
+            return f"softcap: scores / {m.softcap:g}", "scores", _AXES["scores"]
+        if fname == "tanh" and srcname == "scores":
+            self.softcap_seen = True
+            return "softcap: tanh", "scores", _AXES["scores"]
+        if fname in ("mul", "__rmul__") and srcname == "scores" and self.softcap_seen:
+            self.softcap_seen = False
+            return f"softcap: {m.softcap:g} * tanh(scores / {m.softcap:g})", "scores", _AXES["scores"]
         if fname == "mul" and srcname == "scores":
             return f"scale by 1/sqrt(d) = {m.scale:.4g}", "scores", _AXES["scores"]
         if fname == "add" and srcname == "scores":
-            return "add float mask", "scores", _AXES["scores"]
+            what = "ALiBi bias -m_h |i - j|" if m.alibi_slopes is not None else "float mask"
+            return f"add {what}", "scores", _AXES["scores"]
         if fname == "masked_fill" and srcname == "scores":
-            return "mask (before softmax)", "scores", _AXES["scores"]
+            what = f": causal + window {m.window}" if m.window is not None else ""
+            return f"mask{what} (before softmax)", "scores", _AXES["scores"]
+        if fname == "cat" and srcname == "scores":
+            return "sinks: append each head's sink logit", "scores", "(b, h, i, j + 1): the sink is one more 'key'"
+        if fname == "__getitem__" and srcname == "weights" and m.sinks is not None:
+            return "sinks: drop the sink's share", "weights", "(b, h, i, j): rows sum to < 1"
         if fname == "softmax":
             return "softmax over keys", "weights", _AXES["weights"]
         if fname == "masked_fill" and srcname == "weights":
@@ -308,6 +326,11 @@ def trace_command(
     seed: int = 0,
     model: str | None = None,
     layer: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    alibi: bool = False,
+    sinks: bool = False,
+    qk_norm: bool = False,
 ) -> int:
     """Trace every stage of attention on random input (defaults: the seed-000 case), or one layer of a real model.
 
@@ -326,6 +349,11 @@ def trace_command(
         seed: torch.manual_seed.
         model: trace one layer of a pretrained model ('smollm2', a .gguf file or a Hugging Face directory) as the model calls it, on random token ids (batch_size x seq_len): its weights, widths and rotary embedding; --embed-dim/--num-heads/--num-kv-heads come from it, and it is causal.
         layer: with --model, which attention layer (0 = the first; default 0).
+        window: sliding window W (query i sees keys i - W < j <= i); needs --causal.
+        softcap: logit soft-capping C: scores C * tanh(scores / C) before masking (Gemma 2).
+        alibi: ALiBi: head h adds -m_h |i - j| to its scores (BLOOM).
+        sinks: a learned sink logit per head in the softmax denominator (gpt-oss; traced with values 0).
+        qk_norm: RMSNorm on each head's q and k (Qwen 3).
     """
     check_range("--batch-size", batch_size, low=1, integer=True)
     check_range("--seq-len", seq_len, low=1, integer=True, hint="it is T_q, the number of query positions")
@@ -355,7 +383,18 @@ def trace_command(
     check_range("--dropout", dropout, low=0, high=1, high_inclusive=False)
     torch.manual_seed(seed)
     try:
-        mha = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=backend)
+        mha = MultiHeadAttention(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=dropout,
+            backend=backend,
+            window=window,
+            softcap=softcap,
+            alibi=alibi,
+            sinks=sinks,
+            qk_norm=qk_norm,
+        )
     except ValueError as err:  # the module names its arguments; the user typed flags
         raise UsageError(_as_flags(str(err))) from None
     mha.train(dropout > 0)
@@ -365,6 +404,8 @@ def trace_command(
     if pad:
         kpm = torch.zeros(batch_size, t_k, dtype=torch.bool)
         kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
+    if window is not None and not causal:
+        raise UsageError(f"--window {window} is a causal sliding window; add --causal.")
     with trace(mha) as calls:
         mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
     _print(calls, json)

@@ -1,0 +1,258 @@
+"""Attention variants that real models ship: sliding window, logit soft-capping, ALiBi, sinks, packed documents.
+
+Each is a change to one step of the reference algorithm (:func:`attnlab.core.functional.math_attention`),
+written here once, for the positions of a query ``i`` and a key ``j`` (absolute positions: a
+KV-cache slot's position, not its index in a rolling buffer):
+
+* **window** ``W`` (Mistral, Gemma 2): query ``i`` sees key ``j`` iff ``i - W < j <= i``; always
+  combined with causal masking, so a query sees itself and the ``W - 1`` keys before it.
+* **softcap** ``C`` (Gemma 2): the scaled scores become ``C * tanh(s / C)``, before any mask or bias.
+* **ALiBi** (BLOOM, MPT): head ``h`` adds ``-m_h * |i - j|`` to the scores, ``m_h`` the standard
+  geometric slopes (:func:`alibi_slopes`). BLOOM adds ``m_h * j``, which differs by ``m_h * i``,
+  the same for a whole row: the softmax is unchanged.
+* **sinks** (gpt-oss): a learned logit ``s_h`` per head joins every row's softmax as one more
+  "key" whose value is zero: ``w_ij = exp(x_ij) / (exp(s_h) + sum_j' exp(x_ij'))``. A row may
+  then give less than 1 in total to the real keys (and a fully masked row gives them 0).
+* **documents** (packed sequences): query ``i`` sees key ``j`` only inside its own document,
+  ``doc[i] == doc[j]``.
+
+:class:`Structure` holds what a call needs to materialise these for any block of queries and keys
+(the dense backends take the whole ``T_q x T_k``; the banded SDPA path takes one query block and
+its key band; the flex backend turns the same fields into ``mask_mod`` / ``score_mod``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import Masks
+
+__all__ = ["Structure", "alibi_slopes", "document_positions", "variant_math", "variant_sdpa", "banded_sdpa"]
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's per-head slopes ``(H,)`` float32 (Press et al., 2022; BLOOM's rule for any H).
+
+    For ``H`` a power of two: ``2^(-8 k / H)``, k = 1..H. Otherwise the slopes of the largest
+    power of two ``n < H``, then every other slope of ``2n`` for the remaining heads.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    n = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / n)
+    slopes = [base ** (k + 1) for k in range(n)]
+    if n < num_heads:
+        extra_base = 2.0 ** (-4.0 / n)  # the slopes of 2n heads, odd ones: 2^(-8 (2k+1) / 2n)
+        slopes += [extra_base ** (2 * k + 1) for k in range(num_heads - n)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """``(B, T)`` int64 positions that restart at 0 where each packed document starts.
+
+    ``document_ids`` ``(B, T)``: a document is a run of equal ids (``[[7, 7, 7, 2, 2]]`` -> ``[[0, 1, 2, 0, 1]]``).
+    """
+    B, T = document_ids.shape
+    index = torch.arange(T, device=document_ids.device).expand(B, T)  # (B, T)
+    starts = torch.ones(B, T, dtype=torch.bool, device=document_ids.device)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T): start of each run
+    return index - first
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The position-dependent part of one attention call.
+
+    ``q_pos`` ``(T_q,)`` or ``(B, T_q)`` and ``k_pos`` ``(T_k,)`` or ``(B, T_k)``: int64 absolute
+    positions. ``q_doc`` ``(B, T_q)`` / ``k_doc`` ``(B, T_k)``: document ids (packed sequences).
+    ``alibi``: ``(H,)`` slopes; ``sinks``: ``(H,)`` logits; ``window``/``softcap`` as in the module.
+    """
+
+    q_pos: Tensor
+    k_pos: Tensor
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+    alibi: Tensor | None = None
+    sinks: Tensor | None = None
+    q_doc: Tensor | None = None
+    k_doc: Tensor | None = None
+
+    @property
+    def has_mask(self) -> bool:
+        return self.causal or self.window is not None or self.q_doc is not None
+
+    def keep(self, qs: slice = slice(None), ks: slice = slice(None)) -> Tensor | None:
+        """Bool ``(B or 1, 1, tq, tk)`` for queries ``qs`` and keys ``ks``; True = may attend."""
+        qp = self.q_pos[..., qs, None]  # (.., tq, 1)
+        kp = self.k_pos[..., None, ks]  # (.., 1, tk)
+        keep: Tensor | None = None
+        if self.causal:
+            keep = kp <= qp
+        if self.window is not None:
+            near = (qp - kp) < self.window  # with causal: i - W < j <= i
+            keep = near if keep is None else keep & near
+        if self.q_doc is not None and self.k_doc is not None:
+            same = self.q_doc[:, qs, None] == self.k_doc[:, None, ks]  # (B, tq, tk)
+            keep = same if keep is None else keep & same
+        if keep is None:
+            return None
+        return keep[None, None] if keep.dim() == 2 else keep[:, None]
+
+    def bias(
+        self, qs: slice = slice(None), ks: slice = slice(None), dtype: torch.dtype = torch.float32
+    ) -> Tensor | None:
+        """ALiBi's float ``(B or 1, H, tq, tk)`` bias for queries ``qs`` and keys ``ks``, or None."""
+        if self.alibi is None:
+            return None
+        dist = (self.q_pos[..., qs, None] - self.k_pos[..., None, ks]).abs().to(dtype)  # (.., tq, tk)
+        dist = dist[None, None] if dist.dim() == 2 else dist[:, None]  # (B|1, 1, tq, tk)
+        return -self.alibi.to(dtype)[None, :, None, None] * dist
+
+
+def _slice4(t: Tensor | None, qs: slice, ks: slice) -> Tensor | None:
+    """``t[..., qs, ks]`` of a mask broadcastable to (B, H, T_q, T_k): broadcast dims (size 1) kept."""
+    if t is None:
+        return None
+    return t[:, :, qs if t.size(2) > 1 else slice(None), ks if t.size(3) > 1 else slice(None)]
+
+
+def _combine(
+    masks: Masks, st: Structure, qs: slice, ks: slice, dtype: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(keep, bias)`` of the user's masks and the structure, for queries ``qs`` and keys ``ks``."""
+    keep = _slice4(masks.keep, qs, ks)
+    st_keep = st.keep(qs, ks)
+    if st_keep is not None:
+        keep = st_keep if keep is None else keep & st_keep
+    bias = _slice4(masks.bias, qs, ks)
+    st_bias = st.bias(qs, ks, dtype)
+    if st_bias is not None:
+        bias = st_bias if bias is None else bias + st_bias
+    return keep, bias
+
+
+def variant_math(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masks: Masks,
+    st: Structure,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The reference with every variant: ``q (B, H, T_q, D)``, ``k, v (B, G, T_k, D)`` -> ``(context, weights)``.
+
+    Order: scores = ``q k^T * scale``; softcap; + user bias + ALiBi; masks (user, causal, window,
+    documents); softmax over the keys and, with sinks, the sink logit; dropout; ``@ v``. Computed
+    in float32 at least (float64 stays float64). Weights ``(B, H, T_q, T_k)`` exclude the sink.
+    """
+    out_dtype = q.dtype
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    B, H, T_q, _ = q.shape
+    rep = H // k.size(1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
+    if st.softcap is not None:
+        scores = st.softcap * torch.tanh(scores / st.softcap)
+    keep, bias = _combine(masks, st, slice(None), slice(None), acc)
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(acc).min)
+    if st.sinks is not None:
+        sink = st.sinks.to(acc)[None, :, None, None].expand(B, H, T_q, 1)  # (B, H, T_q, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # (B, H, T_q, T_k)
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # rows that see no key
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    context = weights @ v  # (B, H, T_q, D)
+    return context.to(out_dtype), (weights.to(out_dtype) if need_weights else None)
+
+
+def _sdpa_block(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None,
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    """One SDPA call with a materialised mask; sinks as one extra key of zeros whose bias is the sink logit."""
+    B, H, tq, _ = q.shape
+    mask: Tensor | None = keep
+    if bias is not None:
+        mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        zeros = k.new_zeros(B, k.size(1), 1, k.size(-1))
+        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)  # (B, G, tk + 1, D)
+        if mask is None:
+            mask = q.new_zeros(1, 1, tq, k.size(2) - 1)
+        elif mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        mask = mask.expand(mask.size(0), H, tq, mask.size(-1))
+        sink_col = sinks.to(q.dtype)[None, :, None, None].expand(mask.size(0), H, tq, 1)
+        mask = torch.cat([mask, sink_col], dim=-1)  # (B|1, H, tq, tk + 1)
+    context = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=q.size(1) != k.size(1)
+    )
+    if keep is not None:
+        context = context.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+    return context
+
+
+def variant_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, masks: Masks, st: Structure, *, scale: float, dropout_p: float = 0.0
+) -> Tensor:
+    """The same as :func:`variant_math` through one SDPA call with a dense ``T_q x T_k`` mask (no softcap)."""
+    if st.softcap is not None:
+        raise ValueError(
+            "softcap changes the scores inside the softmax, which SDPA cannot express; use the math or flex backend."
+        )
+    keep, bias = _combine(masks, st, slice(None), slice(None), q.dtype)
+    return _sdpa_block(q, k, v, keep, bias, st.sinks, scale, dropout_p)
+
+
+def banded_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masks: Masks,
+    st: Structure,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    block: int = 256,
+) -> Tensor:
+    """Sliding-window attention without the ``T x T`` mask: each block of ``block`` queries attends, by
+    SDPA, to its key band only (the ``W - 1`` keys before the block and the block's own).
+
+    Needs ``st.window``, causal masking, and positions that are the indices (no cache offset:
+    ``q_pos = k_pos = 0 .. T-1``). Memory per block ``block x (block + W - 1)``; cost linear in T.
+    """
+    if st.window is None or not st.causal or st.softcap is not None:
+        raise ValueError("banded_sdpa needs a window, causal masking and no softcap")
+    T = q.size(2)
+    outs = []
+    for start in range(0, T, block):
+        stop = min(start + block, T)
+        k_start = max(0, start - st.window + 1)
+        qs, ks = slice(start, stop), slice(k_start, stop)
+        keep, bias = _combine(masks, st, qs, ks, q.dtype)
+        outs.append(_sdpa_block(q[:, :, qs], k[:, :, ks], v[:, :, ks], keep, bias, st.sinks, scale, dropout_p))
+    return torch.cat(outs, dim=2)  # (B, H, T, D)
