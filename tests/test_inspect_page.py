@@ -291,3 +291,20 @@ def test_thousand_tokens_windowed_and_over_budget(open_page: Any, long: tuple[He
     shown = hover(page, 999, 998)  # scrolled there
     assert float(shown["weight"]) == pytest.approx(float(report.weights[layer][head, 999, 998]), rel=1e-6)
     assert hover(page, 500, 900)["masked"] == "future"
+
+
+def test_keys_outside_a_sliding_window_are_masked(open_page: Any, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_embd=32))
+    model.transformer.h[1].attn.window = 4  # layer 1 only: a Gemma-2-like alternation
+    report = _report(model, 20, seed=4)
+    assert report.windows == [None, 4]
+    page = open_page(write_page(report, tmp_path / "index.html")).page
+    open_head(page, 1, 0)
+    assert hover(page, 12, 8)["masked"] == "future"  # 12 - 8 = 4 >= window: outside it
+    inside = hover(page, 12, 9)
+    assert inside["masked"] == "" and float(inside["weight"]) == pytest.approx(
+        float(report.weights[1][0, 12, 9]), rel=1e-6
+    )
+    open_head(page, 0, 0)
+    assert hover(page, 12, 8)["masked"] == ""  # layer 0 has no window

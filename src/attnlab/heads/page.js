@@ -39,7 +39,7 @@
     for (let ch = 0; ch < 3; ch++) PALETTE[c * 3 + ch] = Math.round(STOPS[k][ch] * (1 - f) + STOPS[k + 1][ch] * f);
   }
   const MASKS = {
-    future: { code: CODES.future, base: [238, 238, 238], stripe: [200, 200, 200], label: "future key (causal mask)" },
+    future: { code: CODES.future, base: [238, 238, 238], stripe: [200, 200, 200], label: "future key (causal mask), or outside a sliding window" },
     row: { code: CODES.row, base: [248, 205, 205], stripe: [205, 110, 110], label: "fully-masked row (sees no key)" },
     pad: { code: CODES.pad, base: [252, 226, 186], stripe: [214, 150, 70], label: "padding key" },
   };
@@ -332,6 +332,8 @@
   function codeAt(i, j) {
     if (!view.full) return THUMBS[view.thumbOffset + i * S + j];
     if (j > i) return CODES.future;
+    const win = (META.model.windows || [])[view.layer];
+    if (win && i - j >= win) return CODES.future; // a sliding-window layer: key older than the window
     if (FULL_ROW[i]) return CODES.row;
     if (PAD && PAD[j]) return CODES.pad;
     return weightCode(view.pattern[(i * (i + 1)) / 2 + j]);

@@ -193,6 +193,7 @@ def _meta(report: ReportLike) -> dict[str, Any]:
             "n_layers": report.n_layers,
             "n_heads": report.n_heads,
             "n_kv_heads": report.n_kv_heads,
+            "windows": list(getattr(report, "windows", None) or []),  # per layer: a sliding window, or None
         },
         "text": {
             "tokens": report.tokens,

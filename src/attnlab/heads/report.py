@@ -51,6 +51,8 @@ class HeadReport:
         key_padding: ``(T,)`` bool, True = a padding token (left padding), or None.
         n_kv_heads: K/V heads per layer (GQA groups: query head ``h`` reads K/V head ``h // (H // G)``).
         probe: ``n``, ``batch``, ``seed`` of the probe, and the model's loss on its first and second copy.
+        windows: per layer, the sliding window of its attention (None: full causal); the page
+            draws keys outside a window as masked.
     """
 
     model_name: str
@@ -62,6 +64,7 @@ class HeadReport:
     key_padding: list[bool] | None
     n_kv_heads: int
     probe: dict[str, Any] = field(default_factory=dict)
+    windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window (None: full causal)
 
     @property
     def n_layers(self) -> int:
@@ -90,6 +93,7 @@ class HeadReport:
                 "n_layers": self.n_layers,
                 "n_heads": self.n_heads,
                 "n_kv_heads": self.n_kv_heads,
+                "windows": self.windows,
             },
             "text": {"token_ids": self.token_ids, "tokens": self.tokens, "key_padding": self.key_padding},
             "scores": {
@@ -269,4 +273,5 @@ def inspect(
         key_padding=key_padding,
         n_kv_heads=layers[0].num_kv_heads,
         probe=probe_info,
+        windows=[layer.window for layer in layers],
     )
