@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sys
 
+import pytest
 import torch
 
 from attnlab.cli import main
@@ -102,3 +103,31 @@ def test_iter_findings_yields_as_it_goes(monkeypatch):
         seen.append(f.topic)
     assert seen.index("announce torch.compile") == seen.index("compile ran") - 1
     assert seen.index("python") == 0 and seen[-1] == "attnlab"
+
+
+@pytest.fixture(autouse=True)
+def private_compile_cache(tmp_path, monkeypatch):
+    """Each test its own remembered-probe file: a cached success from another run must not hide the probe."""
+    monkeypatch.setattr(doctor_mod, "compile_cache_path", lambda: tmp_path / "attnlab" / "doctor.json")
+
+
+def test_a_successful_compile_probe_is_remembered_until_recheck(capsys, monkeypatch):
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return True, ""
+
+    monkeypatch.setattr(doctor_mod, "try_compile", probe)
+    assert main(["doctor"]) == 0 and len(calls) == 1
+    assert main(["doctor"]) == 0 and len(calls) == 1  # the second run reads the remembered success
+    assert "[  ok] torch.compile                works (remembered: " in capsys.readouterr().out
+    assert main(["doctor", "--recheck-compile"]) == 0 and len(calls) == 2
+
+
+def test_a_failed_compile_probe_is_not_remembered(monkeypatch):
+    calls = []
+    monkeypatch.setattr(doctor_mod, "try_compile", lambda: (calls.append(1), (False, "no compiler"))[1])
+    main(["doctor"])
+    main(["doctor"])
+    assert len(calls) == 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
 import platform
 import shutil
 import sys
@@ -16,10 +18,13 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..runtime import atomic_write_text
 
 
 @dataclass
@@ -97,13 +102,53 @@ def try_compile() -> tuple[bool, str]:
         return False, _first_line(err)
 
 
+def compile_cache_path() -> Path:
+    """Where the last successful torch.compile probe is remembered: ``$XDG_CACHE_HOME/attnlab/doctor.json``."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "attnlab" / "doctor.json"
+
+
+def _compile_key() -> str:
+    """What a cached probe result depends on: torch and Python builds, the machine, the GPUs."""
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    return f"torch {torch.__version__} | python {sys.version.split()[0]} | {platform.machine()} | gpus {gpus}"
+
+
+def cached_compile() -> dict[str, object] | None:
+    """The remembered successful probe for this torch/Python/machine, or None."""
+    try:
+        data = json.loads(compile_cache_path().read_text())
+    except (OSError, ValueError):
+        return None
+    entry = data.get(_compile_key()) if isinstance(data, dict) else None
+    return entry if isinstance(entry, dict) else None
+
+
+def remember_compile(seconds: float) -> None:
+    """Record a successful probe (best effort: an unwritable cache only means the next run probes again)."""
+    path = compile_cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data = data if isinstance(data, dict) else {}
+        data[_compile_key()] = {"seconds": round(seconds, 1), "when": time.strftime("%Y-%m-%d %H:%M")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+    except OSError:
+        pass
+
+
 def diagnose(*, compile_check: bool = True) -> list[Finding]:
     """Every finding, in the order the report prints them."""
     return list(iter_findings(compile_check=compile_check))
 
 
 def iter_findings(
-    *, compile_check: bool = True, announce: Callable[[str, str], None] = lambda topic, what: None
+    *,
+    compile_check: bool = True,
+    recheck: bool = False,
+    announce: Callable[[str, str], None] = lambda topic, what: None,
 ) -> Iterator[Finding]:
     """Each finding as soon as it is known, so that a report can show them live.
 
@@ -178,11 +223,21 @@ def iter_findings(
             )
         yield found
 
-    if compile_check:
+    cached = cached_compile() if compile_check and not recheck else None
+    if cached is not None:
+        yield Finding(
+            "torch.compile",
+            "ok",
+            f"works (remembered: {cached.get('seconds')} s on {cached.get('when')}; --recheck-compile)",
+            "",
+        )
+    elif compile_check:
         announce("torch.compile", "running (compiles a tiny function) ...")
         start = time.perf_counter()
         ok, why = try_compile()
         took = time.perf_counter() - start
+        if ok:
+            remember_compile(took)
         yield Finding(
             "torch.compile",
             "ok" if ok else "warn",
@@ -205,12 +260,13 @@ def iter_findings(
     )
 
 
-def doctor(compile: bool = True) -> int:
+def doctor(compile: bool = True, recheck_compile: bool = False) -> int:
     """Report Python, torch build, devices, the SDPA kernels that actually run here, flash-attn,
     torch.compile and attnlab itself, with a fix for each problem. Exit code 1 if attnlab cannot run.
 
     Args:
-        compile: probe torch.compile (a few seconds); --no-compile skips it.
+        compile: probe torch.compile (seconds; a minute on a cold GPU machine), once per torch build and machine: a success is remembered in ~/.cache/attnlab/doctor.json; --no-compile skips it.
+        recheck_compile: probe torch.compile again even if a success is remembered.
     """
     live = sys.stdout.isatty()  # on a terminal the "running" line is replaced by the finding
     columns = max(60, shutil.get_terminal_size((80, 24)).columns)
@@ -235,7 +291,7 @@ def doctor(compile: bool = True) -> int:
 
     failed = 0
     try:
-        for f in iter_findings(compile_check=compile, announce=announce):
+        for f in iter_findings(compile_check=compile, recheck=recheck_compile, announce=announce):
             line = f"[{f.status:>4}] {f.topic.ljust(width)}  {f.detail}"
             show(textwrap.fill(line, columns, subsequent_indent=indent, break_on_hyphens=False))
             if f.fix:  # under the status, not the detail: a fix is prose and needs the width
