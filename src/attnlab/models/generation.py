@@ -12,7 +12,7 @@ with ``torch.compile(fullgraph=True)``; the padding mask covers all ``S`` slots 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,15 +142,29 @@ def decode_step(
     return logits[:, -1]  # (B, V)
 
 
-_compiled_decode_step = None
+_compiled_decode_steps: dict[str | None, Callable[..., Tensor]] = {}
 
 
-def compiled_decode_step():
-    """:func:`decode_step` under ``torch.compile(fullgraph=True)``, built once per process."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None:
-        _compiled_decode_step = torch.compile(decode_step, fullgraph=True)
-    return _compiled_decode_step
+def decode_compile_mode(device: torch.device) -> str | None:
+    """The ``torch.compile`` mode of the decode step on ``device``: ``"reduce-overhead"`` on CUDA.
+
+    A decode step of a small model is launch-bound on a GPU (measured on an H200 for a
+    124M-parameter model, bf16: 249 kernels a step, 2.7-3.1 ms compiled without graphs, 0.8 ms
+    with them). ``reduce-overhead`` records the step once as a CUDA graph and replays it: the
+    KV caches are module buffers (static addresses), and every per-step input (token, position
+    and slot) is a slice of a tensor already on the device, so a step needs no host-to-device copy.
+    Elsewhere the default mode (no graphs exist on CPU).
+    """
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+def compiled_decode_step(device: torch.device | None = None) -> Callable[..., Tensor]:
+    """:func:`decode_step` under ``torch.compile(fullgraph=True)`` in :func:`decode_compile_mode`'s mode,
+    built once per process and mode."""
+    mode = decode_compile_mode(device if device is not None else torch.device("cpu"))
+    if mode not in _compiled_decode_steps:
+        _compiled_decode_steps[mode] = torch.compile(decode_step, fullgraph=True, mode=mode)
+    return _compiled_decode_steps[mode]
 
 
 def compiled_cache_len(needed: int, block_size: int) -> int:
@@ -308,7 +322,10 @@ def _steps(
         torch.zeros(B, T, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.to(device)
     )
     S = T + max_new_tokens
-    if compile:  # a few cache sizes for all prompts, so that the compiled step is reused across calls
+    if compile or device.type == "cuda":
+        # A few cache sizes for all prompts: the compiled step is reused across calls, and on a GPU
+        # an eager step meets no new shape either (measured on an H200: an unseen cache length made
+        # generating 1 token slower than 64, three calls in a row, per-shape kernel plans the suspect).
         S = compiled_cache_len(S, model.config.block_size)
     pad = torch.cat([prompt_pad, prompt_pad.new_zeros(B, S - T)], dim=1)  # (B, S): new tokens are never padding
     positions = positions_from_padding(pad)  # (B, S): position of every slot, fixed for the whole run
@@ -325,7 +342,9 @@ def _steps(
             logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
                 :, -1
             ]  # (B, V)
-    step_fn = compiled_decode_step() if compile else decode_step
+    step_fn = compiled_decode_step(device) if compile else decode_step
+    graphs = compile and decode_compile_mode(device) == "reduce-overhead"
+    slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
 
     for i in range(max_new_tokens):
         tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
@@ -338,8 +357,9 @@ def _steps(
         s = T + i  # slot of the token just chosen
         with torch.no_grad():
             if use_cache:
-                slot = torch.tensor([s], device=device)  # (1,)
-                logits = step_fn(model, tok[:, None], positions[:, s : s + 1], slot, pad, caches)  # (B, V)
+                logits = step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)  # (B, V)
+                if graphs:  # the graph's output buffer is rewritten by the next replay: keep this step's own copy
+                    logits = logits.clone()
             else:  # recompute: the whole sequence again, no cache
                 seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
                 logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[
