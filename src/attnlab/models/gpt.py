@@ -69,13 +69,15 @@ class Block(nn.Module):
         document_ids: Tensor | None = None,
     ) -> Tensor:
         """``masks``: causal (+ padding) masks, converted once per model call by :class:`TinyGPT`."""
+        # document_ids only when packing: a swapped-in attention module need not know the argument
+        extra = {} if document_ids is None else {"document_ids": document_ids}
         a = self.attn(
             self.ln_1(x),
             attn_mask=masks,
             kv_cache=kv_cache,
             cache_positions=cache_positions,
             rope=rope,
-            document_ids=document_ids,
+            **extra,
         )  # (B, T, E)
         x = x + self.resid_dropout(a)
         return x + self.mlp(self.ln_2(x))  # (B, T, E)

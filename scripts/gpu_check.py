@@ -1,0 +1,190 @@
+"""Every GPU figure attnlab's README reports, measured in one run of at most ~8 minutes.
+
+    python scripts/gpu_check.py --out "$OUT"            # on a GPU machine: writes *.md / *.json there
+    python scripts/gpu_check.py --out /tmp/g --smoke    # the same steps at toy sizes, on any device (tested on CPU)
+
+Steps (each bounded by --step-timeout seconds, each writing its own files, so that a step that
+fails or runs out of time leaves the others' results and a line in summary.md):
+
+1. ``env``: device, torch, CUDA, and a copy bandwidth (``dst.copy_(src)`` on 1 GiB, reads + writes).
+2. ``attention``: ``attnlab bench`` at GPU sizes (bf16, E=2048, H=16, 65,536 tokens a batch, causal,
+   fwd+bwd): attnlab auto vs the bare SDPA floor vs ``nn.MultiheadAttention``, with peak memory.
+3. ``decode``: a GPT-2-small-shaped TinyGPT (124M, bf16, prompt 128): attnlab eager, compiled
+   (CUDA graphs) and HF ``generate``, ms per token (``attnlab bench-decode``).
+4. ``kernels``: CUDA kernels launched by one decode step, eager and compiled, counted with the profiler.
+5. ``window``: ``attnlab bench --variant window`` at T = 8192 and 32768.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _run_cli(args: list[str]) -> str:
+    from attnlab.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(args)
+    if code:
+        raise RuntimeError(f"attnlab {' '.join(args)} exited {code}:\n{out.getvalue()[-2000:]}")
+    return out.getvalue()
+
+
+def step_env(out: Path, smoke: bool, device: str) -> str:
+    import torch
+
+    n = (1 << 20) if smoke else (1 << 28)  # float32 elements: 4 MiB or 1 GiB
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    gbps = 2 * n * 4 / min(times) / 1e9
+    env = {
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "copy_GB_per_s": round(gbps, 1),
+    }
+    (out / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+    return f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, copy {gbps:.0f} GB/s"
+
+
+def step_attention(out: Path, smoke: bool, device: str) -> str:
+    sizes = ["--embed-dim", "64", "--num-heads", "4", "--tokens", "512", "--lengths", "64", "128"] if smoke else [
+        "--embed-dim", "2048", "--num-heads", "16", "--tokens", "65536", "--lengths", "1024", "4096", "8192", "16384"
+    ]  # fmt: skip
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    args = ["bench", "--device", device, "--dtype", dtype, *sizes, "--runners", "attnlab", "floor", "torch-mha"]
+    _run_cli([*args, "--repeats", "2" if smoke else "5", "--out-dir", str(out / "attention")])
+    return "attention/bench_attention.md"
+
+
+def step_decode(out: Path, smoke: bool, device: str) -> str:
+    size = ["--embed-dim", "64", "--num-layers", "2", "--num-heads", "4", "--contexts", "16"] if smoke else [
+        "--embed-dim", "768", "--num-layers", "12", "--num-heads", "12", "--contexts", "128"
+    ]  # fmt: skip
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    args = [
+        "bench-decode",
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        *size,
+        "--compile",
+        "--repeats",
+        "2" if smoke else "5",
+    ]
+    _run_cli([*args, "--max-new-tokens", "8" if smoke else "64", "--out-dir", str(out / "decode")])
+    return "decode/decode.md"
+
+
+def step_kernels(out: Path, smoke: bool, device: str) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from attnlab import GPTConfig, TinyGPT
+    from attnlab.models import generation
+
+    dims = dict(n_embd=64, n_layer=2, n_head=4) if smoke else dict(n_embd=768, n_layer=12, n_head=12)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = TinyGPT(GPTConfig(vocab_size=50257, block_size=1024, **dims)).to(device, dtype).eval()  # type: ignore[arg-type]
+    B, S = 1, 256
+    caches = model.setup_caches(B, S)
+    tok = torch.zeros(B, 1, dtype=torch.long, device=device)
+    pos = torch.zeros(B, 1, dtype=torch.long, device=device)
+    slot = torch.zeros(1, dtype=torch.long, device=device)
+    pad = torch.zeros(B, S, dtype=torch.bool, device=device)
+    counts: dict[str, Any] = {}
+    for name, fn in (
+        ("eager", generation.decode_step),
+        ("compiled", generation.compiled_decode_step(torch.device(device))),
+    ):
+        with torch.no_grad():
+            for _ in range(3):  # warm-up (compilation, graph capture)
+                fn(model, tok, pos, slot, pad, caches)
+            activity = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
+            with profile(activities=activity) as prof:
+                fn(model, tok, pos, slot, pad, caches)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        events = [e for e in prof.events() if str(getattr(e, "device_type", "")).lower().endswith(kind)]
+        counts[name] = {"events": len(events)}
+    (out / "kernels.json").write_text(json.dumps(counts, indent=2) + "\n")
+    return ", ".join(f"{k}: {v['events']} {('kernels' if device != 'cpu' else 'CPU ops')}" for k, v in counts.items())
+
+
+def step_window(out: Path, smoke: bool, device: str) -> str:
+    lengths = ["256", "512"] if smoke else ["8192", "32768"]
+    window = "32" if smoke else "256"
+    args = ["bench", "--variant", "window", "--window", window, "--device", device, "--lengths", *lengths]
+    _run_cli([*args, "--out-dir", str(out / "window")])
+    return "window/"
+
+
+STEPS = {
+    "env": step_env,
+    "attention": step_attention,
+    "decode": step_decode,
+    "kernels": step_kernels,
+    "window": step_window,
+}
+
+
+def _child(name: str, out: str, smoke: bool, device: str, queue: Any) -> None:
+    try:
+        queue.put(("ok", STEPS[name](Path(out), smoke, device)))
+    except BaseException as err:  # reported in summary.md, never lost
+        queue.put(("failed", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the tables and summary.md")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself on any device")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=list(STEPS))
+    parser.add_argument("--step-timeout", type=float, default=150.0, help="seconds each step may take")
+    args = parser.parse_args()
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# attnlab on {device}", ""]
+    ctx = mp.get_context("spawn")  # a fresh process per step: a hung step is killed without the others
+    for name in args.steps:
+        start = time.perf_counter()
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(name, str(args.out), args.smoke, device, queue))
+        proc.start()
+        proc.join(args.step_timeout)
+        if proc.is_alive():
+            proc.kill()
+            status, what = "timeout", f"stopped after {args.step_timeout:.0f} s"
+        else:
+            status, what = queue.get() if not queue.empty() else ("failed", f"exit code {proc.exitcode}")
+        line = f"- {name}: {status} in {time.perf_counter() - start:.0f} s: {what}"
+        print(line, flush=True)
+        lines.append(line)
+        (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
