@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import json
 
 import pytest
@@ -43,7 +44,9 @@ def test_bench_decode_writes_a_table_and_json(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     tmp_path = tmp_path / "out"
-    assert "context  cache  recompute" in out and "greedy tokens identical across runners: yes" in out
+    assert (
+        re.search(r"context +cache +recompute", out) and "greedy tokens identical across runners: yes" in out
+    )  # widths follow the figures
     assert "| context |" in (tmp_path / "decode.md").read_text()  # the full table, tokens/s too
     report = json.loads((tmp_path / "decode.json").read_text())
     assert [r["context"] for r in report["results"]] == [8, 16]
