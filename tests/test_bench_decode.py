@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import re
 import json
+import re
 
 import pytest
 import torch

@@ -60,6 +60,7 @@ class AblateTrain:
     eval_every: int = 25  # steps between held-out evaluations (the resolution of "steps to 90%")
     eval_batches: int = 4  # held-out batches per evaluation, always the same ones
     ckpt_every: int = 100  # steps between each run's checkpoints (SIGINT/SIGTERM always write one); 0: only at the end
+    log_head_scores: bool = True  # each evaluation also logs every head's previous-token and induction scores
     device: str = "auto"  # one of: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps
 
 
@@ -131,6 +132,11 @@ def validate_ablate(cfg: AblateConfig) -> None:
     check_number(t, "--train.", "eval_every", low=1, integer=True)
     check_number(t, "--train.", "eval_batches", low=1, integer=True)
     check_number(t, "--train.", "ckpt_every", low=0, integer=True)
+    if not isinstance(t.log_head_scores, bool):
+        raise UsageError(
+            f"--train.log-head-scores must be true or false, got {t.log_head_scores!r}; "
+            f"pass --train.log-head-scores or --train.no-log-head-scores."
+        )
     if not isinstance(t.device, str):
         raise UsageError(f"--train.device must be a name, got {t.device!r}; pass e.g. --train.device auto.")
     resolve_device(t.device, "--train.device")
@@ -185,6 +191,7 @@ def _run_config(cfg: AblateConfig, heads: int, seed: int) -> TrainConfig:
         eval_batches=t.eval_batches,
         ckpt_every=t.ckpt_every,
         stop_at_acc=None,
+        log_head_scores=t.log_head_scores,
         out_dir=Path(cfg.out_dir) / "runs" / f"heads-{heads}-seed-{seed}",
         device=t.device,
         progress=False,

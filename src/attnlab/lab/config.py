@@ -98,6 +98,7 @@ class TrainConfig:
     log_every: int = 50  # steps between plain log lines when stdout is not a terminal
     ckpt_every: int = 100  # steps between checkpoints (one more at the end, and on SIGINT/SIGTERM); 0: only those
     stop_at_acc: float | None = None  # stop early once held-out accuracy reaches this (e.g. 0.95); None: run all steps
+    log_head_scores: bool = True  # each eval also logs every head's previous-token/induction scores (lab.head_scores)
     out_dir: Path = Path("runs/train")  # the run directory; a run already there is never replaced (see --resume)
     resume: bool = False  # continue the run in out_dir from its checkpoint, with its saved config, RNG and step
     device: str = "auto"  # one of: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps

@@ -154,6 +154,19 @@ class RecallTask:
         y[~scored] = IGNORE
         return shard(x, y, rank, world)
 
+    def answer_sources(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Where each answer must be read from: ``(queries (n,), values (B, n))`` positions in ``x`` ``(B, 4n)``.
+
+        ``x[:, queries[j]]`` is the j-th query key (its next token, the answer, is scored) and
+        ``x[:, values[:, j]]`` is the value that follows the same key in the context: the one
+        position a correct lookup must read. (Keys are distinct within a sequence.)
+        """
+        n = self.cfg.n_pairs
+        keys = x[:, 0 : 2 * n : 2]  # (B, n): k1 k2 ... of the context
+        queries = torch.arange(2 * n + 1, 4 * n, 2)  # (n,): positions of the query keys
+        pair = (x[:, queries, None] == keys[:, None, :]).int().argmax(-1)  # (B, n, 1) == (B, 1, n) -> (B, n)
+        return queries, 2 * pair + 1  # the value sits right after its key
+
 
 class CopyTask:
     """Copy: ``copy_len`` random symbols, ``|``, the same symbols again. The copied half is scored:

@@ -13,7 +13,7 @@ loss stops it before the weights take the bad update, keeping the last good chec
 at the same step.
 
 Run directory (rank 0 alone writes): ``config.json`` (at start), ``metrics.jsonl`` (one line per
-step), ``checkpoint.safetensors`` (every ``ckpt_every`` steps, on SIGINT/SIGTERM and at the end),
+step; each evaluation's line also holds every head's scores with ``log_head_scores``, see :mod:`.head_scores`), ``checkpoint.safetensors`` (every ``ckpt_every`` steps, on SIGINT/SIGTERM and at the end),
 ``curve.png``, ``summary.json`` and, for TinyGPT, ``model/`` (loadable by
 ``attnlab.load_checkpoint`` and ``attnlab generate --checkpoint``).
 """
@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from ..runtime import UsageError, atomic_write_text, check_writable_dir
 from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, save_config
 from .data import IGNORE, build_task
+from .head_scores import HeadScorer
 from .models import build_model
 from .progress import Reporter
 from .run_dir import check_out_dir, clear_run, free_sibling, train_command_line
@@ -309,11 +310,20 @@ def _train(
     reporter = Reporter(cfg.steps, start, enabled=not quiet, log_every=cfg.log_every, use_bar=cfg.progress)
     if start:
         reporter.print(f"resumed {ckpt_path} at step {start}")
+    scorer = HeadScorer(task, device) if cfg.log_head_scores else None
+
+    def evaluation() -> dict[str, Any]:
+        """Held-out loss and accuracy, and with ``log_head_scores`` every head's scores (one record's fields)."""
+        out: dict[str, Any] = dict(evaluate(raw, task, cfg.eval_batches, device))
+        if scorer is not None:
+            out["head_scores"] = scorer(raw)
+        return out
+
     t0 = time.perf_counter()
     seconds_to_target: float | None = None
     target = cfg.stop_at_acc if cfg.stop_at_acc is not None else 0.95
     if start == 0:
-        log({"step": 0, **evaluate(raw, task, cfg.eval_batches, device), "wall_s": 0.0})
+        log({"step": 0, **evaluation(), "wall_s": 0.0})
     else:  # reached before the interruption: its time is the first process's (time since a resume restarts at 0)
         seconds_to_target = next((r["wall_s"] for r in history if r.get("eval_acc", -1.0) >= target), None)
     model.train()
@@ -366,7 +376,7 @@ def _train(
                 "tokens_per_s": cfg.data.batch_size * task.block_size / dt,
             }
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                rec.update(evaluate(raw, task, cfg.eval_batches, device))  # every rank: same weights, same answer
+                rec.update(evaluation())  # every rank: same weights, same answer
                 rec["wall_s"] = time.perf_counter() - t0
                 if seconds_to_target is None and rec["eval_acc"] >= target:
                     seconds_to_target = rec["wall_s"]
@@ -385,7 +395,7 @@ def _train(
     if not history or "eval_acc" not in history[-1]:  # stopped between evaluations: final figures are held-out ones
         if not history:
             history.append({"step": step})
-        history[-1].update(evaluate(raw, task, cfg.eval_batches, device))
+        history[-1].update(evaluation())
         history[-1]["wall_s"] = wall
     checkpoint(step)
 

@@ -148,7 +148,7 @@ def validate_train(cfg: TrainConfig, prefix: str = "--") -> torch.device:
             high=1,
             hint=f"pass e.g. {flag_name(prefix, 'stop_at_acc')} 0.95, or leave it out to run every step",
         )
-    for name in ("resume", "progress"):
+    for name in ("resume", "progress", "log_head_scores"):
         _check_bool(cfg, prefix, name)
     if not isinstance(cfg.device, str):
         raise UsageError(f"{prefix}device must be a name, got {cfg.device!r}; pass e.g. {prefix}device auto.")
