@@ -29,12 +29,17 @@ class TinyAttention(nn.Module):
     def score_scale(self) -> float:
         return 1.0 / math.sqrt(self.embed_dim // self.num_heads)
 
+    @property
+    def device(self) -> torch.device:
+        return self.q_proj.weight.device
+
     def causal(self, T_q: int, T_k: int) -> Tensor:
-        return torch.ones(T_q, T_k, dtype=torch.bool).tril(T_k - T_q)  # (T_q, T_k), True = may attend
+        keep = torch.ones(T_q, T_k, dtype=torch.bool, device=self.device)
+        return keep.tril(T_k - T_q)  # (T_q, T_k), True = may attend
 
     def keep(self, attn_mask, key_padding_mask, is_causal, B, T_q, T_k) -> Tensor | None:
         """Every mask as one bool (B, 1, T_q, T_k), True = may attend."""
-        keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool)
+        keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=self.device)
         if attn_mask is not None:
             keep = keep & (attn_mask if attn_mask.dim() == 3 else attn_mask[None])[:, None]  # (B, 1, T_q, T_k)
         if key_padding_mask is not None:

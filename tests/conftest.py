@@ -1,11 +1,27 @@
-"""Shared helpers: tiny dimensions, every mask kind built the same way in every test."""
+"""Shared helpers: tiny dimensions, every mask kind built the same way in every test, and the
+device the suite runs on.
+
+The device: ``ATTNLAB_TEST_DEVICE=cuda make test`` or ``pytest --device cuda`` (the option wins;
+default ``cpu``) runs the parity, check, KV-cache and generation tests there through the
+session fixture ``device``. Their inputs are still drawn on the CPU and moved, so a CPU run
+draws exactly the numbers it always drew. A test that only means something on a CPU carries
+``@pytest.mark.cpu_only("why")`` and is skipped elsewhere with that reason.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import pytest
 import torch
+from torch import Tensor
+
+from attnlab.check.suite import LOW_PRECISION_FACTOR, LOW_PRECISION_FLOOR
 
 MASK_KINDS = ("none", "bool", "float", "padding", "causal", "causal+padding", "all")
+DEVICE_VARIABLE = "ATTNLAB_TEST_DEVICE"
+_DEVICE = pytest.StashKey[torch.device]()
 
 
 def make_masks(kind: str, B: int, T_q: int, T_k: int, *, dtype=torch.float32, generator=None) -> dict:
@@ -27,6 +43,120 @@ def make_masks(kind: str, B: int, T_q: int, T_k: int, *, dtype=torch.float32, ge
     if kind in ("causal", "causal+padding", "all"):
         kw["is_causal"] = True
     return kw
+
+
+def to_device(kw: dict, device: torch.device) -> dict:
+    """Keyword arguments with every tensor moved to ``device`` (a no-op on the CPU)."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kw.items()}
+
+
+# -- the device -----------------------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help=f"run the parity, check, KV-cache and generation tests on DEVICE (cpu, cuda, cuda:N or mps); "
+        f"overrides ${DEVICE_VARIABLE}; default cpu",
+    )
+
+
+def available_devices() -> list[str]:
+    """The device names this torch build can run on now."""
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return names
+
+
+def resolve_test_device(option: str | None, environ: Mapping[str, str]) -> torch.device:
+    """The device named by ``--device`` or else ``$ATTNLAB_TEST_DEVICE`` (cpu when neither is set).
+
+    Raises ValueError with one sentence naming the setting, its value, what this machine has, and the fix.
+    """
+    if option:
+        name, named = option, f"--device {option!r}"
+        fix = "pass --device with one of those, or leave it out to test on cpu"
+    else:
+        name = environ.get(DEVICE_VARIABLE) or "cpu"
+        named = f"{DEVICE_VARIABLE}={name!r}"
+        fix = f"set {DEVICE_VARIABLE} to one of those, or unset it to test on cpu"
+    build = "a CPU-only build" if torch.version.cuda is None else f"a CUDA {torch.version.cuda} build"
+    has = f"this machine's torch {torch.__version__} ({build}) has {', '.join(available_devices())}"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{named} is not a torch device name: {has}; {fix}.") from None
+    if device.type != "cpu" and str(device) not in available_devices():
+        raise ValueError(f"{named} names a device this machine cannot use: {has}; {fix}.")
+    return device
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Checked once, before collection: a wrong device stops the run with exit code 4 (usage error)."""
+    try:
+        device = resolve_test_device(session.config.getoption("--device"), os.environ)
+    except ValueError as e:
+        pytest.exit(str(e), returncode=pytest.ExitCode.USAGE_ERROR)
+    session.config.stash[_DEVICE] = device
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """The device under test: build modules and inputs as before, then ``.to(device)``."""
+    return pytestconfig.stash[_DEVICE]
+
+
+def cpu_only_skip_reason(device: torch.device, reasons: list[str | None]) -> str | None:
+    """Why a test marked ``cpu_only(reason)`` is skipped on ``device`` (None: it runs)."""
+    if not reasons or not all(isinstance(r, str) and r for r in reasons):
+        raise ValueError(f"@pytest.mark.cpu_only needs a reason, got {reasons!r}; write @pytest.mark.cpu_only('why').")
+    return None if device.type == "cpu" else f"CPU only ({device} under test): {'; '.join(reasons)}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A skip marker on each ``cpu_only`` test when the device is not the CPU (reported at the test)."""
+    for item in items:
+        reasons = [m.args[0] if m.args else m.kwargs.get("reason") for m in item.iter_markers("cpu_only")]
+        try:
+            skip = cpu_only_skip_reason(config.stash[_DEVICE], reasons) if reasons else None
+        except ValueError as e:
+            raise pytest.UsageError(f"{item.nodeid}: {e}") from None
+        if skip:
+            item.add_marker(pytest.mark.skip(reason=skip))
+
+
+@pytest.fixture
+def device_with_float64(device: torch.device) -> torch.device:
+    """``device`` for a test that computes in float64 (a float64 reference, gradcheck): skipped on
+    MPS, which has no float64."""
+    if device.type == "mps":
+        pytest.skip("mps has no float64, which this test computes in")
+    return device
+
+
+# -- low precision --------------------------------------------------------------------------------
+def _max_err(got: Tensor, reference: Tensor) -> float:
+    return (got.double() - reference.double()).abs().max().item()
+
+
+def low_precision_tol(plain: Tensor, reference: Tensor, floor: float = LOW_PRECISION_FLOOR) -> float:
+    """flash-attention's rule, as ``attnlab check`` applies it (attnlab.check.suite): in fp16/bf16 a
+    kernel's max abs error against a float64 ``reference`` may be at most twice the error of
+    ``plain`` PyTorch attention run in the same low precision, plus a small absolute ``floor`` so
+    that two near-zero errors do not fail on noise."""
+    return LOW_PRECISION_FACTOR * _max_err(plain, reference) + floor
+
+
+def assert_low_precision_close(
+    got: Tensor, plain: Tensor, reference: Tensor, *, floor: float = LOW_PRECISION_FLOOR, name: str = "output"
+) -> None:
+    """``got`` within :func:`low_precision_tol` of ``reference``; the message gives both errors."""
+    err, plain_err = _max_err(got, reference), _max_err(plain, reference)
+    tol = low_precision_tol(plain, reference, floor)
+    assert err <= tol, f"{name}: error {err:.2e} > {LOW_PRECISION_FACTOR:g} x plain {plain_err:.2e} + {floor:g}"
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnlab import MultiHeadAttention
-from conftest import MASK_KINDS, make_masks
+from conftest import MASK_KINDS, make_masks, to_device
 
 
 def _run(mha, backend, q, ctx, kw):
@@ -15,7 +15,7 @@ def _run(mha, backend, q, ctx, kw):
     q = q.detach().requires_grad_()
     ctx = None if ctx is None else ctx.detach().requires_grad_()
     out = mha(q, ctx, **kw)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
     grads = [p.grad.clone() for p in mha.parameters()]
     return out, q.grad, None if ctx is None else ctx.grad, grads
 
@@ -23,7 +23,7 @@ def _run(mha, backend, q, ctx, kw):
 @pytest.mark.parametrize("mask", MASK_KINDS)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("cross", [False, True])
-def test_math_and_sdpa_agree(mask, kv_heads, cross):
+def test_math_and_sdpa_agree(mask, kv_heads, cross, device):
     if cross and "causal" in mask:
         T_q, T_k = 5, 8  # causal cross-attention: bottom-right aligned
     else:
@@ -32,9 +32,10 @@ def test_math_and_sdpa_agree(mask, kv_heads, cross):
     with torch.no_grad():
         for p in mha.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    q = torch.randn(2, T_q, 16)
-    ctx = torch.randn(2, T_k, 16) if cross else None
-    kw = make_masks(mask, 2, T_q, T_k)
+    mha = mha.to(device)
+    q = torch.randn(2, T_q, 16).to(device)
+    ctx = torch.randn(2, T_k, 16).to(device) if cross else None
+    kw = to_device(make_masks(mask, 2, T_q, T_k), device)
     a = _run(mha, "math", q, ctx, kw)
     b = _run(mha, "sdpa", q, ctx, kw)
     torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
@@ -46,13 +47,13 @@ def test_math_and_sdpa_agree(mask, kv_heads, cross):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_on_both_backends(dtype):
-    mha = MultiHeadAttention(32, 4)
-    x = torch.randn(2, 8, 32)
+def test_autocast_on_both_backends(dtype, device):
+    mha = MultiHeadAttention(32, 4).to(device)
+    x = torch.randn(2, 8, 32).to(device)
     ref = mha(x, is_causal=True)
     for backend in ("math", "sdpa"):
         mha.backend = backend
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device.type, dtype=dtype):
             out = mha(x, is_causal=True)
         assert out.dtype == dtype
         assert (out.float() - ref).abs().max() < 0.05

@@ -28,8 +28,8 @@ def attnlab_module(backend: str, **kw) -> MultiHeadAttention:
 
 @pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_attnlab_passes_every_check(backend, num_kv_heads):
-    report = run_checks(attnlab_module(backend, num_kv_heads=num_kv_heads))
+def test_attnlab_passes_every_check(backend, num_kv_heads, device_with_float64):
+    report = run_checks(attnlab_module(backend, num_kv_heads=num_kv_heads).to(device_with_float64))
     statuses = {r.name: r.status for r in report.results}
     assert list(statuses) == list(CHECKS)
     assert all(s == "pass" for s in statuses.values()), report.results
@@ -37,17 +37,17 @@ def test_attnlab_passes_every_check(backend, num_kv_heads):
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
-def test_attnlab_cross_attention_with_kdim(backend):
+def test_attnlab_cross_attention_with_kdim(backend, device_with_float64):
     """A context of another width: cross-attention parity runs, the self-attention checks skip with the reason."""
-    report = run_checks(attnlab_module(backend, kdim=12, vdim=10))
+    report = run_checks(attnlab_module(backend, kdim=12, vdim=10).to(device_with_float64))
     assert report["parity_cross"].status == "pass"
     skipped = [r for r in report.results if r.status == "skip"]
     assert len(skipped) == len(CHECKS) - 1 and "cannot attend to its own input" in skipped[0].detail
 
 
-def test_reference_check_is_not_circular_for_attnlab():
+def test_reference_check_is_not_circular_for_attnlab(device_with_float64):
     """The reference agrees with torch's independent implementation on the same weights."""
-    ours = attnlab_module("math")
+    ours = attnlab_module("math").to(device_with_float64)
     theirs = TorchMHAAdapter(ours.to_torch(), need_weights=False)
     report = run_checks(theirs, checks=["parity_self", "parity_cross", "parity_masked"])
     assert report.ok, report.failures
@@ -66,7 +66,7 @@ class MaskAfterSoftmax(TinyAttention):
 
 class CausalOffByOne(TinyAttention):
     def causal(self, T_q, T_k):
-        return torch.ones(T_q, T_k, dtype=torch.bool).tril(T_k - T_q + 1)  # sees one token ahead
+        return torch.ones(T_q, T_k, dtype=torch.bool, device=self.device).tril(T_k - T_q + 1)  # sees one token ahead
 
 
 class PaddingIgnored(TinyAttention):
@@ -140,25 +140,25 @@ BROKEN = [
 
 
 @pytest.mark.parametrize(("broken", "check"), BROKEN, ids=[f"{b.__name__}-{c}" for b, c in BROKEN])
-def test_broken_module_is_caught_by_its_check(broken, check):
+def test_broken_module_is_caught_by_its_check(broken, check, device_with_float64):
     torch.manual_seed(0)
-    good = run_checks(TinyAttention(), checks=[check])[check]
+    good = run_checks(TinyAttention().to(device_with_float64), checks=[check])[check]
     torch.manual_seed(0)
-    bad = run_checks(broken(), checks=[check])[check]
+    bad = run_checks(broken().to(device_with_float64), checks=[check])[check]
     assert good.status == "pass", good
     assert bad.status == "fail", bad
 
 
-def test_broken_modules_fail_parity_too():
+def test_broken_modules_fail_parity_too(device_with_float64):
     """The bugs that change the output are also caught by plain parity against the reference."""
     for broken in (NoScale, MaskAfterSoftmax, CausalOffByOne, PaddingIgnored, MergeWithoutTranspose, FloatZeroOneMask):
         torch.manual_seed(0)
-        report = run_checks(broken(), checks=["parity_self", "parity_masked"])
+        report = run_checks(broken().to(device_with_float64), checks=["parity_self", "parity_masked"])
         assert not report.ok, broken.__name__
-    assert run_checks(TinyAttention(), checks=["parity_self", "parity_masked"]).ok
+    assert run_checks(TinyAttention().to(device_with_float64), checks=["parity_self", "parity_masked"]).ok
 
 
-def test_mask_semantics_reports_what_it_finds():
+def test_mask_semantics_reports_what_it_finds(device_with_float64):
     """A module whose bool mask means 'blocked' is reported as such, and fails only if it declared otherwise."""
     torch.manual_seed(0)
 
@@ -166,7 +166,7 @@ def test_mask_semantics_reports_what_it_finds():
         def forward(self, query, key=None, value=None, *, attn_mask=None, **kw):
             return super().forward(query, key, value, attn_mask=None if attn_mask is None else ~attn_mask, **kw)
 
-    adapter = ModuleAdapter(Blocking())
+    adapter = ModuleAdapter(Blocking().to(device_with_float64))
     adapter.bool_mask_convention = None  # undeclared: only reported
     row = run_checks(adapter, checks=["mask_semantics"])["mask_semantics"]
     assert (row.status, row.measured) == ("pass", "True = blocked")
@@ -174,14 +174,14 @@ def test_mask_semantics_reports_what_it_finds():
     assert run_checks(adapter, checks=["mask_semantics"])["mask_semantics"].status == "fail"
 
 
-def test_a_crashing_target_fails_the_row_instead_of_the_suite():
+def test_a_crashing_target_fails_the_row_instead_of_the_suite(device_with_float64):
     class Crashes(TinyAttention):
         def forward(self, *a, is_causal=False, **kw):
             if is_causal:
                 raise RuntimeError("causal not supported")
             return super().forward(*a, **kw)
 
-    row = run_checks(Crashes(), checks=["no_causal_leak"])["no_causal_leak"]
+    row = run_checks(Crashes().to(device_with_float64), checks=["no_causal_leak"])["no_causal_leak"]
     assert row.status == "fail" and "RuntimeError: causal not supported" in row.detail
 
 
@@ -222,14 +222,14 @@ def test_torch_mha_fully_masked_rows_without_weights():
 
 
 # -- library use -----------------------------------------------------------------------------------
-def test_raise_if_failed_names_the_failing_check():
-    run_checks(TinyAttention(), checks=["parity_self"]).raise_if_failed()
+def test_raise_if_failed_names_the_failing_check(device_with_float64):
+    run_checks(TinyAttention().to(device_with_float64), checks=["parity_self"]).raise_if_failed()
     with pytest.raises(AssertionError, match="parity_self"):
-        run_checks(NoScale(), checks=["parity_self"]).raise_if_failed()
+        run_checks(NoScale().to(device_with_float64), checks=["parity_self"]).raise_if_failed()
 
 
-def test_same_seed_same_figures_and_global_rng_untouched():
-    m = attnlab_module("math")
+def test_same_seed_same_figures_and_global_rng_untouched(device_with_float64):
+    m = attnlab_module("math").to(device_with_float64)
     torch.manual_seed(123)
     before = torch.rand(3)
     torch.manual_seed(123)
@@ -362,12 +362,12 @@ def test_cli_shows_a_live_bar_on_a_terminal(monkeypatch):
     assert "checking MultiHeadAttention" not in text  # no plain progress lines on a terminal
 
 
-def test_one_check_at_a_time_gives_the_same_figures():
+def test_one_check_at_a_time_gives_the_same_figures(device_with_float64):
     """The CLI runs the checks one by one to show progress; each seeds its own inputs, so nothing changes."""
     from attnlab.check.cli import _run_all
 
     names = ["parity_masked", "low_precision[fp16]", "gradcheck[padding]", "dropout_rate", "kv_cache"]
-    module = attnlab_module("sdpa", num_kv_heads=2)
+    module = attnlab_module("sdpa", num_kv_heads=2).to(device_with_float64)
     seen: list[tuple[str, str, int]] = []
     (one_by_one,) = _run_all([module], names, seed=3, batch_size=2, seq_len=8, on_check=lambda *a: seen.append(a))
     assert seen == [("MultiHeadAttention(backend='sdpa')", n, i) for i, n in enumerate(names)]

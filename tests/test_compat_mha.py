@@ -16,7 +16,6 @@ from attnlab.compat import MultiheadAttention
 
 E, H, B, T, S = 12, 4, 2, 5, 6  # head dim 3: a scale that is not a power of two
 TOL = 1e-5
-DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 LAYOUTS = {
     "packed": {},
@@ -28,7 +27,9 @@ LAYOUTS = {
 }
 
 
-def _pair(seed: int = 0, *, device: str = "cpu", **kw) -> tuple[nn.MultiheadAttention, MultiheadAttention]:
+def _pair(
+    seed: int = 0, *, device: torch.device | str = "cpu", **kw
+) -> tuple[nn.MultiheadAttention, MultiheadAttention]:
     """torch's module with every parameter made non-trivial, and ours loaded from its state dict."""
     ref = nn.MultiheadAttention(E, H, device=device, **kw)
     with torch.no_grad():
@@ -40,10 +41,13 @@ def _pair(seed: int = 0, *, device: str = "cpu", **kw) -> tuple[nn.MultiheadAtte
     return ref, ours
 
 
-def _inputs(m: nn.Module, *, batch: int = B, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(m: nn.Module, *, batch: int = B) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value drawn on the CPU (the same numbers on every device), on ``m``'s device."""
+    device = next(m.parameters()).device
+
     def seq(length: int, width: int) -> torch.Tensor:
         shape = (batch, length, width) if m.batch_first else (length, batch, width)
-        return torch.randn(shape, device=device)
+        return torch.randn(shape).to(device)
 
     return seq(T, E), seq(S, m.kdim), seq(S, m.vdim)
 
@@ -66,10 +70,10 @@ def test_same_parameters_and_initial_values_as_torch_under_one_seed(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_state_dicts_load_both_ways_and_compute_the_same(layout):
+def test_state_dicts_load_both_ways_and_compute_the_same(layout, device):
     kw = LAYOUTS[layout]
-    ref, ours = _pair(**kw)  # torch -> ours
-    back = nn.MultiheadAttention(E, H, **kw)
+    ref, ours = _pair(device=device, **kw)  # torch -> ours
+    back = nn.MultiheadAttention(E, H, **kw).to(device)
     back.load_state_dict(ours.state_dict())  # ours -> torch
     q, k, v = _inputs(ref)
     expected, _ = ref(q, k, v)
@@ -93,7 +97,7 @@ def test_a_layout_mismatch_in_the_state_dict_says_why(gqa):
 
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("extras", [{}, {"add_bias_kv": True, "add_zero_attn": True, "kdim": 7}])
-def test_gqa_equals_torch_with_each_kv_head_repeated(G, extras):
+def test_gqa_equals_torch_with_each_kv_head_repeated(G, extras, device):
     ours = MultiheadAttention(E, H, num_kv_heads=G, **extras)
     D, rep = E // H, H // G
     assert ours.in_proj_weight is None  # GQA always takes the separate layout
@@ -121,8 +125,9 @@ def test_gqa_equals_torch_with_each_kv_head_repeated(G, extras):
     if ref.in_proj_weight is not None:  # kdim == vdim == E: torch packs the three
         sd["in_proj_weight"] = torch.cat([sd.pop("q_proj_weight"), sd.pop("k_proj_weight"), sd.pop("v_proj_weight")])
     ref.load_state_dict(sd)
+    ours, ref = ours.to(device), ref.to(device)
     q, k, v = _inputs(ours)
-    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad = torch.zeros(B, S, dtype=torch.bool, device=device)
     pad[1, :2] = True
     out, w = ours(q, k, v, key_padding_mask=pad, average_attn_weights=False)
     ref_out, ref_w = ref(q, k, v, key_padding_mask=pad, average_attn_weights=False)
@@ -157,10 +162,9 @@ def _fully_masking(kind: str) -> dict:
     "kind", ["key_padding_bool", "key_padding_float", "attn_mask_bool_3d", "attn_mask_float_plus_padding"]
 )
 @pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("device", DEVICES)
 def test_fully_masked_rows_give_zeros_where_torch_gives_nan(kind, need_weights, device):
     ref, ours = _pair(device=device)
-    q, k, v = _inputs(ref, device=device)
+    q, k, v = _inputs(ref)
     masks = {n: m.to(device) for n, m in _fully_masking(kind).items()}
     q.requires_grad_(True)
     ref_out, _ = ref(q, k, v, need_weights=need_weights, **masks)
@@ -221,7 +225,6 @@ def _run(layer: nn.Module, mode: str, *args, **kwargs) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["train", "eval", "eval+no_grad"])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("masks", ["none", "padding", "causal+padding"])
-@pytest.mark.parametrize("device", DEVICES)
 def test_encoder_layer_runs_our_forward_and_matches_torch(mode, batch_first, masks, device):
     ref = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first, device=device)
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first, device=device)
@@ -253,18 +256,19 @@ def test_the_fast_path_check_is_what_keeps_our_forward_running():
 
 @pytest.mark.parametrize("mode", ["train", "eval", "eval+no_grad"])
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_decoder_layer_with_both_attentions_swapped_matches_torch(mode, batch_first):
+def test_decoder_layer_with_both_attentions_swapped_matches_torch(mode, batch_first, device):
     ref = nn.TransformerDecoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first)
     layer = nn.TransformerDecoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first)
     layer.load_state_dict(ref.state_dict())
     layer.self_attn = _swap_attention(ref.self_attn)
     layer.multihead_attn = _swap_attention(ref.multihead_attn)
-    tgt = torch.randn(B, T, E) if batch_first else torch.randn(T, B, E)
-    memory = torch.randn(B, S, E) if batch_first else torch.randn(S, B, E)
-    memory_pad = torch.zeros(B, S, dtype=torch.bool)
+    ref, layer = ref.to(device), layer.to(device)
+    tgt = (torch.randn(B, T, E) if batch_first else torch.randn(T, B, E)).to(device)
+    memory = (torch.randn(B, S, E) if batch_first else torch.randn(S, B, E)).to(device)
+    memory_pad = torch.zeros(B, S, dtype=torch.bool, device=device)
     memory_pad[1, -2:] = True
     kw = {
-        "tgt_mask": nn.Transformer.generate_square_subsequent_mask(T),
+        "tgt_mask": nn.Transformer.generate_square_subsequent_mask(T, device=device),
         "tgt_is_causal": True,
         "memory_key_padding_mask": memory_pad,
     }
@@ -275,7 +279,7 @@ def test_decoder_layer_with_both_attentions_swapped_matches_torch(mode, batch_fi
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-def test_an_encoder_built_around_our_layer_keeps_padded_tensors():
+def test_an_encoder_built_around_our_layer_keeps_padded_tensors(device):
     """nn.TransformerEncoder reads `_qkv_same_embed_dim` too: it must not make nested tensors for us."""
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
     ref = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
@@ -284,8 +288,9 @@ def test_an_encoder_built_around_our_layer_keeps_padded_tensors():
         ours = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
     ours.load_state_dict(ref.state_dict())
     assert ref.use_nested_tensor and not ours.use_nested_tensor
-    x = torch.randn(B, T, E)
-    pad = torch.zeros(B, T, dtype=torch.bool)
+    ref, ours = ref.to(device), ours.to(device)
+    x = torch.randn(B, T, E).to(device)
+    pad = torch.zeros(B, T, dtype=torch.bool, device=device)
     pad[1, -2:] = True
     with torch.no_grad():
         expected, got = ref(x, src_key_padding_mask=pad), ours(x, src_key_padding_mask=pad)
@@ -308,10 +313,10 @@ def test_a_nested_tensor_gets_a_clear_error():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_backends_agree_and_say_which_ran(layout):
-    _, ours = _pair(**LAYOUTS[layout])
+def test_backends_agree_and_say_which_ran(layout, device):
+    _, ours = _pair(device=device, **LAYOUTS[layout])
     q, k, v = _inputs(ours)
-    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad = torch.zeros(B, S, dtype=torch.bool, device=device)
     pad[0, -3:] = True
     ours.backend = "sdpa"
     fused, none = ours(q, k, v, key_padding_mask=pad, need_weights=False)
@@ -334,18 +339,18 @@ def test_output_and_weight_shapes_in_every_layout():
         assert out1.shape == (T, E) and w1.shape == (T, S + 2)
 
 
-def test_average_weights_are_the_mean_of_the_per_head_weights():
-    _, ours = _pair()
+def test_average_weights_are_the_mean_of_the_per_head_weights(device):
+    _, ours = _pair(device=device)
     q, k, v = _inputs(ours)
     mean = ours(q, k, v)[1]
     per_head = ours(q, k, v, average_attn_weights=False)[1]
     assert torch.allclose(mean, per_head.mean(dim=1), atol=1e-7)
-    assert torch.allclose(per_head.sum(-1), torch.ones(B, H, T))
+    assert torch.allclose(per_head.sum(-1), torch.ones(B, H, T, device=device))
 
 
-def test_self_attention_is_the_same_function_as_cross_attention_on_copies():
-    _, ours = _pair()
-    x = torch.randn(T, B, E)
+def test_self_attention_is_the_same_function_as_cross_attention_on_copies(device):
+    _, ours = _pair(device=device)
+    x = torch.randn(T, B, E).to(device)
     same, _ = ours(x, x, x)  # one GEMM for Q, K and V
     copies, _ = ours(x, x.clone(), x.clone())  # three GEMMs
     assert (same - copies).abs().max() <= TOL

@@ -22,9 +22,9 @@ def tiny(**overrides) -> TinyGPT:
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=IDS)
-def test_cached_greedy_equals_recompute(flags):
-    model = tiny(**flags)
-    idx = torch.randint(0, 50, (2, 5))
+def test_cached_greedy_equals_recompute(flags, device):
+    model = tiny(**flags).to(device)
+    idx = torch.randint(0, 50, (2, 5)).to(device)
     cached = list(generate_steps(model, idx, 12, temperature=0))
     recomputed = list(generate_steps(model, idx, 12, temperature=0, use_cache=False))
     assert len(cached) == len(recomputed) == 12
@@ -35,16 +35,16 @@ def test_cached_greedy_equals_recompute(flags):
 
 @pytest.mark.parametrize("flags", FLAGS, ids=IDS)
 @pytest.mark.parametrize("chunks", [(1,) * 9, (4, 1, 3, 1), (2, 5, 2)], ids=["1-token", "mixed", "multi-token"])
-def test_cache_appends_of_any_size_equal_full_forward(flags, chunks):
+def test_cache_appends_of_any_size_equal_full_forward(flags, chunks, device):
     """Chunks of several tokens at once (speculative/multi-token appends) see the same logits."""
-    model = tiny(**flags)
-    idx = torch.randint(0, 50, (2, 9))
+    model = tiny(**flags).to(device)
+    idx = torch.randint(0, 50, (2, 9)).to(device)
     full = model(idx)  # (2, 9, 50)
     caches = model.setup_caches(2, 16)
     outs, start = [], 0
     with torch.no_grad():
         for size in chunks:
-            slots = torch.arange(start, start + size)
+            slots = torch.arange(start, start + size, device=device)
             outs.append(model(idx[:, start : start + size], caches=caches, cache_positions=slots))
             start += size
     torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -52,24 +52,25 @@ def test_cache_appends_of_any_size_equal_full_forward(flags, chunks):
 
 @pytest.mark.parametrize("flags", FLAGS[::2] + FLAGS[3:4], ids=IDS[::2] + IDS[3:4])
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_left_padded_batch_equals_each_prompt_alone(flags, use_cache):
-    model = tiny(**flags)
+def test_left_padded_batch_equals_each_prompt_alone(flags, use_cache, device):
+    model = tiny(**flags).to(device)
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3], [5]]
-    idx, pad = left_pad(prompts, pad_token_id=0)
+    idx, pad = (t.to(device) for t in left_pad(prompts, pad_token_id=0))
     batch = generate(model, idx, 8, temperature=0, key_padding_mask=pad, use_cache=use_cache)
     assert batch.shape == (3, 7 + 8)
     assert torch.equal(batch[:, :7], idx)  # the prompt comes back first, padding included
     for row, prompt in enumerate(prompts):
-        alone = generate(model, torch.tensor([prompt]), 8, temperature=0, use_cache=use_cache)
+        alone = generate(model, torch.tensor([prompt], device=device), 8, temperature=0, use_cache=use_cache)
         assert torch.equal(batch[row, 7:], alone[0, len(prompt) :]), f"row {row}"
 
 
-def test_sampling_is_reproducible_with_a_seeded_generator():
-    model = tiny()
-    idx = torch.randint(0, 50, (2, 4))
+def test_sampling_is_reproducible_with_a_seeded_generator(device):
+    model = tiny().to(device)
+    idx = torch.randint(0, 50, (2, 4)).to(device)
 
     def run(seed, **kw):
-        return generate(model, idx, 16, temperature=1.5, generator=torch.Generator().manual_seed(seed), **kw)
+        g = torch.Generator(device=device).manual_seed(seed)  # sampling draws on the logits' device
+        return generate(model, idx, 16, temperature=1.5, generator=g, **kw)
 
     assert torch.equal(run(0), run(0))
     assert torch.equal(run(0, top_k=5, top_p=0.9), run(0, top_k=5, top_p=0.9))
@@ -77,22 +78,23 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
     assert torch.equal(run(3), run(3, use_cache=False))  # same draws with and without the cache
 
 
-def test_top_k_and_top_p_restrict_the_support():
-    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]).expand(2000, -1)  # (2000, 6)
-    g = torch.Generator().manual_seed(0)
+def test_top_k_and_top_p_restrict_the_support(device):
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]], device=device).expand(2000, -1)  # (2000, 6)
+    g = torch.Generator(device=device).manual_seed(0)
     k3 = sample_next(logits, temperature=1.0, top_k=3, generator=g)
     assert set(k3.tolist()) == {0, 1, 2}  # all of the top 3 drawn, nothing else
     probs = logits[0].softmax(-1)  # 0.64, 0.24, 0.09, ...: the nucleus of 0.85 is tokens {0, 1}
     assert probs[:1].sum() < 0.85 <= probs[:2].sum()
     p = sample_next(logits, temperature=1.0, top_p=0.85, generator=g)
     assert set(p.tolist()) == {0, 1}
-    assert torch.equal(sample_next(logits, temperature=1.0, top_k=1, generator=g), torch.zeros(2000, dtype=torch.long))
-    assert torch.equal(sample_next(logits, temperature=0), torch.zeros(2000, dtype=torch.long))
+    zeros = torch.zeros(2000, dtype=torch.long, device=device)
+    assert torch.equal(sample_next(logits, temperature=1.0, top_k=1, generator=g), zeros)
+    assert torch.equal(sample_next(logits, temperature=0), zeros)
 
 
-def test_finished_rows_keep_emitting_eos_and_generation_stops_when_all_finish():
-    model = tiny()
-    idx = torch.randint(0, 50, (2, 4))
+def test_finished_rows_keep_emitting_eos_and_generation_stops_when_all_finish(device):
+    model = tiny().to(device)
+    idx = torch.randint(0, 50, (2, 4)).to(device)
     free = generate(model, idx, 10, temperature=0)
     eos = int(free[0, 4 + 2])  # row 0 emits it at step 2
     steps = list(generate_steps(model, idx, 10, temperature=0, eos_token_id=eos))
@@ -133,11 +135,12 @@ def test_generation_errors_name_the_argument_and_the_fix():
         left_pad([[1], []])
 
 
-def test_decode_step_compiles_once_fullgraph_and_matches_eager():
+def test_decode_step_compiles_once_fullgraph_and_matches_eager(device):
+    """On CUDA the compiled step runs under CUDA graphs (mode="reduce-overhead"); the same counts hold."""
     torch._dynamo.reset()
-    model = tiny(n_kv_head=2, position="rotary")
+    model = tiny(n_kv_head=2, position="rotary").to(device)
     prompts = [[3, 1, 4, 1], [5, 9]]
-    idx, pad = left_pad(prompts)
+    idx, pad = (t.to(device) for t in left_pad(prompts))
     counters.clear()
     compiled = list(generate_steps(model, idx, 8, temperature=0, key_padding_mask=pad, compile=True))
     assert counters["stats"]["unique_graphs"] == 1  # 7 decode steps, one graph: shapes never change
@@ -146,17 +149,20 @@ def test_decode_step_compiles_once_fullgraph_and_matches_eager():
     for a, b in zip(compiled, eager, strict=True):
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
-    other = generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0, compile=True)  # new B, T and length
-    again = generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0, compile=True)
-    assert torch.equal(other, generate(model, torch.tensor([[7, 7, 1, 2, 3, 4]]), 11, temperature=0))
+    prompt = torch.tensor([[7, 7, 1, 2, 3, 4]], device=device)
+    other = generate(model, prompt, 11, temperature=0, compile=True)  # new B, T and length
+    again = generate(model, prompt, 11, temperature=0, compile=True)
+    assert torch.equal(other, generate(model, prompt, 11, temperature=0))
     assert torch.equal(other, again)
     assert counters["stats"]["unique_graphs"] == 2  # one more for batch size 1; the same cache size reused
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_out_of_vocabulary_prompt_ids_name_the_id_the_place_and_the_vocabulary(dtype):
-    model = tiny()  # vocab_size 50
-    idx = torch.tensor([[1, 2, 3], [4, 50, 50]], dtype=dtype)
+def test_out_of_vocabulary_prompt_ids_name_the_id_the_place_and_the_vocabulary(dtype, device):
+    """On a GPU an out-of-range id would reach the embedding as a device-side assert, fatal to the
+    CUDA context: the check must stop it first, on every device."""
+    model = tiny().to(device)  # vocab_size 50
+    idx = torch.tensor([[1, 2, 3], [4, 50, 50]], dtype=dtype, device=device)
     with pytest.raises(
         ValueError,
         match=r"^idx holds token id 50 at \[1, 1\], outside the model's vocabulary of 50 ids \(0 \.\. 49\); encode the "
@@ -166,10 +172,10 @@ def test_out_of_vocabulary_prompt_ids_name_the_id_the_place_and_the_vocabulary(d
     with pytest.raises(
         ValueError, match=r"^idx holds token id -1 at \[0, 0\], .*; token ids are >= 0; pad with a real id"
     ):
-        generate(model, torch.tensor([[-1, 3]], dtype=dtype), 2, use_cache=False)
+        generate(model, torch.tensor([[-1, 3]], dtype=dtype, device=device), 2, use_cache=False)
     with pytest.raises(ValueError, match=r"token id 99 at \[0, 0\]"):  # left-padding ids are embedded too
         padded, pad = left_pad([[3], [1, 2]], pad_token_id=99)
-        generate(model, padded, 2, key_padding_mask=pad)
+        generate(model, padded.to(device), 2, key_padding_mask=pad.to(device))
 
 
 def _spread(model: TinyGPT) -> TinyGPT:
@@ -183,12 +189,12 @@ def _spread(model: TinyGPT) -> TinyGPT:
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=IDS)
-def test_generate_runs_under_autocast(flags):
+def test_generate_runs_under_autocast(flags, device):
     """Under torch.autocast(bf16) the K/V projections return bf16: the cache holds bf16 (it held the
     model's float32 and refused the first write, with advice the caller could not follow)."""
-    model = _spread(tiny(**flags))
-    idx = torch.randint(0, 50, (2, 5))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    model = _spread(tiny(**flags)).to(device)
+    idx = torch.randint(0, 50, (2, 5)).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         cached = list(generate_steps(model, idx, 10, temperature=0))
         recomputed = list(generate_steps(model, idx, 10, temperature=0, use_cache=False))
         caches = model.setup_caches(2, 16)

@@ -6,27 +6,28 @@ import pytest
 import torch
 
 from attnlab import MultiHeadAttention
+from conftest import to_device
 
 BACKENDS = ["math", "sdpa"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_heads", [4, 1])
-def test_no_causal_leak(backend, kv_heads):
-    mha = MultiHeadAttention(16, 4, num_kv_heads=kv_heads, backend=backend)
-    x = torch.randn(2, 8, 16)
+def test_no_causal_leak(backend, kv_heads, device):
+    mha = MultiHeadAttention(16, 4, num_kv_heads=kv_heads, backend=backend).to(device)
+    x = torch.randn(2, 8, 16).to(device)
     y = x.clone()
-    y[:, 5:] = torch.randn(2, 3, 16)  # change the future of position 4
+    y[:, 5:] = torch.randn(2, 3, 16).to(device)  # change the future of position 4
     a, b = mha(x, is_causal=True), mha(y, is_causal=True)
     assert torch.allclose(a[:, :5], b[:, :5], atol=1e-6)
     assert not torch.allclose(a[:, 5:], b[:, 5:], atol=1e-3)  # later positions do see the change
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_causal_with_cached_prefix_is_bottom_right(backend):
+def test_causal_with_cached_prefix_is_bottom_right(backend, device):
     """T_q < T_k: the last T_q positions of a sequence, as in a KV-cache append."""
-    mha = MultiHeadAttention(16, 4, backend=backend)
-    x = torch.randn(2, 9, 16)
+    mha = MultiHeadAttention(16, 4, backend=backend).to(device)
+    x = torch.randn(2, 9, 16).to(device)
     full = mha(x, is_causal=True)
     tail = mha(x[:, 6:], x, is_causal=True)  # queries at positions 6, 7, 8 against all 9 keys
     assert torch.allclose(full[:, 6:], tail, atol=1e-6)
@@ -34,14 +35,14 @@ def test_causal_with_cached_prefix_is_bottom_right(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_padding_invariance(backend, causal):
-    mha = MultiHeadAttention(16, 4, backend=backend)
-    x = torch.randn(2, 7, 16)
-    pad = torch.zeros(2, 7, dtype=torch.bool)
+def test_padding_invariance(backend, causal, device):
+    mha = MultiHeadAttention(16, 4, backend=backend).to(device)
+    x = torch.randn(2, 7, 16).to(device)
+    pad = torch.zeros(2, 7, dtype=torch.bool, device=device)
     pad[0, 5:] = True
     pad[1, 6:] = True
     y = x.clone()
-    y[0, 5:] = 100 * torch.randn(2, 16)  # garbage at padded positions
+    y[0, 5:] = 100 * torch.randn(2, 16).to(device)  # garbage at padded positions
     y[1, 6:] = -50.0
     a = mha(x, key_padding_mask=pad, is_causal=causal)
     b = mha(y, key_padding_mask=pad, is_causal=causal)
@@ -49,15 +50,15 @@ def test_padding_invariance(backend, causal):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_all_three_masks_together(backend):
-    mha = MultiHeadAttention(16, 4, backend=backend)
-    x = torch.randn(2, 6, 16)
-    keep = torch.ones(6, 6, dtype=torch.bool)
+def test_all_three_masks_together(backend, device):
+    mha = MultiHeadAttention(16, 4, backend=backend).to(device)
+    x = torch.randn(2, 6, 16).to(device)
+    keep = torch.ones(6, 6, dtype=torch.bool, device=device)
     keep[:, 2] = False
-    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad = torch.zeros(2, 6, dtype=torch.bool, device=device)
     pad[1, 0] = True
     out = mha(x, attn_mask=keep, key_padding_mask=pad, is_causal=True)
-    explicit = torch.ones(6, 6, dtype=torch.bool).tril() & keep
+    explicit = torch.ones(6, 6, dtype=torch.bool, device=device).tril() & keep
     explicit = explicit[None, None] & ~pad[:, None, None, :]  # (2, 1, 6, 6)
     assert torch.allclose(out, mha(x, attn_mask=explicit), atol=1e-6)
 
@@ -79,12 +80,14 @@ def _fully_masked_cases():
 
 @pytest.mark.parametrize("backend,need_weights", [("math", False), ("sdpa", False), ("auto", False), ("auto", True)])
 @pytest.mark.parametrize("case", list(_fully_masked_cases()))
-def test_fully_masked_rows_are_zero_with_finite_grads(backend, need_weights, case):
+def test_fully_masked_rows_are_zero_with_finite_grads(backend, need_weights, case, device):
     kw, rows = _fully_masked_cases()[case]
+    kw = to_device(kw, device)
     mha = MultiHeadAttention(8, 2, backend=backend)
     with torch.no_grad():
         mha.out_proj.bias.normal_()
-    x = torch.randn(2, 4, 8, requires_grad=True)
+    mha = mha.to(device)
+    x = torch.randn(2, 4, 8).to(device).requires_grad_()
     res = mha(x, need_weights=need_weights, **kw)
     out = res[0] if need_weights else res
     out.sum().backward()
@@ -97,12 +100,12 @@ def test_fully_masked_rows_are_zero_with_finite_grads(backend, need_weights, cas
             assert torch.all(res[1][b, :, i] == 0)
 
 
-def test_prepared_masks_are_shared_across_layers_unchanged():
+def test_prepared_masks_are_shared_across_layers_unchanged(device):
     from attnlab.core.masks import prepare_masks
 
-    layers = [MultiHeadAttention(16, 4) for _ in range(3)]
-    x = torch.randn(2, 6, 16)
-    pad = torch.zeros(2, 6, dtype=torch.bool)
+    layers = [MultiHeadAttention(16, 4).to(device) for _ in range(3)]
+    x = torch.randn(2, 6, 16).to(device)
+    pad = torch.zeros(2, 6, dtype=torch.bool, device=device)
     pad[1, :2] = True
     masks = prepare_masks(None, pad, True, batch=2, heads=4, q_len=6, k_len=6, dtype=x.dtype, device=x.device)
     a = b = x

@@ -9,38 +9,38 @@ from torch import nn
 from attnlab import MultiHeadAttention
 
 
-def test_seed_000_case_shapes():
-    x = torch.randn(2, 10, 64)
-    mha = MultiHeadAttention(64, 8)
+def test_seed_000_case_shapes(device):
+    x = torch.randn(2, 10, 64).to(device)
+    mha = MultiHeadAttention(64, 8).to(device)
     out = mha(x, x)  # seed 000: mha(x, x), x_context = x
     assert out.shape == (2, 10, 64)
     assert mha.head_dim == 8
     assert mha.last_backend == "sdpa" and mha.last_backend_reason is None
 
 
-def test_seed_002_call_with_causal_bool_mask():
-    q, k, v = torch.randn(3, 2, 7, 16).unbind(0)
-    mha = MultiHeadAttention(16, 4)
-    causal_bool = torch.tril(torch.ones(7, 7, dtype=torch.bool))
+def test_seed_002_call_with_causal_bool_mask(device):
+    q, k, v = torch.randn(3, 2, 7, 16).to(device).unbind(0)
+    mha = MultiHeadAttention(16, 4).to(device)
+    causal_bool = torch.tril(torch.ones(7, 7, dtype=torch.bool, device=device))
     out = mha(q, k, v, attn_mask=causal_bool)
     assert out.shape == (2, 7, 16)
     assert torch.allclose(out, mha(q, k, v, is_causal=True), atol=1e-6)
 
 
-def test_self_attention_defaults_key_and_value():
-    x = torch.randn(2, 5, 16)
-    mha = MultiHeadAttention(16, 4)
+def test_self_attention_defaults_key_and_value(device):
+    x = torch.randn(2, 5, 16).to(device)
+    mha = MultiHeadAttention(16, 4).to(device)
     ref = mha(x, x, x)
     assert torch.equal(mha(x), ref)
     assert torch.equal(mha(x, x), ref)
 
 
-def test_cross_attention_other_length_and_width():
-    mha = MultiHeadAttention(16, 4, kdim=12, vdim=20)
-    q, k, v = torch.randn(2, 5, 16), torch.randn(2, 9, 12), torch.randn(2, 9, 20)
+def test_cross_attention_other_length_and_width(device):
+    mha = MultiHeadAttention(16, 4, kdim=12, vdim=20).to(device)
+    q, k, v = (t.to(device) for t in (torch.randn(2, 5, 16), torch.randn(2, 9, 12), torch.randn(2, 9, 20)))
     out, w = mha(q, k, v, need_weights=True)
     assert out.shape == (2, 5, 16) and w.shape == (2, 4, 5, 9)
-    assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5))
+    assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5, device=device))
     assert isinstance(mha.k_proj, nn.Linear) and mha.k_proj.weight.shape == (16, 12)
 
 
@@ -63,7 +63,7 @@ def test_init_is_xavier_per_projection_with_zero_bias():
         assert torch.all(proj.bias == 0)
 
 
-def test_gqa_equals_mha_with_repeated_kv_weights():
+def test_gqa_equals_mha_with_repeated_kv_weights(device):
     E, H, G = 32, 8, 2
     gqa = MultiHeadAttention(E, H, num_kv_heads=G)
     full = MultiHeadAttention(E, H)
@@ -81,29 +81,30 @@ def test_gqa_equals_mha_with_repeated_kv_weights():
             a.bias.copy_(b.bias + torch.randn_like(b.bias))
             b.bias.copy_(a.bias)
         full.k_proj.bias.copy_(repeat(gqa.k_proj.bias))
-    x = torch.randn(2, 6, E)
+    gqa, full = gqa.to(device), full.to(device)
+    x = torch.randn(2, 6, E).to(device)
     for backend in ("math", "sdpa"):
         gqa.backend = full.backend = backend
         assert torch.allclose(gqa(x, is_causal=True), full(x, is_causal=True), atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
-def test_non_contiguous_inputs(backend):
-    mha = MultiHeadAttention(16, 4, backend=backend)
-    base = torch.randn(7, 2, 16)
+def test_non_contiguous_inputs(backend, device):
+    mha = MultiHeadAttention(16, 4, backend=backend).to(device)
+    base = torch.randn(7, 2, 16).to(device)
     x = base.transpose(0, 1)  # (2, 7, 16), not contiguous
     assert not x.is_contiguous()
-    mask = torch.ones(7, 7, dtype=torch.bool).triu().contiguous().T  # causal, as a transposed view
+    mask = torch.ones(7, 7, dtype=torch.bool, device=device).triu().contiguous().T  # causal, as a transposed view
     assert not mask.is_contiguous()
     out = mha(x, attn_mask=mask)
     assert torch.allclose(out, mha(x.contiguous(), attn_mask=mask.contiguous()), atol=1e-6)
-    ctx = torch.randn(16, 2, 9)[:, :, :].permute(1, 2, 0)  # (2, 9, 16), strided
+    ctx = torch.randn(16, 2, 9).to(device)[:, :, :].permute(1, 2, 0)  # (2, 9, 16), strided
     assert torch.allclose(mha(x, ctx), mha(x.contiguous(), ctx.contiguous()), atol=1e-6)
 
 
-def test_auto_backend_reports_why_math_ran():
-    mha = MultiHeadAttention(16, 4)
-    x = torch.randn(1, 3, 16)
+def test_auto_backend_reports_why_math_ran(device):
+    mha = MultiHeadAttention(16, 4).to(device)
+    x = torch.randn(1, 3, 16).to(device)
     mha(x)
     assert (mha.last_backend, mha.last_backend_reason) == ("sdpa", None)
     mha(x, need_weights=True)
@@ -122,9 +123,9 @@ def test_backend_attribute_is_validated_and_sdpa_refuses_weights():
         mha(torch.randn(1, 3, 16), need_weights=True)
 
 
-def test_dropout_only_in_training():
-    mha = MultiHeadAttention(16, 4, dropout=0.5, backend="math")
-    x = torch.randn(2, 6, 16)
+def test_dropout_only_in_training(device):
+    mha = MultiHeadAttention(16, 4, dropout=0.5, backend="math").to(device)
+    x = torch.randn(2, 6, 16).to(device)
     mha.eval()
     assert torch.equal(mha(x), mha(x))
     mha.train()
@@ -137,11 +138,11 @@ def test_dropout_only_in_training():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_softmax_runs_in_float32(dtype):
-    mha = MultiHeadAttention(16, 4, backend="math")
-    x = torch.randn(2, 5, 16)
+def test_half_precision_softmax_runs_in_float32(dtype, device):
+    mha = MultiHeadAttention(16, 4, backend="math").to(device)
+    x = torch.randn(2, 5, 16).to(device)
     ref, _ = mha(x, need_weights=True)
-    mha_h = MultiHeadAttention(16, 4, backend="math", dtype=dtype)
+    mha_h = MultiHeadAttention(16, 4, backend="math", dtype=dtype).to(device)
     mha_h.load_state_dict(mha.state_dict())
     out, w = mha_h(x.to(dtype), need_weights=True)
     assert out.dtype == dtype and w.dtype == dtype
@@ -149,15 +150,15 @@ def test_half_precision_softmax_runs_in_float32(dtype):
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
-def test_scale_is_used(backend):
-    custom = MultiHeadAttention(16, 4, scale=0.9, backend=backend)
-    default = MultiHeadAttention(16, 4, backend=backend)
+def test_scale_is_used(backend, device):
+    custom = MultiHeadAttention(16, 4, scale=0.9, backend=backend).to(device)
+    default = MultiHeadAttention(16, 4, backend=backend).to(device)
     default.load_state_dict(custom.state_dict())
     with torch.no_grad():  # scaling Q by 0.9 * sqrt(D) must equal scaling the scores by 0.9
         default.q_proj.weight.mul_(0.9 * 2.0)
         default.q_proj.bias.mul_(0.9 * 2.0)
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 16).to(device)
     assert torch.allclose(custom(x), default(x), atol=1e-6)
-    plain = MultiHeadAttention(16, 4, backend=backend)
+    plain = MultiHeadAttention(16, 4, backend=backend).to(device)
     plain.load_state_dict(custom.state_dict())
     assert not torch.allclose(custom(x), plain(x), atol=1e-3)  # the scale changed the result

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from attnlab import MultiHeadAttention
+from conftest import to_device
 
 TOL = 1e-5  # max abs error in float32, as the issue asks
 
@@ -27,7 +28,7 @@ def _torch_call(t: nn.MultiheadAttention, q, k, v, attn_mask=None, key_padding_m
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("mode", ["self", "cross", "kdim_vdim"])
 @pytest.mark.parametrize("mask", ["none", "bool2d", "bool3d", "float", "padding", "bool+padding"])
-def test_parity_with_torch_mha(bias, mode, mask):
+def test_parity_with_torch_mha(bias, mode, mask, device):
     E, H, B, T_q = 32, 4, 3, 6
     T_k = T_q if mode == "self" else 9
     kdim, vdim = (12, 20) if mode == "kdim_vdim" else (None, None)
@@ -36,10 +37,11 @@ def test_parity_with_torch_mha(bias, mode, mask):
         with torch.no_grad():  # torch inits biases to zero: make them matter
             t.in_proj_bias.normal_()
             t.out_proj.bias.normal_()
+    t = t.to(device)
     ours = MultiHeadAttention.from_torch(t).eval()
-    q = torch.randn(B, T_q, E)
-    k = q if mode == "self" else torch.randn(B, T_k, kdim or E)
-    v = q if mode == "self" else torch.randn(B, T_k, vdim or E)
+    q = torch.randn(B, T_q, E).to(device)
+    k = q if mode == "self" else torch.randn(B, T_k, kdim or E).to(device)
+    v = q if mode == "self" else torch.randn(B, T_k, vdim or E).to(device)
     kw = {}
     if mask.startswith("bool"):
         keep = torch.rand(B, T_q, T_k) > 0.4
@@ -51,6 +53,7 @@ def test_parity_with_torch_mha(bias, mode, mask):
         pad = torch.zeros(B, T_k, dtype=torch.bool)
         pad[1, -3:] = True
         kw["key_padding_mask"] = pad
+    kw = to_device(kw, device)
     ref_out, ref_w = _torch_call(t, q, k, v, **kw)
     for backend in ("math", "sdpa", "auto"):
         ours.backend = backend
@@ -61,26 +64,27 @@ def test_parity_with_torch_mha(bias, mode, mask):
     assert (w - ref_w).abs().max() <= TOL
 
 
-def test_parity_with_seq_first_torch_module():
-    t = nn.MultiheadAttention(16, 2, batch_first=False).eval()
+def test_parity_with_seq_first_torch_module(device):
+    t = nn.MultiheadAttention(16, 2, batch_first=False).eval().to(device)
     with pytest.warns(UserWarning, match=r"sequence-first .* always batch-first .* attnlab.compat.MultiheadAttention"):
         ours = MultiHeadAttention.from_torch(t)
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 16).to(device)
     ref, _ = t(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))
     assert (ours(x) - ref.transpose(0, 1)).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("kv_heads,kdim,scale", [(4, None, None), (2, None, None), (1, None, 0.3), (4, 12, None)])
-def test_to_torch_round_trip(batch_first, kv_heads, kdim, scale):
+def test_to_torch_round_trip(batch_first, kv_heads, kdim, scale, device):
     ours = MultiHeadAttention(32, 4, num_kv_heads=kv_heads, kdim=kdim, vdim=kdim, scale=scale).eval()
     with torch.no_grad():
         for p in ours.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+    ours = ours.to(device)
     t = ours.to_torch(batch_first=batch_first).eval()
     assert t.batch_first == batch_first
-    x = torch.randn(2, 5, 32)
-    ctx = torch.randn(2, 7, kdim or 32)
+    x = torch.randn(2, 5, 32).to(device)
+    ctx = torch.randn(2, 7, kdim or 32).to(device)
     ref = ours(x, ctx, is_causal=False)
     tin = (x, ctx, ctx) if batch_first else (x.transpose(0, 1), ctx.transpose(0, 1), ctx.transpose(0, 1))
     out, _ = t(*tin)

@@ -18,13 +18,18 @@ from attnlab.core.variants import alibi_slopes
 E, H = 32, 4
 
 
-def module(seed: int = 0, dtype=torch.float64, **kw) -> MultiHeadAttention:
+def module(seed: int = 0, dtype=torch.float64, device: torch.device | str = "cpu", **kw) -> MultiHeadAttention:
+    """Weights drawn on the CPU, so that every device gets the same module."""
     torch.manual_seed(seed)
     m = MultiHeadAttention(E, H, **kw).to(dtype).eval()
     if m.sinks is not None:
         with torch.no_grad():
             m.sinks.normal_()  # zeros at init would hide a wrong sign
-    return m
+    return m.to(device)
+
+
+def randn(*shape: int, dtype=torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).to(device)
 
 
 def reference(m: MultiHeadAttention, x, *, keep=None, bias=None, softcap=None, sinks=None):
@@ -51,37 +56,39 @@ def reference(m: MultiHeadAttention, x, *, keep=None, bias=None, softcap=None, s
     return m.out_proj(ctx)
 
 
-def causal(T):
-    return torch.ones(T, T, dtype=torch.bool).tril()
+def causal(T, device="cpu"):
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
-def window_keep(T, W):
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+def window_keep(T, W, device="cpu"):
+    i, j = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None, :]
     return (j <= i) & (i - j < W)
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
 @pytest.mark.parametrize("G", [4, 2, 1])
-def test_window_equals_an_explicit_band_mask(backend, G):
-    m = module(num_kv_heads=G, window=5, backend=backend)
-    x = torch.randn(2, 17, E, dtype=torch.float64)
-    want = reference(m, x, keep=window_keep(17, 5))
+def test_window_equals_an_explicit_band_mask(backend, G, device_with_float64):
+    device = device_with_float64
+    m = module(num_kv_heads=G, window=5, backend=backend, device=device)
+    x = randn(2, 17, E, device=device)
+    want = reference(m, x, keep=window_keep(17, 5, device))
     torch.testing.assert_close(m(x, is_causal=True), want)
-    plain = module(num_kv_heads=G)  # same seed, same weights: the plain module with the band as a bool mask
-    torch.testing.assert_close(plain(x, attn_mask=window_keep(17, 5)), want)
+    plain = module(num_kv_heads=G, device=device)  # same seed, same weights: the plain module, the band as a mask
+    torch.testing.assert_close(plain(x, attn_mask=window_keep(17, 5, device)), want)
 
 
-def test_window_larger_than_the_sequence_is_plain_causal():
-    m, plain = module(window=100), module()
-    x = torch.randn(1, 20, E, dtype=torch.float64)
+def test_window_larger_than_the_sequence_is_plain_causal(device_with_float64):
+    m, plain = module(window=100, device=device_with_float64), module(device=device_with_float64)
+    x = randn(1, 20, E, device=device_with_float64)
     torch.testing.assert_close(m(x, is_causal=True), plain(x, is_causal=True))
 
 
 @pytest.mark.parametrize("backend", ["math", "auto"])
-def test_softcap_equals_the_formula(backend):
-    m = module(softcap=2.0, backend=backend)
-    x = 3 * torch.randn(2, 11, E, dtype=torch.float64)  # large scores, so the cap bites
-    torch.testing.assert_close(m(x, is_causal=True), reference(m, x, keep=causal(11), softcap=2.0))
+def test_softcap_equals_the_formula(backend, device_with_float64):
+    m = module(softcap=2.0, backend=backend, device=device_with_float64)
+    x = 3 * randn(2, 11, E, device=device_with_float64)  # large scores, so the cap bites
+    want = reference(m, x, keep=causal(11, device_with_float64), softcap=2.0)
+    torch.testing.assert_close(m(x, is_causal=True), want)
     assert m.last_backend == "math" or backend == "math"
 
 
@@ -95,31 +102,33 @@ def test_alibi_slopes_match_bloom_for_every_head_count():
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 @pytest.mark.parametrize("G", [4, 2])
-def test_alibi_equals_an_explicit_bias(backend, G):
-    m = module(num_kv_heads=G, alibi=True, backend=backend)
+def test_alibi_equals_an_explicit_bias(backend, G, device_with_float64):
+    device = device_with_float64
+    m = module(num_kv_heads=G, alibi=True, backend=backend, device=device)
     T = 13
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    bias = -alibi_slopes(H).double()[:, None, None] * (i - j).abs()  # (H, T, T)
-    x = torch.randn(2, T, E, dtype=torch.float64)
-    torch.testing.assert_close(m(x, is_causal=True), reference(m, x, keep=causal(T), bias=bias[None]))
+    bias = (-alibi_slopes(H).double()[:, None, None] * (i - j).abs()).to(device)  # (H, T, T)
+    x = randn(2, T, E, device=device)
+    torch.testing.assert_close(m(x, is_causal=True), reference(m, x, keep=causal(T, device), bias=bias[None]))
     torch.testing.assert_close(m(x), reference(m, x, bias=bias[None]))  # bidirectional too
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 @pytest.mark.parametrize("G", [4, 1])
-def test_sinks_add_a_term_to_the_softmax_denominator(backend, G):
-    m = module(num_kv_heads=G, sinks=True, backend=backend)
-    x = torch.randn(2, 9, E, dtype=torch.float64)
-    torch.testing.assert_close(m(x, is_causal=True), reference(m, x, keep=causal(9), sinks=m.sinks))
+def test_sinks_add_a_term_to_the_softmax_denominator(backend, G, device_with_float64):
+    m = module(num_kv_heads=G, sinks=True, backend=backend, device=device_with_float64)
+    x = randn(2, 9, E, device=device_with_float64)
+    want = reference(m, x, keep=causal(9, device_with_float64), sinks=m.sinks)
+    torch.testing.assert_close(m(x, is_causal=True), want)
     m.backend = "math"
     _, w = m(x, is_causal=True, need_weights=True)
     assert torch.all(w.sum(-1) < 1)  # the sink takes a share of every row
 
 
-def test_sinks_and_a_fully_masked_row_give_zeros_not_nan():
-    m = module(sinks=True)
-    x = torch.randn(2, 6, E, dtype=torch.float64)
-    pad = torch.zeros(2, 6, dtype=torch.bool)
+def test_sinks_and_a_fully_masked_row_give_zeros_not_nan(device_with_float64):
+    m = module(sinks=True, device=device_with_float64)
+    x = randn(2, 6, E, device=device_with_float64)
+    pad = torch.zeros(2, 6, dtype=torch.bool, device=device_with_float64)
     pad[1] = True  # every key of row 1 is padding
     for backend in ("math", "sdpa"):
         m.backend = backend
@@ -129,12 +138,13 @@ def test_sinks_and_a_fully_masked_row_give_zeros_not_nan():
 
 
 @pytest.mark.parametrize("mode", ["head", "full"])
-def test_qk_norm_normalises_q_and_k(mode):
+def test_qk_norm_normalises_q_and_k(mode, device_with_float64):
     m = module(qk_norm=mode, num_kv_heads=2)
     with torch.no_grad():
         m.q_norm.weight.uniform_(0.5, 1.5)
         m.k_norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(2, 7, E, dtype=torch.float64)
+    m = m.to(device_with_float64)
+    x = randn(2, 7, E, device=device_with_float64)
     B, T, D, G = 2, 7, m.head_dim, 2
 
     def rms(t, w):
@@ -154,11 +164,11 @@ def test_qk_norm_normalises_q_and_k(mode):
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
-def test_packed_documents_equal_each_document_alone(backend):
-    m = module(backend=backend, num_kv_heads=2, alibi=True, window=4)
+def test_packed_documents_equal_each_document_alone(backend, device_with_float64):
+    m = module(backend=backend, num_kv_heads=2, alibi=True, window=4, device=device_with_float64)
     lengths = [5, 1, 7, 3]
-    x = torch.randn(1, sum(lengths), E, dtype=torch.float64)
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    x = randn(1, sum(lengths), E, device=device_with_float64)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].to(device_with_float64)
     packed = m(x, is_causal=True, document_ids=ids)
     alone, start = [], 0
     for n in lengths:
@@ -167,10 +177,13 @@ def test_packed_documents_equal_each_document_alone(backend):
     torch.testing.assert_close(packed, torch.cat(alone, 1))
 
 
-def test_all_variants_together_pass_gradcheck_in_float64():
-    m = module(num_kv_heads=2, window=3, softcap=4.0, alibi=True, sinks=True, qk_norm=True, backend="math")
-    x = torch.randn(1, 6, E, dtype=torch.float64, requires_grad=True)
-    ids = torch.tensor([[0, 0, 0, 0, 1, 1]])
+def test_all_variants_together_pass_gradcheck_in_float64(device_with_float64):
+    device = device_with_float64
+    m = module(
+        num_kv_heads=2, window=3, softcap=4.0, alibi=True, sinks=True, qk_norm=True, backend="math", device=device
+    )
+    x = randn(1, 6, E, device=device).requires_grad_()
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1]], device=device)
     assert torch.autograd.gradcheck(lambda t: m(t, is_causal=True, document_ids=ids), (x,))
 
 
@@ -179,9 +192,9 @@ def test_all_variants_together_pass_gradcheck_in_float64():
     "kw", [{"window": 4}, {"alibi": True}, {"sinks": True}, {"window": 3, "alibi": True, "sinks": True}]
 )
 @pytest.mark.parametrize("G", [4, 2])
-def test_sdpa_backend_matches_the_math_reference(kw, G, dtype, tol):
-    m = module(num_kv_heads=G, dtype=dtype, **kw)
-    x = torch.randn(2, 19, E, dtype=dtype)
+def test_sdpa_backend_matches_the_math_reference(kw, G, dtype, tol, device):
+    m = module(num_kv_heads=G, dtype=dtype, device=device, **kw)
+    x = randn(2, 19, E, dtype=dtype, device=device)
     m.backend = "math"
     want = m(x, is_causal=True).float()
     m.backend = "sdpa"
@@ -198,27 +211,29 @@ def test_long_windows_run_on_key_bands_without_a_dense_mask():
     torch.testing.assert_close(out, m(x, is_causal=True), atol=1e-5, rtol=1e-5)
 
 
-def test_rolling_cache_decodes_exactly_with_memory_bounded_by_the_window():
-    m = module(window=6, num_kv_heads=2, alibi=True, sinks=True)
-    x = torch.randn(2, 40, E, dtype=torch.float64)
+def test_rolling_cache_decodes_exactly_with_memory_bounded_by_the_window(device_with_float64):
+    device = device_with_float64
+    m = module(window=6, num_kv_heads=2, alibi=True, sinks=True, device=device)
+    x = randn(2, 40, E, device=device)
     full = m(x, is_causal=True)
     cache = RollingKVCache.for_module(m, 2)
     assert cache.k.shape == (2, 2, 6, m.head_dim)  # 6 slots, whatever the sequence length
-    outs = [m(x[:, :15], is_causal=True, kv_cache=cache, cache_positions=torch.arange(15))]
+    outs = [m(x[:, :15], is_causal=True, kv_cache=cache, cache_positions=torch.arange(15, device=device))]
     for t in range(15, 40):
-        outs.append(m(x[:, t : t + 1], is_causal=True, kv_cache=cache, cache_positions=torch.tensor([t])))
+        positions = torch.tensor([t], device=device)
+        outs.append(m(x[:, t : t + 1], is_causal=True, kv_cache=cache, cache_positions=positions))
     torch.testing.assert_close(torch.cat(outs, 1), full)
 
 
 @pytest.mark.slow
-def test_rolling_cache_decode_step_compiles_once():
+def test_rolling_cache_decode_step_compiles_once(device):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    m = module(dtype=torch.float32, window=8, num_kv_heads=2)
+    m = module(dtype=torch.float32, window=8, num_kv_heads=2, device=device)
     cache = RollingKVCache.for_module(m, 1)
-    x = torch.randn(1, 30, E)
+    x = randn(1, 30, E, dtype=torch.float32, device=device)
     ref = m(x, is_causal=True)
 
     def step(xt, pos):
@@ -226,8 +241,8 @@ def test_rolling_cache_decode_step_compiles_once():
 
     compiled = torch.compile(step, fullgraph=True)
     with torch.no_grad():
-        outs = [m(x[:, :4], is_causal=True, kv_cache=cache, cache_positions=torch.arange(4))]
-        outs += [compiled(x[:, t : t + 1], torch.tensor([t])) for t in range(4, 30)]
+        outs = [m(x[:, :4], is_causal=True, kv_cache=cache, cache_positions=torch.arange(4, device=device))]
+        outs += [compiled(x[:, t : t + 1], torch.tensor([t], device=device)) for t in range(4, 30)]
     torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -280,14 +295,15 @@ def test_variants_show_in_repr_and_state_dict():
 
 
 @pytest.mark.parametrize("position", ["learned", "rotary"])
-def test_tinygpt_packed_row_gives_each_document_its_own_logits(position):
+def test_tinygpt_packed_row_gives_each_document_its_own_logits(position, device):
     from attnlab import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_embd=32, position=position)).eval()
+    model = TinyGPT(GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_embd=32, position=position))
+    model = model.eval().to(device)
     lengths = [6, 3, 9]
-    idx = torch.randint(0, 50, (1, sum(lengths)))
-    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    idx = torch.randint(0, 50, (1, sum(lengths))).to(device)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None].to(device)
     with torch.no_grad():
         packed = model(idx, document_ids=ids)
         alone = torch.cat([model(part) for part in idx.split(lengths, dim=1)], dim=1)
