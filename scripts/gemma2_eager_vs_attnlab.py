@@ -14,7 +14,7 @@ hide the attention. Random init; fp32; one prompt of T tokens, inference (``torc
 Time: median of ``--repeats`` forwards per implementation, their order alternating so that all see
 the same machine load. A third row, ``none``, skips attention (HF's masks still built): the rest of
 the model, subtracted to give attention's own share. Peak memory: the process's peak resident set above the start of one forward
-(:class:`attnlab.bench.attention.PeakMemory`: VmHWM reset through /proc/self/clear_refs, every
+(:class:`attnlab.bench.memory.PeakMemory`: VmHWM reset through /proc/self/clear_refs, every
 allocation of 64 KiB or more its own mmap, so that freed tensors leave the resident set); measured
 after the timings. tracemalloc does not see torch's allocations.
 
@@ -34,7 +34,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, Gemma2Config
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import attnlab.hf
-from attnlab.bench.attention import PeakMemory
+from attnlab.bench.memory import PeakMemory
 
 # "none": attention skipped (each layer's output is its query), HF's masks still built: the rest of the
 # model, so that eager's and attnlab's own share of the time and memory can be read off

@@ -101,3 +101,28 @@ def test_printed_table_fits_80_columns_with_large_figures():
     assert "attnlab-math: skipped, T > math_max_len=16384" in lines
     row = next(line for line in lines if line.startswith("attnlab-compiled"))
     assert row.split() == ["attnlab-compiled", "1236.5", "9878.5", "1.00", "1.00", "987654", "100%", "65434", "1.00"]
+
+
+@pytest.mark.slow
+def test_bench_window_writes_ratios_slopes_and_goals(tmp_path, capsys, monkeypatch, one_thread):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "--variant", "window", "--window", "32", "--lengths", "256", "512", "--repeats", "1"]
+    args += ["--embed-dim", "32", "--num-heads", "4", "--out-dir", "out"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert re.search(r"^sdpa-dense +[0-9.]+ +1\.0x +[0-9.]+ +1\.0x", out, re.M)  # the reference of the kernels
+    assert re.search(r"^flex +[0-9.]+ +[0-9.]+x +- ", out, re.M)  # no CPU backward: no fwd+bwd figure
+    data = json.loads((tmp_path / "out" / "bench_window.json").read_text())
+    rows = {(r["T"], r["runner"]): r for r in data["rows"]}
+    assert {T for T, _ in rows} == {256, 512} and data["config"]["window"] == 32
+    for runner in ("flex", "sdpa-dense", "sdpa-band", "attnlab-flex", "attnlab-auto", "attnlab-dense"):
+        assert rows[(512, runner)]["fwd_ms"] > 0 and rows[(512, runner)]["fwd_peak_mib"] is not None
+    assert rows[(512, "flex")]["fwd_bwd_ms"] is None and "no CPU backward" in rows[(512, "flex")]["note"]
+    assert rows[(512, "sdpa-band")]["fwd_bwd_ms"] > 0
+    assert set(data["slopes"]["sdpa-dense"]) == {"fwd", "fwd_bwd"}
+    assert set(data["auto"]["T=512"]) == {"inference", "training"}
+    assert "T=8192" in data["goals"][0]  # goals are stated at T=8192, not measured in this tiny run
+    assert "| T | runner | fwd ms | x dense |" in (tmp_path / "out" / "bench_window.md").read_text()
+    assert (tmp_path / "out" / "bench_window.png").stat().st_size > 0

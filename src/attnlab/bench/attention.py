@@ -18,17 +18,15 @@ half of the two attention matmuls; forward+backward is counted as 3x forward.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +35,7 @@ from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
 from ..runtime import UsageError, check_range, check_writable_dir, resolve_device, resolve_dtype
+from .memory import PeakMemory
 from .seed_module import SeedMultiHeadAttention
 from .table import aligned, terminal_width, wrap
 
@@ -62,7 +61,8 @@ class BenchConfig:
     runners: tuple[str, ...] = RUNNERS
     """which runners (unavailable ones are skipped with the reason)."""
     math_max_len: int = 4096
-    """longest T for runners that materialise (B, H, T, T) scores (attnlab-math, seed-000)."""
+    """longest T for runners that materialise (B, H, T, T) scores (attnlab-math, seed-000); with --variant
+    window, the longest T at which the dense-mask runners also run forward+backward."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps."""
     dtype: str = "auto"
@@ -76,6 +76,11 @@ class BenchConfig:
     out_dir: Path = Path("bench_results")
     """directory for bench_attention.json, bench_attention.md and bench_attention.png (checked writable first)."""
     seed: int = 0
+    variant: Literal["none", "window"] = "none"
+    """none: causal attention, the runners above; window: sliding-window attention, flex vs dense-mask SDPA vs
+    SDPA on key bands (bench/window.py; B=1, lengths default to 4096 8192 16384)."""
+    window: int = 256
+    """W of --variant window: query i sees keys i - W < j <= i."""
 
 
 # -- runners ---------------------------------------------------------------------------------
@@ -219,57 +224,6 @@ def _zero_grads(x: Tensor) -> None:
     gc.collect()
 
 
-class PeakMemory:
-    """Peak bytes above the starting point during a block: CUDA allocator stats on a GPU;
-    on Linux CPUs the process's peak resident set (VmHWM, reset through /proc/self/clear_refs),
-    in :meth:`exact_mode`, after returning freed heap pages with malloc_trim."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.available = device.type == "cuda"
-        self._libc = None
-        if device.type == "cpu":
-            try:
-                self._libc = ctypes.CDLL("libc.so.6")
-                with open("/proc/self/clear_refs", "w") as fh:
-                    fh.write("5")
-                self.available = True
-            except OSError:
-                self.available = False
-
-    @staticmethod
-    def _status(key: str) -> int:
-        with open("/proc/self/status") as fh:
-            m = re.search(rf"{key}:\s+(\d+) kB", fh.read())
-        return int(m.group(1)) * 1024 if m else 0
-
-    def exact_mode(self) -> None:
-        """Make every allocation of 64 KiB or more its own mmap, returned to the OS when freed, so
-        that the resident set follows live tensors (glibc otherwise caches freed heap memory)."""
-        if self._libc is not None:
-            M_MMAP_THRESHOLD = -3
-            self._libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-
-    def measure(self, fn: Callable[[], None]) -> float | None:
-        if not self.available:
-            return None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            fn()
-            torch.cuda.synchronize(self.device)
-            return float(torch.cuda.max_memory_allocated(self.device) - base)
-        assert self._libc is not None
-        self._libc.malloc_trim(0)
-        base = self._status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        fn()
-        return float(self._status("VmHWM") - base)
-
-
 def gemm_gflops(device: torch.device, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
     """This run's large-GEMM rate: the *best* of a few square (n, n) matmuls, so that a share of
     it is never flattered by one slow GEMM run."""
@@ -347,6 +301,7 @@ def validate(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:
             f"--runners got {list(cfg.runners)}, expected one or more of {', '.join(RUNNERS)}; "
             f"e.g. --runners attnlab floor torch-mha."
         )
+    check_range("--window", cfg.window, low=1, integer=True, hint="query i sees keys i - W < j <= i")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     check_writable_dir(cfg.out_dir, "--out-dir")
@@ -581,8 +536,16 @@ def plot(res: BenchResult, path: Path) -> None:
 
 def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
     """Benchmark attention: attnlab (auto, math, compiled) vs torch.nn.MultiheadAttention, the
-    SDPA floor and the seed-000 module; prints a table, writes Markdown, JSON and a PNG to --out-dir."""
+    SDPA floor and the seed-000 module; prints a table, writes Markdown, JSON and a PNG to --out-dir.
+    With --variant window: sliding-window attention, FlexAttention vs dense-mask SDPA vs key-band SDPA."""
+    if cfg.variant == "window":  # B=1 at every length; the issue's lengths unless --lengths says otherwise
+        from .window import WINDOW_LENGTHS
+
+        lengths = WINDOW_LENGTHS if cfg.lengths == BenchConfig.lengths else cfg.lengths
+        cfg = replace(cfg, lengths=lengths, tokens=max(lengths, default=1))
     validate(cfg)  # flags, device, dtype and --out-dir: a mistake fails now, not after minutes of timing
+    if cfg.variant == "window":
+        return bench_window(cfg)
     width = terminal_width()
     log = lambda text: print(wrap(text, width), flush=True)
     res = run_bench(cfg, log=log)
@@ -602,5 +565,22 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
     paths[1].write_text(markdown(res) + "\n\n" + summary + "\n")
     plot(res, paths[2])
     print("\n" + compact_table(res) + "\n\n" + wrap(summary, width))
+    print("\nwrote (the Markdown table has every column):\n" + "\n".join(f"  {p}" for p in paths))
+    return 0
+
+
+def bench_window(cfg: BenchConfig) -> int:
+    """``bench --variant window``: the sliding-window table, its goals, JSON, Markdown and a PNG (bench/window.py)."""
+    from .window import run_window_bench, window_goals, window_markdown, window_plot, window_table
+
+    width = terminal_width()
+    res = run_window_bench(cfg, log=lambda text: print(wrap(text, width), flush=True))
+    summary = window_goals(res)
+    out = cfg.out_dir
+    paths = [out / "bench_window.json", out / "bench_window.md", out / "bench_window.png"]
+    paths[0].write_text(json.dumps(asdict(res) | {"goals": summary.splitlines()}, indent=2))
+    paths[1].write_text(window_markdown(res) + "\n\n" + summary + "\n")
+    window_plot(res, paths[2])
+    print("\n" + window_table(res) + "\n\n" + wrap(summary, width))
     print("\nwrote (the Markdown table has every column):\n" + "\n".join(f"  {p}" for p in paths))
     return 0
