@@ -243,10 +243,59 @@ def banded_sdpa(
     SDPA, to its key band only (the ``W - 1`` keys before the block and the block's own).
 
     Needs ``st.window``, causal masking, and positions that are the indices (no cache offset:
-    ``q_pos = k_pos = 0 .. T-1``). Memory per block ``block x (block + W - 1)``; cost linear in T.
+    ``q_pos = k_pos = 0 .. T-1``). All blocks run as one batched SDPA call: the key bands are
+    gathered with one index (whose backward is one scatter-add, so forward and backward are linear
+    in T), the queries padded to whole blocks. Memory ``T x (block + W - 1)`` for the mask and
+    about ``(1 + (W - 1) / block)`` times K and V for the bands.
     """
     if st.window is None or not st.causal or st.softcap is not None:
         raise ValueError("banded_sdpa needs a window, causal masking and no softcap")
+    full_mask = (masks.keep is not None and masks.keep.size(2) > 1) or masks.bias is not None
+    if full_mask:  # a user mask over (query, key) pairs: slice it block by block
+        return _banded_loop(q, k, v, masks, st, scale=scale, dropout_p=dropout_p, block=block)
+    B, H, T, D = q.shape
+    W = st.window
+    nb = -(-T // block)  # blocks of queries, the last one padded
+    band = block + W - 1  # keys a block may see
+    device = q.device
+    key_index = (
+        torch.arange(nb, device=device)[:, None] * block - (W - 1) + torch.arange(band, device=device)
+    )  # (nb, band)
+    valid = (key_index >= 0) & (key_index < T)
+    key_index = key_index.clamp(0, T - 1)
+    query_index = (torch.arange(nb * block, device=device)).clamp(max=T - 1).view(nb, block)  # padded rows repeat T-1
+
+    def blocks(t: Tensor) -> Tensor:  # (B, G, T, D) -> (B*nb, G, band, D): every block's key band
+        return t[:, :, key_index].permute(0, 2, 1, 3, 4).reshape(B * nb, t.size(1), band, D)
+
+    q_b = F.pad(q, (0, 0, 0, nb * block - T)).view(B, H, nb, block, D).transpose(1, 2).reshape(B * nb, H, block, D)
+    empty = torch.full_like(key_index, 2**62)  # a position no query reaches: keys before 0 or past T - 1
+    k_pos = torch.where(valid, key_index, empty)
+    banded = Structure(
+        q_pos=query_index.repeat(B, 1),  # (B*nb, block)
+        k_pos=k_pos.repeat(B, 1),  # (B*nb, band)
+        causal=True,
+        window=W,
+        alibi=st.alibi,
+        sinks=st.sinks,
+        q_doc=None if st.q_doc is None else st.q_doc[:, query_index.flatten()].reshape(B * nb, block),
+        k_doc=None if st.k_doc is None else st.k_doc[:, key_index.flatten()].reshape(B * nb, band),
+    )
+    keep = banded.keep()  # (B*nb, 1, block, band)
+    if masks.keep is not None:  # a key mask (padding): (B or 1, 1, 1, T) -> every block's band
+        key_keep = masks.keep[:, 0, 0][:, key_index]  # (B or 1, nb, band)
+        key_keep = key_keep.expand(B, nb, band).reshape(B * nb, 1, 1, band)
+        keep = key_keep if keep is None else keep & key_keep
+    bias = banded.bias(dtype=q.dtype)  # ALiBi, (B*nb, H, block, band) or None
+    out = _sdpa_block(q_b, blocks(k), blocks(v), keep, bias, st.sinks, scale, dropout_p)  # (B*nb, H, block, D)
+    return out.view(B, nb, H, block, D).transpose(1, 2).reshape(B, H, nb * block, D)[:, :, :T]
+
+
+def _banded_loop(
+    q: Tensor, k: Tensor, v: Tensor, masks: Masks, st: Structure, *, scale: float, dropout_p: float, block: int
+) -> Tensor:
+    """:func:`banded_sdpa` one block at a time, for user masks over (query, key) pairs."""
+    assert st.window is not None
     T = q.size(2)
     outs = []
     for start in range(0, T, block):
