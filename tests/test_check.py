@@ -372,3 +372,14 @@ def test_one_check_at_a_time_gives_the_same_figures(device_with_float64):
     (one_by_one,) = _run_all([module], names, seed=3, batch_size=2, seq_len=8, on_check=lambda *a: seen.append(a))
     assert seen == [("MultiHeadAttention(backend='sdpa')", n, i) for i, n in enumerate(names)]
     assert one_by_one.to_dict() == run_checks(module, checks=names, seed=3).to_dict()
+
+
+def test_a_factory_rebuilt_target_follows_the_targets_device_and_dtype():
+    """parity_head_dims rebuilds the target through its factory: the copy must live where the target does."""
+    from check_factories import tiny
+
+    from attnlab.check.adapters import ModuleAdapter
+
+    adapter = ModuleAdapter(tiny(embed_dim=8, num_heads=2).double(), factory=tiny)
+    rebuilt = adapter.resized(16, 4, 4)
+    assert rebuilt.projections().q_weight.dtype == torch.float64

@@ -169,15 +169,17 @@ class AttentionAdapter:
         missing = [n for n in needs if n not in params]
         if missing:
             raise Unsupported(f"the target's factory takes no {' or '.join(missing)}")
-        built = as_adapter(
-            call_factory(
-                self.factory,
-                embed_dim=embed_dim,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                dropout=self.dropout_p,
-            )
+        made = call_factory(
+            self.factory,
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=self.dropout_p,
         )
+        weight = self.projections().out_weight
+        if isinstance(made, nn.Module):  # where the target lives: a factory builds on the CPU in float32
+            made = made.to(device=weight.device, dtype=weight.dtype)
+        built = as_adapter(made)
         got = (built.embed_dim, built.num_heads, built.num_kv_heads)
         if got != (embed_dim, num_heads, num_kv_heads):
             raise Unsupported(
