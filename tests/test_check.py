@@ -376,9 +376,8 @@ def test_one_check_at_a_time_gives_the_same_figures(device_with_float64):
 
 def test_a_factory_rebuilt_target_follows_the_targets_device_and_dtype():
     """parity_head_dims rebuilds the target through its factory: the copy must live where the target does."""
-    from check_factories import tiny
-
     from attnlab.check.adapters import ModuleAdapter
+    from check_factories import tiny
 
     adapter = ModuleAdapter(tiny(embed_dim=8, num_heads=2).double(), factory=tiny)
     rebuilt = adapter.resized(16, 4, 4)
