@@ -73,3 +73,16 @@ def test_cuda_eager_decode_buckets_the_cache_length(monkeypatch):
     model.generate(idx, 3, temperature=0)
     assert sizes == [8]  # CPU eager: exactly prompt + new tokens
     assert generation.compiled_cache_len(8, 256) == 64  # what a CUDA device or compile=True would allocate
+
+
+def test_bench_uses_gpu_sizes_on_cuda_unless_sizes_are_given(monkeypatch):
+    from attnlab.bench import attention as bench
+
+    monkeypatch.setattr(
+        bench, "resolve_device", lambda name: torch.device("cuda") if name in ("auto", "cuda") else torch.device(name)
+    )
+    on_gpu = bench.gpu_sizes(bench.BenchConfig())
+    assert (on_gpu.embed_dim, on_gpu.tokens, max(on_gpu.lengths)) == (2048, 65536, 16384)
+    mine = bench.gpu_sizes(bench.BenchConfig(embed_dim=256))
+    assert (mine.embed_dim, mine.tokens) == (256, bench.BenchConfig.tokens)  # a size given: nothing replaced
+    assert bench.gpu_sizes(bench.BenchConfig(device="cpu")).embed_dim == bench.BenchConfig.embed_dim

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
 from ..runtime import UsageError, check_range, check_writable_dir, resolve_device, resolve_dtype
+from .decode import copy_bandwidth
 from .memory import PeakMemory
 from .seed_module import SeedMultiHeadAttention
 from .table import aligned, terminal_width, wrap
@@ -263,9 +264,26 @@ class BenchResult:
     dtype: str
     torch: str
     gemm_gflops: float
+    cuda: str | None = None  # torch.version.cuda on a GPU
+    copy_GB_per_s: float | None = None  # dst.copy_(src) on 256 MB, reads + writes, in the same run
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     train_throughput: dict | None = None
+
+
+# On a GPU the CPU-sized defaults measure kernel launches, not attention: at E=512 and 8192 tokens every
+# runner took ~2 ms on an H200 and "fwd % of GEMM" read 8-24%. These sizes make the largest GEMM run
+# near the device's rate (E >= 1024 gave equal peak memory for attnlab and the floor there).
+GPU_SIZES: dict[str, Any] = {"embed_dim": 2048, "num_heads": 16, "tokens": 65536, "lengths": (1024, 2048, 4096, 8192, 16384)}
+
+
+def gpu_sizes(cfg: BenchConfig) -> BenchConfig:
+    """``cfg`` with :data:`GPU_SIZES` when it runs on CUDA and none of those sizes was given (``--variant none``)."""
+    if cfg.variant != "none" or not str(resolve_device(cfg.device)).startswith("cuda"):
+        return cfg
+    if any(getattr(cfg, name) != getattr(BenchConfig, name) for name in GPU_SIZES):
+        return cfg  # the user chose sizes: keep them all
+    return replace(cfg, **GPU_SIZES)
 
 
 def validate(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:
@@ -323,12 +341,16 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
     )
     for name, why in skipped.items():
         log(f"{name}: skipped, {why}")
+    copy_rate = copy_bandwidth(device) / 1e9
+    log(f"copy bandwidth {copy_rate:.1f} GB/s" + (f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""))
     result = BenchResult(
         asdict(cfg) | {"out_dir": str(cfg.out_dir)},
         str(device),
         dtype_name,
         torch.__version__,
         gemm,
+        cuda=torch.version.cuda if device.type == "cuda" else None,
+        copy_GB_per_s=round(copy_rate, 2),
         skipped=dict(skipped),
     )
     E = cfg.embed_dim
@@ -543,6 +565,7 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
 
         lengths = WINDOW_LENGTHS if cfg.lengths == BenchConfig.lengths else cfg.lengths
         cfg = replace(cfg, lengths=lengths, tokens=max(lengths, default=1))
+    cfg = gpu_sizes(cfg)
     validate(cfg)  # flags, device, dtype and --out-dir: a mistake fails now, not after minutes of timing
     if cfg.variant == "window":
         return bench_window(cfg)
