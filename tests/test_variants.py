@@ -376,3 +376,16 @@ def test_banded_sdpa_equals_the_reference_values_and_gradients(case):
         torch.autograd.grad((got * up).sum(), (q, k, v)), torch.autograd.grad((want * up).sum(), (q, k, v)), strict=True
     ):
         torch.testing.assert_close(a, b)
+
+
+def test_an_id_that_comes_back_starts_a_new_document():
+    """[0, 0, 1, 0]: the last token is a third document, not the first one again (as its position restarts)."""
+    from attnlab.core.variants import document_runs
+
+    assert document_runs(torch.tensor([[7, 7, 2, 7]])).tolist() == [[0, 0, 1, 2]]
+    m = module(window=8)
+    x = torch.randn(1, 7, E, dtype=torch.float64)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 0, 0]])
+    packed = m(x, is_causal=True, document_ids=ids)
+    alone = torch.cat([m(part, is_causal=True) for part in x.split([3, 2, 2], dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone)

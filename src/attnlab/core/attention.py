@@ -28,7 +28,7 @@ from .validation import (
     check_init_args,
     check_variant_args,
 )
-from .variants import Structure, alibi_slopes, banded_sdpa, variant_math, variant_sdpa
+from .variants import Structure, alibi_slopes, banded_sdpa, document_runs, variant_math, variant_sdpa
 
 __all__ = ["Backend", "MultiHeadAttention"]
 
@@ -276,6 +276,7 @@ class MultiHeadAttention(nn.Module):
             causal = is_causal
         if document_ids is not None:
             check_document_ids(document_ids, B, T_q, T_k, kv_cache)
+            document_ids = document_runs(document_ids)  # a run of equal ids is a document, as positions restart
         if cache_positions is not None:
             q_pos = cache_positions
         else:

@@ -32,7 +32,15 @@ from torch import Tensor
 
 from .masks import Masks
 
-__all__ = ["Structure", "alibi_slopes", "document_positions", "variant_math", "variant_sdpa", "banded_sdpa"]
+__all__ = [
+    "Structure",
+    "alibi_slopes",
+    "document_positions",
+    "document_runs",
+    "variant_math",
+    "variant_sdpa",
+    "banded_sdpa",
+]
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
@@ -63,6 +71,18 @@ def document_positions(document_ids: Tensor) -> Tensor:
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T): start of each run
     return index - first
+
+
+def document_runs(document_ids: Tensor) -> Tensor:
+    """``(B, T)`` int64: each run of equal ids numbered 0, 1, 2, ... along the row (``[[7, 7, 2, 7]]`` -> ``[[0, 0, 1, 2]]``).
+
+    A document is a *run*: an id that comes back later in the row starts a new document, as
+    :func:`document_positions` restarts its positions there; the masks compare runs, so the two agree
+    (and the runs increase along the row, which the flex backend's tile masks rely on).
+    """
+    starts = torch.zeros_like(document_ids, dtype=torch.long)
+    starts[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).long()
+    return starts.cumsum(dim=1)
 
 
 @dataclass(frozen=True)
