@@ -274,7 +274,12 @@ class BenchResult:
 # On a GPU the CPU-sized defaults measure kernel launches, not attention: at E=512 and 8192 tokens every
 # runner took ~2 ms on an H200 and "fwd % of GEMM" read 8-24%. These sizes make the largest GEMM run
 # near the device's rate (E >= 1024 gave equal peak memory for attnlab and the floor there).
-GPU_SIZES: dict[str, Any] = {"embed_dim": 2048, "num_heads": 16, "tokens": 65536, "lengths": (1024, 2048, 4096, 8192, 16384)}
+GPU_SIZES: dict[str, Any] = {
+    "embed_dim": 2048,
+    "num_heads": 16,
+    "tokens": 65536,
+    "lengths": (1024, 2048, 4096, 8192, 16384),
+}
 
 
 def gpu_sizes(cfg: BenchConfig) -> BenchConfig:
