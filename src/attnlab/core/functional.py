@@ -56,11 +56,16 @@ def math_attention(
     scale: float,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The reference: the seeds' algorithm written out, float64-capable, can return weights.
 
     Returns ``(context (B, H, T_q, D), weights (B, H, T_q, T_k) or None)``; the weights are
-    those multiplied with V (after dropout, when dropout is on).
+    those multiplied with V (after dropout, when dropout is on). Two variants
+    (:mod:`attnlab.core.variants`) change one step each: ``softcap`` C turns the scaled scores
+    into ``C * tanh(scores / C)`` before the bias and masks; ``sinks`` ``(H,)`` joins each row's
+    softmax as one more logit whose value is zero (the weights returned exclude it).
     """
     out_dtype = q.dtype
     acc = torch.promote_types(q.dtype, torch.float32)  # float32 for fp16/bf16/fp32, float64 for float64
@@ -76,13 +81,19 @@ def math_attention(
         empty_rows = empty_rows or T_q > T_k  # the first T_q - T_k queries then see no key
 
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, D) @ (B, H, D, T_k) -> (B, H, T_q, T_k)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias  # (B, H, T_q, T_k)
     if keep is not None:
         # A finite fill, not -inf: a row with every key masked then stays NaN-free (softmax of
         # equal values) in both directions, and is zeroed below.
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in `acc`
+    if sinks is not None:  # the sink as one more "key" of each row, dropped after the softmax
+        sink = sinks.to(acc)[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, H, T_q, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # (B, H, T_q, T_k)
+    else:
+        weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in `acc`
     if keep is not None and empty_rows:
         weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # fully masked rows
     if dropout_p > 0.0:

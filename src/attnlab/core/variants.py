@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .functional import math_attention, sdpa_attention
 from .masks import Masks
 
 __all__ = [
@@ -175,32 +176,21 @@ def variant_math(
     documents); softmax over the keys and, with sinks, the sink logit; dropout; ``@ v``. Computed
     in float32 at least (float64 stays float64). Weights ``(B, H, T_q, T_k)`` exclude the sink.
     """
-    out_dtype = q.dtype
     acc = torch.promote_types(q.dtype, torch.float32)
-    q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    B, H, T_q, _ = q.shape
-    rep = H // k.size(1)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
-    if st.softcap is not None:
-        scores = st.softcap * torch.tanh(scores / st.softcap)
-    keep, bias = _combine(masks, st, slice(None), slice(None), acc)
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, torch.finfo(acc).min)
-    if st.sinks is not None:
-        sink = st.sinks.to(acc)[None, :, None, None].expand(B, H, T_q, 1)  # (B, H, T_q, 1)
-        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # (B, H, T_q, T_k)
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    if keep is not None:
-        weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # rows that see no key
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    context = weights @ v  # (B, H, T_q, D)
-    return context.to(out_dtype), (weights.to(out_dtype) if need_weights else None)
+    keep, bias = _combine(masks, st, slice(None), slice(None), acc)  # causal, window, documents live in `keep`
+    return math_attention(
+        q,
+        k,
+        v,
+        keep=keep,
+        bias=bias,
+        empty_rows=True,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        softcap=st.softcap,
+        sinks=st.sinks,
+    )
 
 
 def _sdpa_block(
@@ -213,26 +203,21 @@ def _sdpa_block(
     scale: float,
     dropout_p: float,
 ) -> Tensor:
-    """One SDPA call with a materialised mask; sinks as one extra key of zeros whose bias is the sink logit."""
-    B, H, tq, _ = q.shape
-    mask: Tensor | None = keep
-    if bias is not None:
-        mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
+    """One :func:`~attnlab.core.functional.sdpa_attention` call on materialised masks; sinks as one extra
+    key of zeros whose bias is the sink logit (a row whose keys are all masked then gives the sink all
+    its weight, and a context of exactly 0)."""
     if sinks is not None:
+        B, H, tq, _ = q.shape
+        tk = k.size(2)
         zeros = k.new_zeros(B, k.size(1), 1, k.size(-1))
         k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)  # (B, G, tk + 1, D)
-        if mask is None:
-            mask = q.new_zeros(1, 1, tq, k.size(2) - 1)
-        elif mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-        mask = mask.expand(mask.size(0), H, tq, mask.size(-1))
-        sink_col = sinks.to(q.dtype)[None, :, None, None].expand(mask.size(0), H, tq, 1)
-        mask = torch.cat([mask, sink_col], dim=-1)  # (B|1, H, tq, tk + 1)
-    context = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=q.size(1) != k.size(1)
-    )
-    if keep is not None:
-        context = context.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+        bias = q.new_zeros(1, H, tq, tk) if bias is None else bias.expand(bias.size(0), H, tq, tk)
+        sink = sinks.to(q.dtype)[None, :, None, None].expand(bias.size(0), H, tq, 1)
+        bias = torch.cat([bias, sink], dim=-1)  # (B|1, H, tq, tk + 1)
+        if keep is not None:
+            keep = keep.expand(keep.size(0), 1, tq, tk)
+            keep = torch.cat([keep, keep.new_ones(keep.size(0), 1, tq, 1)], dim=-1)  # the sink is always kept
+    context, _ = sdpa_attention(q, k, v, keep=keep, bias=bias, empty_rows=True, scale=scale, dropout_p=dropout_p)
     return context
 
 
