@@ -70,9 +70,12 @@ def test_cuda_eager_decode_buckets_the_cache_length(monkeypatch):
 
     monkeypatch.setattr(model, "setup_caches", recording)
     idx = torch.randint(0, 40, (1, 5))
-    model.generate(idx, 3, temperature=0)
+    eager = model.generate(idx, 3, temperature=0)
     assert sizes == [8]  # CPU eager: exactly prompt + new tokens
-    assert generation.compiled_cache_len(8, 256) == 64  # what a CUDA device or compile=True would allocate
+    assert generation.buckets_cache_len(torch.device("cuda")) and not generation.buckets_cache_len(torch.device("cpu"))
+    monkeypatch.setattr(generation, "buckets_cache_len", lambda device: True)  # the CUDA branch, driven on the CPU
+    assert torch.equal(model.generate(idx, 3, temperature=0), eager)  # same tokens from a larger cache
+    assert sizes == [8, 64]
 
 
 def test_bench_uses_gpu_sizes_on_cuda_unless_sizes_are_given(monkeypatch):

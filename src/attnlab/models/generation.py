@@ -167,6 +167,16 @@ def compiled_decode_step(device: torch.device | None = None) -> Callable[..., Te
     return _compiled_decode_steps[mode]
 
 
+def buckets_cache_len(device: torch.device) -> bool:
+    """Whether eager decode on ``device`` rounds its cache length up as the compiled path does: on CUDA.
+
+    There every new cache length is a new kernel shape (measured on an H200: an unseen cache length
+    made generating 1 token slower than 64, three calls in a row; per-shape kernel plans the suspect).
+    The compiled path always rounds, so that its one graph is reused across calls.
+    """
+    return device.type == "cuda"
+
+
 def compiled_cache_len(needed: int, block_size: int) -> int:
     """Cache slots for the compiled path: ``needed`` rounded up to a power of two >= 64, capped at ``block_size``.
 
@@ -322,10 +332,7 @@ def _steps(
         torch.zeros(B, T, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.to(device)
     )
     S = T + max_new_tokens
-    if compile or device.type == "cuda":
-        # A few cache sizes for all prompts: the compiled step is reused across calls, and on a GPU
-        # an eager step meets no new shape either (measured on an H200: an unseen cache length made
-        # generating 1 token slower than 64, three calls in a row, per-shape kernel plans the suspect).
+    if compile or buckets_cache_len(device):  # a few cache sizes for all prompts
         S = compiled_cache_len(S, model.config.block_size)
     pad = torch.cat([prompt_pad, prompt_pad.new_zeros(B, S - T)], dim=1)  # (B, S): new tokens are never padding
     positions = positions_from_padding(pad)  # (B, S): position of every slot, fixed for the whole run
