@@ -20,6 +20,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -192,15 +193,14 @@ def generate_command(
             f"--prompt is {_tokens(len(ids))} but the model's block_size is {block}, which leaves no room for a new "
             f"token; keep its end: {_command(checkpoint, fitted, max_new_tokens=keep_new)}"
         )
-    room = block - len(ids)
-    if max_new_tokens is None:
-        max_new_tokens = _default_new_tokens(room, len(ids), block)
-    elif max_new_tokens > room:
-        raise UsageError(
-            f"--prompt ({_tokens(len(ids))}) + --max-new-tokens {max_new_tokens} = {len(ids) + max_new_tokens} exceeds "
-            f"the model's block_size={block}; ask for at most {room}: "
-            f"{_command(checkpoint, _printable_prompt(prompt, tokenizer) if prompt.isprintable() else None, max_new_tokens=room)}"
-        )
+    max_new_tokens = _new_tokens(
+        len(ids),
+        block,
+        max_new_tokens,
+        lambda room: _command(
+            checkpoint, _printable_prompt(prompt, tokenizer) if prompt.isprintable() else None, max_new_tokens=room
+        ),
+    )
 
     idx = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, T)
     steps = generate_steps(  # checks the arguments now, before anything is printed
@@ -228,6 +228,20 @@ def generate_command(
         print(tokenizer.decode(new), end="")
     print()
     return 0
+
+
+def _new_tokens(n_prompt: int, block: int, asked: int | None, retry: Callable[[int], str]) -> int:
+    """The new tokens to generate after a prompt of ``n_prompt`` tokens (``n_prompt < block``): ``asked``,
+    or a default when None; a :class:`UsageError` with ``retry(room)``, the command that fits, when it does not."""
+    room = block - n_prompt
+    if asked is None:
+        return _default_new_tokens(room, n_prompt, block)
+    if asked > room:
+        raise UsageError(
+            f"--prompt ({_tokens(n_prompt)}) + --max-new-tokens {asked} = {n_prompt + asked} exceeds "
+            f"the model's block_size={block}; ask for at most {room}: {retry(room)}"
+        )
+    return asked
 
 
 def _default_new_tokens(room: int, prompt_len: int, block: int) -> int:
@@ -288,16 +302,12 @@ def _generate_hf(
             f"--prompt is {_tokens(len(ids))} but the model's block_size is {block}, which leaves no room for a new "
             f"token; shorten the prompt to fewer than {block} tokens."
         )
-    room = block - len(ids)
-    if max_new_tokens is None:
-        max_new_tokens = _default_new_tokens(room, len(ids), block)
-    elif max_new_tokens > room:
-        raise UsageError(
-            f"--prompt ({_tokens(len(ids))}) + --max-new-tokens {max_new_tokens} = {len(ids) + max_new_tokens} exceeds "
-            f"the model's block_size={block}; ask for at most {room}: "
-            + _command(model, prompt, source="--model", max_new_tokens=room)
-            + (" --chat" if chat else "")
-        )
+    max_new_tokens = _new_tokens(
+        len(ids),
+        block,
+        max_new_tokens,
+        lambda room: _command(model, prompt, source="--model", max_new_tokens=room) + (" --chat" if chat else ""),
+    )
     if not chat:
         print(prompt, end="", flush=True)
     try:
