@@ -184,20 +184,7 @@ def bench_decode(
         hf_model = to_hf_gpt2(gpt)
         cast(torch.nn.Module, hf_model).to(device=dev, dtype=dt)  # in place; HF wraps .to in a decorator mypy misreads
 
-        def hf_generate(idx: torch.Tensor, n: int) -> torch.Tensor:
-            with torch.no_grad():
-                out = hf_model.generate(
-                    idx,
-                    attention_mask=torch.ones_like(idx),
-                    do_sample=False,
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    use_cache=True,
-                    pad_token_id=0,
-                )
-            return cast(torch.Tensor, out)  # token ids: return_dict_in_generate is off
-
-        runners["HF generate"] = (hf_generate, max_new_tokens)
+        runners["HF generate"] = (_hf_runner(hf_model, best=False), max_new_tokens)
 
     width = terminal_width()
     dtype_name = str(dt).removeprefix("torch.")
