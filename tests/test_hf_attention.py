@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import attnlab.hf
 from attnlab.core import functional
 from attnlab.hf import ATTENTION_NAME, attnlab_attention_forward, hf_mask_to_keep
+from hf_helpers import run_as
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -79,16 +80,6 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     mask[0, :3] = 0
     ids[0, :3] = 0  # the pad id
     return ids, mask
-
-
-def run_as(model: nn.Module, implementation: str, fn):
-    """``fn(model)`` with the model's attention switched to ``implementation``, then back to attnlab."""
-    model.set_attn_implementation(implementation)
-    try:
-        with torch.no_grad():
-            return fn(model)
-    finally:
-        model.set_attn_implementation(ATTENTION_NAME)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,6 +26,7 @@ import attnlab.hf.attention as hf_attention
 from attnlab import MultiHeadAttention
 from attnlab.core import variants
 from attnlab.hf import ATTENTION_NAME, attnlab_attention_forward, hf_mask_to_keep
+from hf_helpers import run_as
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -109,16 +110,6 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     mask[0, :PAD] = 0
     ids[0, :PAD] = 0  # the pad id
     return ids, mask
-
-
-def run_as(model: nn.Module, implementation: str, fn):
-    """``fn(model)`` with the model's attention switched to ``implementation``, then back to attnlab."""
-    model.set_attn_implementation(implementation)
-    try:
-        with torch.no_grad():
-            return fn(model)
-    finally:
-        model.set_attn_implementation(ATTENTION_NAME)
 
 
 @pytest.fixture(scope="module", autouse=True)
