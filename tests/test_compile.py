@@ -70,3 +70,32 @@ def test_autocast_under_compile():
     assert out.dtype == torch.bfloat16
     assert (out.float() - mha(x, is_causal=True)).abs().max() < 0.05
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("mask_kind", ["keep", "bias"])
+def test_compiled_one_query_attention_matches_math_without_sdpa(mask_kind):
+    """A compiled CPU call with one query (a decode step) runs one_query_attention, not SDPA, and
+    equals the math reference: GQA, a bool keep mask with a row that sees no key (zeros, not NaN),
+    a float bias."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from attnlab.core.functional import math_attention, sdpa_attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, G, S, D = 3, 6, 2, 11, 8
+    q = torch.randn(B, H, 1, D, generator=gen)
+    k, v = (torch.randn(B, G, S, D, generator=gen) for _ in range(2))
+    keep = torch.rand(B, 1, 1, S, generator=gen) > 0.3
+    keep[0] = True
+    keep[2] = False  # row 2 sees no key
+    bias = torch.randn(B, H, 1, S, generator=gen)
+    kw: dict = {"keep": keep} if mask_kind == "keep" else {"bias": bias}
+    backend = EagerAndRecordGraphs()
+    out, _ = torch.compile(sdpa_attention, backend=backend, fullgraph=True)(q, k, v, scale=0.3, **kw)
+    ref, _ = math_attention(q, k, v, scale=0.3, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    if mask_kind == "keep":
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+    code = "\n".join(g.code for g in backend.graphs)
+    assert "scaled_dot_product_attention" not in code
+    assert code.count(" @ ") == 2  # scores and context

@@ -205,3 +205,22 @@ def test_generate_runs_under_autocast(flags, device):
     with torch.no_grad():
         full = model(idx)[:, -1]  # float32 logits of the first new token
     torch.testing.assert_close(cached[0].logits.float(), full, atol=0.1 * full.abs().max().item(), rtol=0)
+
+
+def test_compiled_generate_rechecks_guards_on_each_call():
+    """Compiled decode skips guard evaluation after a call's first step only: a model changed
+    between calls (here to float64) is re-guarded and recompiled, never run through the old graph."""
+    torch._dynamo.reset()
+    model = _spread(tiny(n_kv_head=2, position="rotary"))
+    idx = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
+    first = generate(model, idx, 6, temperature=0, compile=True)
+    assert torch.equal(first, generate(model, idx, 6, temperature=0))
+    counters.clear()
+    model.double()
+    steps = list(generate_steps(model, idx, 6, temperature=0, compile=True))
+    assert counters["stats"]["unique_graphs"] == 1  # a new graph for float64
+    assert all(s.logits.dtype == torch.float64 for s in steps)
+    eager = list(generate_steps(model, idx, 6, temperature=0))
+    for a, b in zip(steps, eager, strict=True):  # the rotary tables are float32 math either way
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-6, rtol=1e-5)

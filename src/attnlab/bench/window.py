@@ -403,8 +403,15 @@ def window_goals(res: WindowResult, T: int = 8192) -> str:
         f"{_f(module, 2)}x, {verdict(module, 10)}; kernel (flex vs sdpa-dense) {_f(kernel, 2)}x, {verdict(kernel, 10)}"
     )
     proj, auto = get("projections", "fwd_ms"), get("attnlab-auto", "fwd_ms")
-    if proj is not None and auto is not None:
-        out.append(f"  the four projections alone take {proj:.1f} ms of attnlab-auto's {auto:.1f} ms")
+    dense_mod, flex_k = get("attnlab-dense", "fwd_ms"), get("flex", "fwd_ms")
+    if proj is not None and auto is not None and dense_mod is not None:
+        E = int(res.config["embed_dim"])
+        gflops = 8 * T * E * E / (proj * 1e-3) / 1e9  # four (T, E) @ (E, E) matmuls, B=1
+        out.append(
+            f"  the four projections alone take {proj:.1f} ms of attnlab-auto's {auto:.1f} ms ({gflops:.0f} GFLOP/s); "
+            f"the module's ceiling over attnlab-dense is {dense_mod / proj:.1f}x with a free attention kernel"
+            + ("" if flex_k is None else f", {dense_mod / (proj + flex_k):.1f}x with flex's kernel time added")
+        )
     fb_mod, fb_ker = (
         ratio("attnlab-dense", "attnlab-auto", "fwd_bwd_ms"),
         ratio("sdpa-dense", "sdpa-band", "fwd_bwd_ms"),
@@ -418,6 +425,14 @@ def window_goals(res: WindowResult, T: int = 8192) -> str:
         f"T={T} peak attention memory <= 1/8 of dense: inference (flex) {_f(mem_f, 3)}, {verdict(mem_f, 0.125, False)}; "
         f"fwd+bwd (sdpa-band) {_f(mem_b, 3)}, {verdict(mem_b, 0.125, False)}"
     )
+    dense_b = get("sdpa-dense", "fwd_bwd_ms") and get("sdpa-dense", "fwd_bwd_peak_mib")
+    if dense_b:
+        H = int(res.config["num_heads"])
+        need = 5 * T * int(res.config["embed_dim"]) * (4 if res.dtype == "float32" else 2) / 2**20
+        out.append(
+            f"  any fwd+bwd holds the output, its gradient and dq, dk, dv ((1, {H}, {T}, "
+            f"{int(res.config['embed_dim']) // H}) each): {need:.1f} MiB = {need / dense_b:.3f} of dense"
+        )
     s = res.slopes.get("attnlab-auto", {})
     lin = s.get("fwd")
     out.append(
