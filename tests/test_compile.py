@@ -99,3 +99,17 @@ def test_compiled_one_query_attention_matches_math_without_sdpa(mask_kind):
     code = "\n".join(g.code for g in backend.graphs)
     assert "scaled_dot_product_attention" not in code
     assert code.count(" @ ") == 2  # scores and context
+
+
+def test_compiled_one_query_attention_hands_long_caches_to_sdpa():
+    """Past ONE_QUERY_MAX_KEYS keys SDPA's kernel reads K/V faster (measured): it is used again."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from attnlab.core.functional import ONE_QUERY_MAX_KEYS, math_attention, sdpa_attention
+
+    q = torch.randn(1, 2, 1, 4)
+    k, v = torch.randn(1, 2, ONE_QUERY_MAX_KEYS + 1, 4), torch.randn(1, 2, ONE_QUERY_MAX_KEYS + 1, 4)
+    backend = EagerAndRecordGraphs()
+    out, _ = torch.compile(sdpa_attention, backend=backend, fullgraph=True)(q, k, v, scale=0.5)
+    torch.testing.assert_close(out, math_attention(q, k, v, scale=0.5)[0], atol=1e-6, rtol=1e-5)
+    assert "scaled_dot_product_attention" in backend.graphs[0].code
