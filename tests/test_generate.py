@@ -208,8 +208,8 @@ def test_generate_runs_under_autocast(flags, device):
 
 
 def test_compiled_generate_rechecks_guards_on_each_call():
-    """Compiled decode skips guard evaluation after a call's first step only: a model changed
-    between calls (here to float64) is re-guarded and recompiled, never run through the old graph."""
+    """A model changed between compiled calls (here to float64) is re-guarded and recompiled,
+    never run through the old graph."""
     torch._dynamo.reset()
     model = _spread(tiny(n_kv_head=2, position="rotary"))
     idx = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
