@@ -126,3 +126,29 @@ def test_bench_window_writes_ratios_slopes_and_goals(tmp_path, capsys, monkeypat
     assert "T=8192" in data["goals"][0]  # goals are stated at T=8192, not measured in this tiny run
     assert "| T | runner | fwd ms | x dense |" in (tmp_path / "out" / "bench_window.md").read_text()
     assert (tmp_path / "out" / "bench_window.png").stat().st_size > 0
+
+
+def test_window_goals_print_the_module_ceiling_and_the_backward_memory_floor():
+    """The two goals that depend on the machine come with their floors, computed from the run's own rows."""
+    from attnlab.bench.window import WindowResult, WindowRow, window_goals
+
+    T = 8192
+    res = WindowResult(config={"embed_dim": 512, "num_heads": 8}, device="cpu", dtype="float32", torch="x", threads=2)
+    res.rows += [
+        WindowRow(T, "sdpa-dense", fwd_ms=600.0, fwd_bwd_ms=2000.0, fwd_peak_mib=270.0, fwd_bwd_peak_mib=320.0),
+        WindowRow(T, "flex", fwd_ms=50.0, fwd_peak_mib=16.0),
+        WindowRow(T, "attnlab-dense", fwd_ms=700.0, fwd_bwd_ms=2200.0),
+        WindowRow(T, "attnlab-auto", fwd_ms=110.0, fwd_bwd_ms=400.0),
+        WindowRow(T, "projections", fwd_ms=50.0),
+    ]
+    lines = window_goals(res).splitlines()
+    # 8 * 8192 * 512^2 FLOP in 50 ms; 700 / 50 and 700 / (50 + 50)
+    assert (
+        "  the four projections alone take 50.0 ms of attnlab-auto's 110.0 ms (344 GFLOP/s); the module's "
+        "ceiling over attnlab-dense is 14.0x with a free attention kernel, 7.0x with flex's kernel time added"
+    ) in lines
+    # five (1, 8, 8192, 64) float32 tensors = 80 MiB, of 320
+    assert (
+        "  any fwd+bwd holds the output, its gradient and dq, dk, dv ((1, 8, 8192, 64) each): 80.0 MiB = 0.250 of dense"
+        in lines
+    )

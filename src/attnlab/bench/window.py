@@ -425,13 +425,13 @@ def window_goals(res: WindowResult, T: int = 8192) -> str:
         f"T={T} peak attention memory <= 1/8 of dense: inference (flex) {_f(mem_f, 3)}, {verdict(mem_f, 0.125, False)}; "
         f"fwd+bwd (sdpa-band) {_f(mem_b, 3)}, {verdict(mem_b, 0.125, False)}"
     )
-    dense_b = get("sdpa-dense", "fwd_bwd_ms") and get("sdpa-dense", "fwd_bwd_peak_mib")
+    dense_b = get("sdpa-dense", "fwd_bwd_peak_mib")
     if dense_b:
-        H = int(res.config["num_heads"])
-        need = 5 * T * int(res.config["embed_dim"]) * (4 if res.dtype == "float32" else 2) / 2**20
+        E, H = int(res.config["embed_dim"]), int(res.config["num_heads"])
+        need = 5 * T * E * getattr(torch, res.dtype).itemsize / 2**20  # five (1, H, T, E / H) tensors
         out.append(
-            f"  any fwd+bwd holds the output, its gradient and dq, dk, dv ((1, {H}, {T}, "
-            f"{int(res.config['embed_dim']) // H}) each): {need:.1f} MiB = {need / dense_b:.3f} of dense"
+            f"  any fwd+bwd holds the output, its gradient and dq, dk, dv ((1, {H}, {T}, {E // H}) each): "
+            f"{need:.1f} MiB = {need / dense_b:.3f} of dense"
         )
     s = res.slopes.get("attnlab-auto", {})
     lin = s.get("fwd")
