@@ -183,7 +183,7 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sc
     visible key comes out NaN, as from SDPA; :func:`sdpa_attention` zeroes it.
 
     What a compiled decode step on a CPU runs instead of ``F.scaled_dot_product_attention``, whose
-    CPU flash kernel is mostly overhead for one query (SmolLM2, 2 threads, 256 cache slots: 36 us a
+    CPU flash kernel is mostly overhead for one query (SmolLM2, 2 threads, 128 cache slots: 36 us a
     layer at batch 1 and 172 us at batch 8). Measured on the whole compiled step, interleaved
     A/B: fp32 batch 1 22.4-22.7 -> 21.9 ms, batch 8 44.3-44.9 -> 41.5-44.3 ms, bf16 batch 1 25.1-26.4
     -> 24.0-24.4 ms. Written as broadcast products and sums instead, inductor's fused loops made
