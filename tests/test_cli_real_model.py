@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -279,3 +280,29 @@ def test_model_takes_an_attnlab_checkpoint_as_checkpoint_does(tmp_path, capsys):
     assert capsys.readouterr().out == by_checkpoint
     assert main(["generate", "--model", str(tmp_path), "--chat", *flags]) == 2
     assert "--chat needs a model with a chat template" in capsys.readouterr().err
+
+
+def test_compiled_generate_reports_the_rate_of_the_steps_after_the_compiling_one(cli, capsys, monkeypatch):
+    """With --compile the first decode step is the compilation (seconds): the tokens/s shown are the
+    later steps', the compile time apart. The compilation is played by a 1 s pause in that step."""
+    real = generate_cli.generate_steps
+
+    def slow_first_step(model, idx, *args, **kwargs):
+        assert kwargs.pop("compile") is True
+        for i, step in enumerate(real(model, idx, *args, **kwargs)):
+            if i == 1:
+                time.sleep(1.0)
+            yield step
+
+    monkeypatch.setattr(generate_cli, "generate_steps", slow_first_step)
+    args = ["generate", "--model", "smollm2", "--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "6"]
+    assert main([*args, "--compile"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    found = re.search(
+        r"; decode 5 tokens in ([\d.]+) s \(([\d.]+) tokens/s after the first step, which compiled in ([\d.]+) s\)$",
+        err,
+    )
+    assert found, err
+    total, rate, compiled = (float(g) for g in found.groups())
+    assert compiled >= 1.0 and total >= compiled
+    assert rate > 4 / (total - 1.0 + 0.05)  # 4 steps over the time without the pause (+ rounding), not 5 over all

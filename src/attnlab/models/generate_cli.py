@@ -377,11 +377,13 @@ def _stream(lm: Any, tok: Any, ids: list[int], max_new_tokens: int, dev: torch.d
     new: list[int] = []
     printed = ""
     start = time.perf_counter()
-    first = start
+    first = second = start
     for step in steps:
         new.append(int(step.tokens[0]))  # reads the token back: the step has finished, on any device
         if len(new) == 1:
             first = time.perf_counter()  # prefill + the first token's sampling
+        elif len(new) == 2:
+            second = time.perf_counter()  # the first decode step: with --compile, the compilation
         text = tok.decode(new, skip_special_tokens=True)
         if not text.endswith("\ufffd"):
             print(text[len(printed) :], end="", flush=True)
@@ -390,7 +392,12 @@ def _stream(lm: Any, tok: Any, ids: list[int], max_new_tokens: int, dev: torch.d
     text = tok.decode(new, skip_special_tokens=True)
     print(text[len(printed) :], flush=True)
     decode = f"{_tokens(len(new) - 1)} in {end - first:.2f} s"
-    if len(new) > 1:
+    if sampling["compile"] and len(new) > 2:  # the rate of the compiled steps, the compilation apart
+        decode += (
+            f" ({(len(new) - 2) / max(end - second, 1e-9):.1f} tokens/s after the first step, "
+            f"which compiled in {second - first:.1f} s)"
+        )
+    elif len(new) > 1:
         decode += f" ({(len(new) - 1) / max(end - first, 1e-9):.1f} tokens/s)"
     print(
         f"attnlab: prefill {_tokens(len(ids))} in {first - start:.2f} s "
