@@ -134,6 +134,9 @@ def step_window(out: Path, smoke: bool, device: str) -> str:
     lengths = ["256", "512"] if smoke else ["8192", "32768"]
     window = "32" if smoke else "256"
     args = ["bench", "--variant", "window", "--window", window, "--device", device, "--lengths", *lengths]
+    # the GPU figures: H=16, D=64; dense-mask fwd+bwd up to the longest length (60 ms there on an H200)
+    args += ["--embed-dim", "64", "--num-heads", "4"] if smoke else ["--embed-dim", "1024", "--num-heads", "16"]
+    args += ["--math-max-len", lengths[-1]]
     _run_cli([*args, "--out-dir", str(out / "window")])
     return "window/"
 

@@ -152,3 +152,32 @@ def test_window_goals_print_the_module_ceiling_and_the_backward_memory_floor():
         "  any fwd+bwd holds the output, its gradient and dq, dk, dv ((1, 8, 8192, 64) each): 80.0 MiB = 0.250 of dense"
         in lines
     )
+
+
+def test_window_goals_add_the_gpu_goals_when_the_run_measured_t_32768():
+    from attnlab.bench.window import WindowResult, WindowRow, window_goals
+
+    res = WindowResult(
+        config={"embed_dim": 1024, "num_heads": 16}, device="cuda", dtype="bfloat16", torch="x", threads=1
+    )
+    for T, k in ((8192, 1.0), (32768, 4.0)):
+        res.rows += [
+            WindowRow(
+                T, "sdpa-dense", fwd_ms=18.4 * k, fwd_bwd_ms=60.0 * k, fwd_peak_mib=2400.0, fwd_bwd_peak_mib=2400.0
+            ),
+            WindowRow(T, "flex", fwd_ms=0.3 * k, fwd_bwd_ms=1.6 * k, fwd_peak_mib=100.0, fwd_bwd_peak_mib=260.0),
+            WindowRow(T, "attnlab-dense", fwd_ms=19.0 * k, fwd_bwd_ms=64.0 * k),
+            WindowRow(T, "attnlab-auto", fwd_ms=0.75 * k, fwd_bwd_ms=3.2 * k),
+            WindowRow(T, "projections", fwd_ms=0.4 * k),
+        ]
+    lines = window_goals(res).splitlines()
+    assert (
+        "T=32768 (cuda) the module within 1.3x of the bare flex kernel: attnlab-auto / flex 2.50x, NOT MET; "
+        "without its projections 1.17x, met"
+    ) in lines
+    assert (
+        "T=32768 (cuda) fwd+bwd >= 30x dense-mask SDPA: module (attnlab-auto vs attnlab-dense) 20.0x, NOT MET; "
+        "kernel (flex vs sdpa-dense) 37.5x, met"
+    ) in lines
+    cpu = WindowResult(config=res.config, device="cpu", dtype="float32", torch="x", threads=2, rows=res.rows[:5])
+    assert "T=32768" not in window_goals(cpu)  # a run without that length states no GPU goal
