@@ -16,3 +16,14 @@ def run_as(model: nn.Module, implementation: str, fn):
             return fn(model)
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
+
+
+def left_padded_inputs(vocab: int, length: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``(2, length)`` in ``1 .. vocab - 1`` and an attention mask whose first row is left-padded
+    by ``pad`` tokens (id 0); the same ids on every call."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[0, :pad] = 0
+    ids[0, :pad] = 0  # the pad id
+    return ids, mask

@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import attnlab.hf
 from attnlab.core import functional
 from attnlab.hf import ATTENTION_NAME, attnlab_attention_forward, hf_mask_to_keep
-from hf_helpers import run_as
+from hf_helpers import left_padded_inputs, run_as
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -74,12 +74,7 @@ def build(family: str, **overrides) -> nn.Module:
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (2, T) and an attention mask whose first row is left-padded by 3."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (2, T), generator=g)
-    mask = torch.ones(2, T, dtype=torch.long)
-    mask[0, :3] = 0
-    ids[0, :3] = 0  # the pad id
-    return ids, mask
+    return left_padded_inputs(VOCAB, T, 3)
 
 
 @pytest.fixture(scope="module", autouse=True)

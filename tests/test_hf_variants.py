@@ -26,7 +26,7 @@ import attnlab.hf.attention as hf_attention
 from attnlab import MultiHeadAttention
 from attnlab.core import variants
 from attnlab.hf import ATTENTION_NAME, attnlab_attention_forward, hf_mask_to_keep
-from hf_helpers import run_as
+from hf_helpers import left_padded_inputs, run_as
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -104,12 +104,7 @@ def build(family: str, **overrides) -> nn.Module:
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (2, T) and an attention mask whose first row is left-padded by PAD."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (2, T), generator=g)
-    mask = torch.ones(2, T, dtype=torch.long)
-    mask[0, :PAD] = 0
-    ids[0, :PAD] = 0  # the pad id
-    return ids, mask
+    return left_padded_inputs(VOCAB, T, PAD)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -295,8 +295,7 @@ class MultiHeadAttention(nn.Module):
             k_doc=document_ids,
         )
         if key_padding_mask is not None and kv_cache is None:
-            pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1): no NaN in padding reaches the output
-            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+            k, v = _zero_padded_keys(k, v, key_padding_mask)
 
         backend, reason = self._choose_variant_backend(need_weights, st, T_q, T_k, kv_cache is None)
         if backend == "math":
@@ -496,10 +495,7 @@ class MultiHeadAttention(nn.Module):
                 q_positions=cache_positions,
             )
             if key_padding_mask is not None and kv_cache is None:
-                # Padded keys are never attended, but 0 * NaN is NaN: whatever a caller left in the
-                # padding (NaN, inf) must not reach the output through the zero weights.
-                pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1)
-                k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # (B, G, T_k, D) each
+                k, v = _zero_padded_keys(k, v, key_padding_mask)
             backend, reason = self._choose_backend(need_weights)
             context, weights, adapted = attend(
                 backend, q, k, v, masks, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
@@ -521,6 +517,14 @@ class MultiHeadAttention(nn.Module):
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` computing the same function (GQA K/V heads repeated)."""
         return to_torch_mha(self, batch_first=batch_first)
+
+
+def _zero_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``k, v (B, G, T_k, D)`` with the padded keys' rows zeroed. Padded keys are never attended, but
+    0 * NaN is NaN: whatever a caller left in the padding (NaN, inf) must not reach the output through
+    the zero weights. Called after the masks are built, which validate ``key_padding_mask (B, T_k)``."""
+    pad = key_padding_mask[:, None, :, None]  # (B, 1, T_k, 1)
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
 def _split_fused_in_proj(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
