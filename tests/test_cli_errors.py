@@ -235,7 +235,7 @@ def test_trace_module_errors_name_the_flags(capsys, flags, message):
             "'parity_masked', 'parity_head_dims', 'odd_lengths', 'low_precision[bf16]', 'low_precision[fp16]', "
             "'low_precision_grad[bf16]', 'low_precision_grad[fp16]', 'gradcheck[plain]', 'gradcheck[causal]', "
             "'gradcheck[padding]', 'grad_parity', 'no_causal_leak', 'padding_invariance', 'padded_kv_nonfinite', "
-            "'permutation_equivariance', 'fully_masked_rows', 'mask_semantics', 'kv_cache', 'determinism', "
+            "'permutation_equivariance', 'fully_masked_rows', 'mask_semantics', 'attention_weights', 'scale_attribute', 'kv_cache', 'determinism', "
             "'deterministic_backward', 'dropout_off_in_eval', 'dropout_rate', 'variant[window]', 'variant[softcap]', 'variant[alibi]', "
             "'variant[sinks]', 'variant[documents]', 'variant[rolling_cache]']; e.g. --checks parity_self.",
         ),

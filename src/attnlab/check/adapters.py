@@ -117,6 +117,12 @@ class AttentionAdapter:
     supports_cross_attention: bool = True
     bool_mask_convention: Literal["keep", "block"] | None = None
     dropout_p: float = 0.0
+    # The scale the target itself states (a ``scale`` attribute), reported when it disagrees with
+    # ``scale``, which is the truth: 1/sqrt(D) unless the user gave another. None: it states none.
+    declared_scale: float | None = None
+    # True when the target takes one context for K and V (``forward(x_query, x_context)``): the
+    # checks then hand it the same tensor as key and value.
+    shared_kv: bool = False
     # What built the target, called with whichever of embed_dim, num_heads, num_kv_heads and
     # dropout it names, returning a module or an adapter: lets ``resized`` build other sizes.
     factory: Callable[..., object] | None = None
@@ -148,6 +154,19 @@ class AttentionAdapter:
     def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
         raise Unsupported(f"{type(self).__name__} does not implement raw_bool_mask")
 
+    def attention_weights(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        keep_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """The attention weights the target returns: ``(B, H, T_q, T_k)``, or ``(B, T_q, T_k)`` averaged over heads."""
+        raise Unsupported(f"{type(self).__name__} does not return attention weights")
+
     def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
         raise Unsupported(f"{type(self).__name__} does not implement decode_with_cache (no KV cache)")
 
@@ -159,10 +178,15 @@ class AttentionAdapter:
 
     def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
         """A fresh target at ``(E, H, G) = (embed_dim, num_heads, num_kv_heads)``, built by ``factory``."""
+        built = as_adapter(self._build(embed_dim, num_heads, num_kv_heads))
+        return _same_size(built, embed_dim, num_heads, num_kv_heads)
+
+    def _build(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> object:
+        """What ``factory`` makes at that size, on the target's device and in its dtype."""
         if self.factory is None:
             raise Unsupported(
                 f"{self.name} cannot be rebuilt at another size: give its adapter a factory "
-                f"(ModuleAdapter(module, factory=...), or attnlab check --target package.module:factory)"
+                f"(ModuleAdapter(module, factory=...), or attnlab check --target path/to/file.py:Class)"
             )
         params = inspect.signature(self.factory).parameters
         needs = ["embed_dim", "num_heads"] + (["num_kv_heads"] if num_kv_heads != num_heads else [])
@@ -179,13 +203,16 @@ class AttentionAdapter:
         weight = self.projections().out_weight
         if isinstance(made, nn.Module):  # where the target lives: a factory builds on the CPU in float32
             made = made.to(device=weight.device, dtype=weight.dtype)
-        built = as_adapter(made)
-        got = (built.embed_dim, built.num_heads, built.num_kv_heads)
-        if got != (embed_dim, num_heads, num_kv_heads):
-            raise Unsupported(
-                f"the target's factory was asked for (E, H, G) = {(embed_dim, num_heads, num_kv_heads)} and built {got}"
-            )
-        return built
+        return made
+
+
+def _same_size(built: AttentionAdapter, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
+    got = (built.embed_dim, built.num_heads, built.num_kv_heads)
+    if got != (embed_dim, num_heads, num_kv_heads):
+        raise Unsupported(
+            f"the target's factory was asked for (E, H, G) = {(embed_dim, num_heads, num_kv_heads)} and built {got}"
+        )
+    return built
 
 
 def _first(out: Tensor | tuple) -> Tensor:
@@ -237,7 +264,12 @@ class ModuleAdapter(AttentionAdapter):
     bool_mask_convention = "keep"
 
     def __init__(
-        self, module: nn.Module, *, name: str | None = None, factory: Callable[..., object] | None = None
+        self,
+        module: nn.Module,
+        *,
+        name: str | None = None,
+        factory: Callable[..., object] | None = None,
+        scale: float | None = None,
     ) -> None:
         missing = [
             a for a in ("embed_dim", "num_heads", "q_proj", "k_proj", "v_proj", "out_proj") if not hasattr(module, a)
@@ -255,12 +287,14 @@ class ModuleAdapter(AttentionAdapter):
         self.num_kv_heads = int(getattr(module, "num_kv_heads", self.num_heads))
         self.kdim = int(getattr(module, "kdim", self.embed_dim))
         self.vdim = int(getattr(module, "vdim", self.embed_dim))
-        self._scale = getattr(module, "scale", None)
+        own = getattr(module, "scale", None)
+        self.declared_scale = float(own) if isinstance(own, float | int) and not isinstance(own, bool) else None
+        self._scale = scale  # the user's; None: 1/sqrt(D)
         self.dropout_p = _module_dropout(module)
 
     @property
     def scale(self) -> float:
-        return float(self._scale) if isinstance(self._scale, float | int) else super().scale
+        return super().scale if self._scale is None else float(self._scale)
 
     def projections(self) -> Projections:
         m = cast(_ConventionModule, self.module)
@@ -286,6 +320,24 @@ class ModuleAdapter(AttentionAdapter):
     def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
         return _first(self.module(query, query, query, attn_mask=mask))
 
+    def attention_weights(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        if "need_weights" not in inspect.signature(self.module.forward).parameters:
+            raise Unsupported(f"{self.name}.forward has no need_weights argument")
+        if getattr(self.module, "backend", None) == "sdpa":
+            raise Unsupported("backend='sdpa' never materialises the weights (the math and auto backends do)")
+        out = self.module(
+            query,
+            key,
+            value,
+            attn_mask=keep_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            need_weights=True,
+        )
+        if not isinstance(out, tuple) or len(out) < 2 or not isinstance(out[1], Tensor):
+            raise Unsupported(f"{self.name} returns no weights with need_weights=True")
+        return out[1]
+
     def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
         if "kv_cache" not in inspect.signature(self.module.forward).parameters:
             raise Unsupported(f"{self.name}.forward has no kv_cache argument")
@@ -298,7 +350,7 @@ class ModuleAdapter(AttentionAdapter):
         return torch.cat(outs, dim=1)  # (B, T, E)
 
     def cast(self, dtype: torch.dtype) -> ModuleAdapter:
-        return type(self)(copy.deepcopy(self.module).to(dtype), name=self.name, factory=self.factory)
+        return type(self)(copy.deepcopy(self.module).to(dtype), name=self.name, factory=self.factory, scale=self._scale)
 
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -306,7 +358,10 @@ class ModuleAdapter(AttentionAdapter):
     def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
         m = self.module
         if self.factory is not None or not isinstance(m, MultiHeadAttention):
-            return super().resized(embed_dim, num_heads, num_kv_heads)
+            made = self._build(embed_dim, num_heads, num_kv_heads)
+            if isinstance(made, nn.Module) and not isinstance(made, nn.MultiheadAttention):
+                made = type(self)(made, name=self.name, factory=self.factory, scale=self._scale)
+            return _same_size(as_adapter(made), embed_dim, num_heads, num_kv_heads)
         proj = self.projections()
         default_scale = m.scale == 1.0 / math.sqrt(m.head_dim)
         built = MultiHeadAttention(
@@ -320,7 +375,7 @@ class ModuleAdapter(AttentionAdapter):
             device=proj.out_weight.device,
             dtype=proj.out_weight.dtype,
         )
-        return type(self)(built.train(m.training), name=self.name)
+        return type(self)(built.train(m.training), name=self.name, scale=self._scale)
 
 
 class TorchMHAAdapter(AttentionAdapter):
@@ -367,7 +422,10 @@ class TorchMHAAdapter(AttentionAdapter):
             v = k if value is key else value.transpose(0, 1)
         else:
             q, k, v = query, key, value
-        out = _first(self.module(q, k, v, need_weights=self.need_weights, **kw))
+        if getattr(self, "_keep_weights", False):
+            out, self._weights = self.module(q, k, v, need_weights=True, average_attn_weights=False, **kw)
+        else:
+            out = _first(self.module(q, k, v, need_weights=self.need_weights, **kw))
         return out.transpose(0, 1) if seq_first else out  # (B, T_q, E)
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
@@ -388,6 +446,15 @@ class TorchMHAAdapter(AttentionAdapter):
 
     def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
         return self._run(query, query, query, attn_mask=mask)
+
+    def attention_weights(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        saved = self.need_weights
+        self.need_weights, self._keep_weights = True, True
+        try:
+            self(query, key, value, keep_mask=keep_mask, key_padding_mask=key_padding_mask, is_causal=is_causal)
+        finally:
+            self.need_weights, self._keep_weights = saved, False
+        return self._weights
 
     def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
         raise Unsupported("torch.nn.MultiheadAttention has no KV cache")
@@ -414,12 +481,22 @@ class TorchMHAAdapter(AttentionAdapter):
         return TorchMHAAdapter(built.train(m.training), need_weights=self.need_weights)
 
 
-def as_adapter(target: object) -> AttentionAdapter:
-    """``target`` as an adapter: adapters pass through, modules are wrapped by their kind."""
+def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapter:
+    """``target`` as an adapter: adapters pass through, modules are wrapped by their kind.
+
+    ``torch.nn.MultiheadAttention``: :class:`TorchMHAAdapter`; attnlab's ``MultiHeadAttention``:
+    :class:`ModuleAdapter`; any other module: :class:`attnlab.check.probe.ProbedAdapter`, which
+    reads its weights and call form off the module itself. ``scale``: the expected multiplier of
+    the scores (default 1/sqrt(D)); the module's own ``scale`` attribute is never taken as the truth.
+    """
     if isinstance(target, nn.MultiheadAttention):
         return TorchMHAAdapter(target)
+    if isinstance(target, MultiHeadAttention):
+        return ModuleAdapter(target, scale=scale)
     if isinstance(target, nn.Module):
-        return ModuleAdapter(target)
+        from .probe import ProbedAdapter
+
+        return ProbedAdapter(target, scale=scale)
     if callable(target) and hasattr(target, "projections"):
         return target  # type: ignore[return-value]  # duck-typed adapter following the protocol
     raise TypeError(

@@ -8,13 +8,12 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
-import os
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, TypeVar, cast
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -22,27 +21,14 @@ from torch import nn
 from ..core.attention import Backend, MultiHeadAttention
 from ..models import pretrained
 from ..runtime import UsageError, check_range
-from .adapters import AttentionAdapter, TorchMHAAdapter, as_adapter, call_factory
+from .adapters import TorchMHAAdapter, as_adapter
+from .diagnose import diagnose
 from .report import print_tables, to_json
 from .result import Report
 from .suite import CHECKS, run_checks
+from .target import TargetError, build_target, random_biases
 
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
 SLOW_ON_MODELS = "gradcheck[plain]"  # one forward per input element: 2304 of them at SmolLM2's width, ~70 s on 2 cores
-
-
-class TargetError(UsageError):
-    """A ``--target`` that cannot be built; its message is the one line shown to the user."""
-
-
-def _random_biases(module: ModuleT, seed: int) -> ModuleT:
-    """Nonzero biases (both libraries init them to 0), so that a bias bug cannot hide."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return module
 
 
 def model_layer(command: str, model: str, layer: int) -> tuple[nn.Module, str, MultiHeadAttention]:
@@ -83,42 +69,6 @@ def model_flag_conflicts(
             )
 
 
-def _factory_target(spec: str, kwargs: dict) -> AttentionAdapter:
-    """``package.module:factory`` called with whichever of ``kwargs`` its signature names."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise TargetError(
-            f"--target {spec!r} is not 'attnlab', 'torch' or 'package.module:factory'; pass e.g. --target mypkg.layers:make_attention."
-        )
-    if os.getcwd() not in sys.path:  # as `python -m` would: the user's own package in the current folder imports
-        sys.path.insert(0, os.getcwd())
-    try:
-        mod = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TargetError(
-            f"--target {spec!r}: module {module_name!r} cannot be imported ({e}); check that it is on PYTHONPATH."
-        ) from None
-    factory = getattr(mod, attr, None)
-    if not callable(factory):
-        raise TargetError(
-            f"--target {spec!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module or an adapter."
-        )
-    try:
-        built = call_factory(factory, **kwargs)
-    except Exception as e:  # the user's code: show its complaint in one line, not a traceback
-        raise TargetError(
-            f"--target {spec!r}: calling {attr}() raised {type(e).__name__}: {e}; a factory takes no arguments "
-            f"besides any of {sorted(kwargs)} and returns an nn.Module or an adapter."
-        ) from None
-    try:
-        adapter = as_adapter(built)
-    except TypeError as e:
-        raise TargetError(f"--target {spec!r}: {e}") from None
-    if isinstance(adapter, AttentionAdapter) and adapter.factory is None:
-        adapter.factory = factory  # the head-dim and head-layout checks rebuild the target through it
-    return adapter
-
-
 def _targets(
     target: str,
     backend: Backend | Literal["both"],
@@ -128,12 +78,14 @@ def _targets(
     dropout: float,
     need_weights: bool,
     seed: int,
+    scale: float | None,
+    mask_convention: Literal["keep", "block"] | None,
 ) -> list[object]:
     torch.manual_seed(seed)
     if target == "attnlab":
         backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
         return [
-            _random_biases(
+            random_biases(
                 MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=b), seed
             )
             for b in backends
@@ -144,9 +96,19 @@ def _targets(
                 f"--num-kv-heads {num_kv_heads} with --target torch: torch.nn.MultiheadAttention has no GQA; drop the flag."
             )
         m = nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, batch_first=True)
-        return [TorchMHAAdapter(_random_biases(m, seed), need_weights=need_weights)]
-    kwargs = {"embed_dim": embed_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "dropout": dropout}
-    return [_factory_target(target, kwargs)]
+        return [TorchMHAAdapter(cast(nn.MultiheadAttention, random_biases(m, seed)), need_weights=need_weights)]
+    return [
+        build_target(
+            target,
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=dropout,
+            seed=seed,
+            scale=scale,
+            mask_convention=mask_convention,
+        )
+    ]
 
 
 def _validate(
@@ -247,12 +209,18 @@ def _run_all(
         rows, first = [], None
         for name in names:
             on_check(adapter.name, name, done)
-            report = run_checks(adapter, checks=[name], seed=seed, batch=batch_size, seq_len=seq_len)
+            report = run_checks(adapter, checks=[name], seed=seed, batch=batch_size, seq_len=seq_len, diagnose=False)
             first = first or report
             rows += report.results
             done += 1
         assert first is not None  # names is never empty
-        reports.append(Report(first.target, rows, first.config))
+        whole = Report(first.target, rows, first.config)
+        if not whole.ok:
+            on_check(adapter.name, "diagnosis", done)
+            with torch.random.fork_rng(devices=[]):
+                whole.diagnosis = diagnose(adapter, whole, seed=seed, batch=batch_size, seq_len=seq_len)
+            adapter.set_training(False)
+        reports.append(whole)
     return reports
 
 
@@ -271,14 +239,19 @@ def check(
     checks: tuple[str, ...] = (),
     model: str | None = None,
     layer: int | None = None,
+    scale: float | None = None,
+    mask_convention: Literal["keep", "block"] | None = None,
 ) -> int:
-    """Audit an attention module against attnlab's float64 reference; exit code 1 if a check fails.
+    """Audit an attention module against attnlab's float64 reference; exit code 1 if a check fails, with a
+    'Likely cause' section naming the mistake.
 
     Args:
-        target: 'attnlab', 'torch' (torch.nn.MultiheadAttention) or 'package.module:factory'
-            (returns an nn.Module following attnlab's convention, or an adapter; called with
-            whichever of embed_dim, num_heads, num_kv_heads, dropout it accepts; one that takes
-            embed_dim and num_heads is also called at other sizes, for the head-dim checks).
+        target: 'attnlab', 'torch' (torch.nn.MultiheadAttention), or your module: 'path/to/mine.py:Name'
+            or 'package.module:Name', where Name is an nn.Module class, a factory or an instance. A class
+            or factory gets whichever of the width (embed_dim, d_model, ...), heads (num_heads, n_heads,
+            ...), K/V heads and dropout it takes, and is built again at other sizes for the head-dim
+            checks. Any forward works: forward(query, key, value[, attn_mask][, key_padding_mask]
+            [, is_causal][, need_weights]), forward(x_query, x_context, mask) or forward(x, mask).
         backend: attnlab backends to audit ('both' = math and sdpa).
         json: print JSON for CI instead of tables (every field; no progress on stdout).
         embed_dim: E.
@@ -292,6 +265,8 @@ def check(
         checks: run only these checks (default: all).
         model: check one layer of a pretrained model instead of a built module: 'smollm2', a .gguf file or a Hugging Face directory; its weights and widths (--embed-dim/--num-heads/--num-kv-heads come from it).
         layer: with --model, which attention layer (0 = the first; default 0).
+        scale: the expected multiplier of the scores (default 1/sqrt(head_dim)); a module's own scale attribute is never the truth.
+        mask_convention: what a bool mask should mean to your module: keep (True = may attend, the seeds' and SDPA's) or block (True = blocked, nn.MultiheadAttention's). Default: block if its forward looks like nn.MultiheadAttention's (key_padding_mask and need_weights), else keep.
     """
     if model is None:
         if layer is not None:
@@ -300,7 +275,11 @@ def check(
                 f"pass one: attnlab check --model smollm2 --layer {layer}"
             )
         _validate(target, embed_dim, num_heads, num_kv_heads, dropout, batch_size, seq_len, checks)
-        targets = _targets(target, backend, embed_dim, num_heads, num_kv_heads, dropout, need_weights, seed)
+        if scale is not None and not (math.isfinite(scale) and scale > 0):
+            raise UsageError(f"--scale {scale} must be a positive number, e.g. --scale 0.125 (1/sqrt(64)).")
+        targets = _targets(
+            target, backend, embed_dim, num_heads, num_kv_heads, dropout, need_weights, seed, scale, mask_convention
+        )
     else:
         targets = _model_targets(
             model, layer or 0, target, backend, embed_dim, num_heads, num_kv_heads, dropout, batch_size, seq_len, checks

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from .result import CheckResult, Report
+from .result import Cause, CheckResult, Report
 
-__all__ = ["print_tables", "to_json"]
+__all__ = ["print_tables", "skip_line", "to_json"]
 
 _STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
 
@@ -45,10 +45,11 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
     console = Console(width=width)
     for report in reports:
         cfg = report.config
-        figures = [(r.name, r.status, _figure(r.measured), _figure(r.tolerance)) for r in report.results]
+        shown = [r for r in report.results if r.status != "skip"] or report.results[:1]
+        figures = [(r.name, r.status, _figure(r.measured), _figure(r.tolerance)) for r in shown]
         # each column's widest cell plus rich's borders and padding: 3 per column and 1 for the last border
         fixed = sum(max(len(head), *(len(f[c]) for f in figures)) + 3 for c, head in enumerate(_HEADS[:4])) + 4
-        longest = max((len(r.detail) for r in report.results), default=0)
+        longest = max((len(r.detail) for r in shown), default=0)
         wide = console.width - fixed >= min(_MIN_DETAIL, longest)
         title = f"attnlab check: {report.target}"
         table = Table(
@@ -56,26 +57,75 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
             title_justify="left",
             min_width=min(len(title), console.width),  # the title on one line, however narrow the columns
             caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
-            f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']} torch {cfg['torch']}",
+            f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']} torch {cfg['torch']}"
+            + (f"\n{cfg['called_as']}" if cfg.get("called_as") else ""),
             caption_justify="left",
         )
         for col, kw in zip(_HEADS if wide else _HEADS[:4], _COLUMN_STYLE, strict=False):
             table.add_column(col, **kw)
-        for r in report.results:
+        for r in shown:
             table.add_row(*_row(r, detail=wide))
         console.print(table)
         if not wide:
-            _print_details(console, report)
+            _print_details(console, shown)
         counts = {s: sum(r.status == s for r in report.results) for s in ("pass", "fail", "skip")}
         verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
-        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped\n")
+        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+        skipped = skip_line(report)
+        if skipped:
+            console.print(escape(skipped), overflow="ellipsis", no_wrap=True, crop=True)
+        if report.diagnosis:
+            _print_diagnosis(console, report)
+        console.print()
+
+
+def skip_line(report: Report) -> str:
+    """The skipped rows in one line: their names, the variant rows folded into one ``variant[...]``.
+
+    Every reason is in ``--json``; the most common one is quoted here.
+    """
+    skipped = [r for r in report.results if r.status == "skip"]
+    if not skipped:
+        return ""
+    variants = [r.name[len("variant[") : -1] for r in skipped if r.name.startswith("variant[")]
+    names = [r.name for r in skipped if not r.name.startswith("variant[")]
+    if variants:
+        names.append(f"variant[{','.join(variants)}]")
+    reasons = [r.detail for r in skipped if not r.name.startswith("variant[")]
+    common = max(set(reasons), key=reasons.count) if reasons else ""
+    why = f" (e.g. {common})" if common and len(common) < 70 else ""
+    return f"skipped: {', '.join(names)}{why}; --json has every reason"
+
+
+def _print_diagnosis(console: object, report: Report) -> None:
+    """The ``Likely cause`` section: each cause with what was found, the evidence, the fix and the seed section."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    assert isinstance(console, Console)
+    console.print("\n[bold]Likely cause[/]" + (" (most likely first)" if len(report.diagnosis) > 1 else ""))
+    for i, c in enumerate(report.diagnosis, 1):
+        console.print(f"{i}. [bold]{escape(c.found)}[/] [dim]\\[{escape(c.id)}][/]")
+        for label, text in (("evidence", c.evidence), ("fix", c.fix), ("see", c.seed)):
+            console.print(f"   {label}: {escape(text)}")
+        if c.explains:
+            console.print(f"   explains: {escape(_rows(c))}")
+    explained = {n for c in report.diagnosis for n in c.explains}
+    rest = [r.name for r in report.failures if r.name not in explained]
+    if rest:
+        console.print(f"   not explained by the above: {escape(', '.join(rest))}")
+
+
+def _rows(c: Cause) -> str:
+    names = list(c.explains)
+    return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:5])} and {len(names) - 5} more rows"
 
 
 _HEADS = ("check", "status", "measured", "tolerance", "detail")
 _COLUMN_STYLE: tuple[dict, ...] = ({"no_wrap": True}, {}, {"justify": "right"}, {"justify": "right"}, {"ratio": 1})
 
 
-def _print_details(console: object, report: Report) -> None:
+def _print_details(console: object, rows: Sequence[CheckResult]) -> None:
     """Each row's detail under the table: the check's name, then its detail wrapped in a hanging indent."""
     from rich.console import Console
     from rich.markup import escape
@@ -86,7 +136,7 @@ def _print_details(console: object, report: Report) -> None:
     details = Table.grid(padding=(0, 2))
     details.add_column(no_wrap=True)
     details.add_column(ratio=1)
-    for r in report.results:
+    for r in rows:
         if r.detail:
             details.add_row(escape(r.name), escape(r.detail))
     console.print(details)

@@ -8,7 +8,7 @@ from typing import Literal
 
 Status = Literal["pass", "fail", "skip"]
 
-__all__ = ["CheckResult", "Report", "Status"]
+__all__ = ["Cause", "CheckResult", "Report", "Status"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,19 @@ class CheckResult:
     measured: float | str | None = None  # the figure compared with the tolerance (None when skipped)
     tolerance: float | str | None = None  # the bound the figure had to meet
     detail: str = ""  # how it was measured, or why it was skipped
+    data: dict = field(default_factory=dict, compare=False)  # figures the diagnosis reads (JSON too)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One entry of a report's diagnosis: a mistake that explains failing rows."""
+
+    id: str  # the catalogue's id (attnlab.check.catalogue), or "stage" / "crash" when none matched
+    found: str  # what was found, in one sentence
+    evidence: str  # how it was established
+    fix: str  # the one-line fix
+    seed: str  # the seed section it relates to
+    explains: tuple[str, ...] = ()  # the failing rows it accounts for
 
 
 @dataclass
@@ -29,6 +42,7 @@ class Report:
     target: str
     results: list[CheckResult] = field(default_factory=list)
     config: dict = field(default_factory=dict)  # dims, seed, torch version: what reproduces the run
+    diagnosis: list[Cause] = field(default_factory=list)  # most likely cause first; empty when nothing failed
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -52,7 +66,13 @@ class Report:
             for key in ("measured", "tolerance"):
                 if isinstance(row[key], float) and not math.isfinite(row[key]):
                     row[key] = str(row[key])
-        return {"target": self.target, "ok": self.ok, "config": self.config, "results": rows}
+        return {
+            "target": self.target,
+            "ok": self.ok,
+            "config": self.config,
+            "results": rows,
+            "diagnosis": [asdict(c) for c in self.diagnosis],
+        }
 
     def raise_if_failed(self) -> None:
         """For a user's pytest suite: ``run_checks(my_module).raise_if_failed()``."""

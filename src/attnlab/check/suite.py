@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.autograd import gradcheck
 
 from .adapters import AttentionAdapter, Projections, Unsupported, as_adapter
+from .recipe import Recipe, recipe_attention
 from .reference import plain_attention, reference_attention
 from .result import CheckResult, Report
 from .variants import VARIANT_CHECKS
@@ -75,6 +76,9 @@ class Context:
     seq_len: int = 8  # T
     cross_len: int = 6  # T_k of cross-attention: unequal to T so a swapped axis cannot hide
     seed: int = 0
+    # What the reference computes: None, the textbook formula; a catalogued mistake when the
+    # diagnosis asks which failing rows that mistake explains (they pass against it).
+    recipe: Recipe | None = None
 
     def generator(self, name: str) -> torch.Generator:
         """Seeded per check, so that a row's inputs do not depend on which other checks ran."""
@@ -107,8 +111,17 @@ class Context:
         built.set_training(False)
         return built
 
+    def stages(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> dict[str, Tensor]:
+        """Every stage of the reference (or of ``recipe``), float64: see :func:`attnlab.check.recipe.recipe_attention`."""
+        a = self.adapter
+        heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
+        return recipe_attention(a.projections(), query, key, value, recipe=self.recipe or Recipe(), **heads, **masks)
+
     def reference(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> Tensor:
         a = self.adapter
+        if self.recipe is not None:
+            heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
+            return recipe_attention(a.projections(), query, key, value, recipe=self.recipe, **heads, **masks)["out"]
         return reference_attention(
             a.projections(),
             query,
@@ -187,6 +200,8 @@ def check_parity_cross(ctx: Context) -> CheckResult:
     q = ctx.inputs(g, ctx.batch, ctx.seq_len, a.embed_dim)  # (B, T, E)
     k = ctx.inputs(g, ctx.batch, ctx.cross_len, a.kdim)  # (B, T_k, kdim)
     v = ctx.inputs(g, ctx.batch, ctx.cross_len, a.vdim)  # (B, T_k, vdim)
+    if a.shared_kv:
+        v = k  # forward(x_query, x_context): K and V come from one context
     out, ref = a(q, k, v), ctx.reference(q, k, v)
     err = _rel(out, ref)
     return _row(
@@ -224,6 +239,22 @@ def check_parity_masked(ctx: Context) -> CheckResult:
             errs[f"{name}, {mode}"] = _rel(_call(ctx.adapter, mode, x, x, x, **kw), ref)
     worst = max(errs, key=errs.__getitem__)
     return _row(errs[worst] <= PARITY_TOL, errs[worst], PARITY_TOL, f"causal, padding, bool, all; worst: {worst}")
+
+
+def _grad_names(a: AttentionAdapter) -> tuple[str, ...]:
+    """The inputs whose gradients are compared: separate query, key and value where the target takes them."""
+    if not getattr(a, "supports_cross_attention", True):
+        return ("dX",)
+    return ("dQ", "dKV") if getattr(a, "shared_kv", False) else ("dQ", "dK", "dV")
+
+
+def _as_qkv(leaves: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(query, key, value) from 1, 2 (query, context) or 3 leaves."""
+    if len(leaves) == 3:
+        return leaves[0], leaves[1], leaves[2]
+    if len(leaves) == 2:
+        return leaves[0], leaves[1], leaves[1]
+    return leaves[0], leaves[0], leaves[0]
 
 
 def _input_grad_err(ctx: Context, x: Tensor, up: Tensor, kw: _MaskKwargs) -> float:
@@ -344,8 +375,7 @@ def check_low_precision(ctx: Context, dtype: torch.dtype, grads: bool = False) -
         return _skip(str(e))
     g = ctx.generator(check)
     B, T, E = ctx.batch, LOW_PRECISION_SEQ_LEN, a.embed_dim
-    cross = getattr(a, "supports_cross_attention", True)
-    names = ("dQ", "dK", "dV") if cross else ("dX",)  # separate inputs when the target takes them
+    names = _grad_names(a)
     errs: dict[str, float] = {}  # per layout and tensor, the max over the mask cases (one larger sample)
     plain_errs: dict[str, float] = {}
     for layout, low in targets.items():
@@ -361,7 +391,12 @@ def check_low_precision(ctx: Context, dtype: torch.dtype, grads: bool = False) -
                     raise  # a real error: the runner reports it as a failed row
                 return _skip(f"this device has no {dtype} kernel for the target: {str(e).splitlines()[0]}")
             # The reference sees the low-precision weights and inputs: only arithmetic error is measured.
-            want = _low_precision_run(partial(reference_attention, p, **heads), [x.double() for x in xs], up, kw, grads)
+            ref_fn = (
+                partial(reference_attention, p, **heads)
+                if ctx.recipe is None
+                else partial(_recipe_out, p, recipe=ctx.recipe, **heads)
+            )
+            want = _low_precision_run(ref_fn, [x.double() for x in xs], up, kw, grads)
             plain = _low_precision_run(partial(plain_attention, p, **heads), xs, up, kw, grads)
             for name, got_t, want_t, plain_t in zip(names if grads else ("out",), got, want, plain, strict=True):
                 key = f"{layout}, {name}"
@@ -377,13 +412,17 @@ def check_low_precision(ctx: Context, dtype: torch.dtype, grads: bool = False) -
     return _worst_row(items, detail + (f"; {note}" if note else ""))
 
 
+def _recipe_out(p: Projections, *tensors: Tensor, **kw) -> Tensor:
+    return recipe_attention(p, *tensors, **kw)["out"]
+
+
 def _low_precision_run(
     fn: Callable[..., Tensor], xs: list[Tensor], up: Tensor, kw: _MaskKwargs, grads: bool
 ) -> tuple[Tensor, ...]:
     """``fn(query, key, value, **kw)`` on ``xs`` (one tensor: self-attention), as ``(output,)`` or,
     with ``grads``, the gradients of ``(output * up).sum()`` with respect to each of ``xs``."""
     leaves = [x.detach().requires_grad_(grads) for x in xs]
-    q, k, v = leaves if len(leaves) == 3 else leaves * 3
+    q, k, v = _as_qkv(leaves)
     with torch.set_grad_enabled(grads):
         out = fn(q, k, v, **kw)  # (B, T, E)
     if not grads:
@@ -576,6 +615,62 @@ def check_mask_semantics(ctx: Context) -> CheckResult:
     )
 
 
+def check_attention_weights(ctx: Context) -> CheckResult:
+    """The weights a target returns (``need_weights``): per head, or averaged over heads as torch's default."""
+    a = ctx.adapter
+    g = ctx.generator("attention_weights")
+    B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
+    x = ctx.inputs(g, B, T, E)  # (B, T, E)
+    pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
+    pad[0, -3:] = True
+    cases: dict[str, _MaskKwargs] = {
+        "unmasked": {},
+        "causal": {"is_causal": True},
+        "padding": {"key_padding_mask": pad},
+    }
+    items: dict[str, tuple[float, float]] = {}
+    shape = ""
+    for name, kw in cases.items():
+        try:
+            got = a.attention_weights(x, x, x, **kw)
+        except Unsupported as e:
+            return _skip(str(e))
+        want = ctx.stages(x, x, x, **kw)["weights"]  # (B, H, T, T)
+        if got.dim() == 3:  # averaged over heads, as nn.MultiheadAttention returns by default
+            want = want.mean(dim=1)
+        shape = "(B, T_q, T_k), averaged over heads" if got.dim() == 3 else "(B, H, T_q, T_k)"
+        if got.shape != want.shape:
+            return _row(
+                False, "shape", str(list(want.shape)), f"{name}: weights {list(got.shape)}, want {list(want.shape)}"
+            )
+        items[name] = (_rel(got, want), PARITY_TOL)
+    return _worst_row(items, f"returned weights {shape} vs softmax(Q K^T * scale) of the reference")
+
+
+def check_scale_attribute(ctx: Context) -> CheckResult:
+    """A ``scale`` the module states must be the expected one: the module is not its own reference."""
+    a = ctx.adapter
+    declared = getattr(a, "declared_scale", None)
+    if declared is None:
+        return _skip("the target states no scale attribute; its scale is measured through its outputs")
+    want = a.scale
+    D = a.embed_dim // a.num_heads
+    ok = math.isclose(declared, want, rel_tol=1e-6)
+    names = {
+        1.0 / math.sqrt(D): "1/sqrt(head_dim)",
+        1.0 / math.sqrt(a.embed_dim): "1/sqrt(embed_dim)",
+        1.0 / D: "1/head_dim",
+    }
+    said = next((n for v, n in names.items() if math.isclose(declared, v, rel_tol=1e-6)), f"{declared:.4g}")
+    return _row(
+        ok,
+        declared,
+        want,
+        f"the module's scale attribute is {said} = {declared:.4g}; expected {want:.4g}"
+        + ("" if ok else " (1/sqrt(head_dim) unless you pass --scale)"),
+    )
+
+
 # -- 6. KV cache ---------------------------------------------------------------------------------
 def check_kv_cache(ctx: Context) -> CheckResult:
     g = ctx.generator("kv_cache")
@@ -611,7 +706,7 @@ def check_deterministic_backward(ctx: Context) -> CheckResult:
     a = ctx.adapter
     g = ctx.generator("deterministic_backward")
     B, T, E = ctx.batch, 64, a.embed_dim  # long enough for a kernel to split the keys into blocks
-    names = ("dQ", "dK", "dV") if getattr(a, "supports_cross_attention", True) else ("dX",)
+    names = _grad_names(a)
     xs = [ctx.inputs(g, B, T, E) for _ in names]  # (B, T, E) each
     up = ctx.inputs(g, B, T, E)  # (B, T, E): upstream gradient
     params = [p for p in getattr(a, "parameters", list)() if p.requires_grad]
@@ -622,7 +717,7 @@ def check_deterministic_backward(ctx: Context) -> CheckResult:
 
     def grads(kw: _MaskKwargs) -> tuple[Tensor | None, ...]:
         leaves = [x.clone().requires_grad_() for x in xs]
-        q, k, v = leaves if len(leaves) == 3 else leaves * 3
+        q, k, v = _as_qkv(leaves)
         out = a(q, k, v, **kw)  # (B, T, E)
         return torch.autograd.grad(out, leaves + params, up, allow_unused=True)
 
@@ -710,12 +805,15 @@ def check_dropout_rate(ctx: Context) -> CheckResult:
     kept = float(ratio[~dropped].mean()) if bool((~dropped).any()) else math.nan
     scale_tol = DROPOUT_SCALE_TOL * (scale - 1.0)
     ok = abs(frac - p) <= band and abs(kept - scale) <= scale_tol
-    return _row(
+    row = _row(
         ok,
         frac,
         f"{p:g} ± {band:.3f}",
         f"dropped fraction of {n} (sequence, head) weights, band {DROPOUT_Z:g} binomial SE; kept weights "
         f"x{kept:.4f}, want 1/(1-p) = {scale:.4f} ± {scale_tol:.4f}",
+    )
+    return replace(
+        row, data={"p": p, "dropped": frac, "kept_scale": round(kept, 6) if math.isfinite(kept) else 0.0, "draws": n}
     )
 
 
@@ -739,6 +837,8 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "permutation_equivariance": check_permutation_equivariance,
     "fully_masked_rows": check_fully_masked_rows,
     "mask_semantics": check_mask_semantics,
+    "attention_weights": check_attention_weights,
+    "scale_attribute": check_scale_attribute,
     "kv_cache": check_kv_cache,
     "determinism": check_determinism,
     "deterministic_backward": check_deterministic_backward,
@@ -752,7 +852,14 @@ CROSS_ATTENTION_CHECKS = frozenset({"parity_cross"})
 
 
 def run_checks(
-    target: object, *, checks: Iterable[str] | None = None, seed: int = 0, batch: int = 2, seq_len: int = 8
+    target: object,
+    *,
+    checks: Iterable[str] | None = None,
+    seed: int = 0,
+    batch: int = 2,
+    seq_len: int = 8,
+    scale: float | None = None,
+    diagnose: bool = True,
 ) -> Report:
     """Audit an attention module against attnlab's float64 reference.
 
@@ -763,12 +870,17 @@ def run_checks(
         checks: names from :data:`CHECKS` to run (default: all, in that order).
         seed: seeds every input; the same seed gives the same figures.
         batch, seq_len: B and T of the inputs (seq_len >= 4).
+        scale: the expected multiplier of the scores; default ``1/sqrt(head_dim)``. The module's own
+            ``scale`` attribute is never taken as the truth (``scale_attribute`` reports on it).
+        diagnose: when a check fails, test the catalogue of known mistakes and fill
+            ``report.diagnosis`` (:func:`attnlab.check.diagnose.diagnose`).
 
     Returns:
-        A :class:`Report`; ``report.ok`` is False when a check failed. The target is left in
-        eval mode, and the global RNG state is untouched.
+        A :class:`Report`; ``report.ok`` is False when a check failed, and ``report.diagnosis``
+        names the likely causes, most likely first. The target is left in eval mode, and the
+        global RNG state is untouched.
     """
-    adapter = as_adapter(target)
+    adapter = as_adapter(target, scale=scale)
     names = list(CHECKS) if checks is None else list(checks)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
@@ -796,6 +908,7 @@ def run_checks(
         self_attention = adapter.kdim == adapter.embed_dim and adapter.vdim == adapter.embed_dim
         for name in names:
             try:
+                torch.manual_seed(seed)  # each row's dropout draws alike however the rows are run
                 if not self_attention and name not in CROSS_ATTENTION_CHECKS:
                     result = _skip(
                         f"kdim={adapter.kdim}, vdim={adapter.vdim} differ from embed_dim={adapter.embed_dim}: "
@@ -803,9 +916,16 @@ def run_checks(
                     )
                 else:
                     result = CHECKS[name](ctx)
+            except Unsupported as e:  # the target lacks what the row needs (a mask argument, a cast ...)
+                result = _skip(str(e))
             except Exception as e:  # a crash is a finding about the target, not a crash of the suite
                 result = CheckResult(
                     "", "fail", None, None, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 )
             report.results.append(replace(result, name=name))
+        if diagnose and not report.ok:
+            from .diagnose import diagnose as find_causes
+
+            report.diagnosis = find_causes(adapter, report, seed=seed, batch=batch, seq_len=seq_len)
+            adapter.set_training(False)
     return report

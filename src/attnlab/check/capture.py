@@ -1,0 +1,197 @@
+"""Record every tensor operation a module runs on its inputs, and match each with a reference stage.
+
+Notation: B batch, T_q/T_k query/key positions, E embed_dim, H heads, D head dim.
+
+:func:`capture` runs any callable under a ``TorchFunctionMode`` and keeps each op whose inputs
+descend from the given tensors (so weight and mask bookkeeping stays out): its name, its
+arguments, the tensor it produced, and whether that tensor is a view. :func:`match_stages`
+compares each produced tensor with the stages of :func:`attnlab.check.recipe.recipe_attention`
+(projections, split, scores, scaled, masked, weights, context, merge, output) by *value*, in
+any of the layouts people use ((B, T, H, D) for (B, H, T, D), (B*H, T, D)). That tells which
+stages a hand-written module reproduces and the first one it does not, whatever its code looks
+like. ``attnlab trace --target`` prints it; the diagnosis uses it where no catalogued mistake fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .recipe import STAGES
+
+__all__ = ["Op", "capture", "match_stages", "first_departure"]
+
+MATCH_TOL = 1e-4  # relative: a float32 module against the float64 reference is ~1e-7; a mistake is >1e-2
+
+
+@dataclass
+class Op:
+    """One recorded operation."""
+
+    func: str  # the op's name: linear, view, transpose, matmul, softmax, ...
+    args: list[int | str]  # an int: the index of the op that produced that argument (-1, -2, ...: inputs); else text
+    kwargs: dict[str, str]
+    shape: list[int]
+    dtype: torch.dtype
+    memory: str  # "view" (shares its input's storage) or "new"
+    out: Tensor = field(repr=False)
+    input_dtypes: list[torch.dtype] = field(default_factory=list)
+    stage: str | None = None  # the reference stage its value equals (match_stages)
+
+
+def _fname(func: object) -> str:
+    name = getattr(func, "__name__", str(func))
+    if name == "__get__":  # a property such as .T or .mT
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name.strip("_")  # __matmul__ -> matmul, __getitem__ -> getitem
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, inputs: dict[str, Tensor], names: dict[int, str]) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.ids: dict[int, int] = {}  # id(tensor) -> producing op index (inputs negative)
+        self.keep: list[Tensor] = []  # the tensors stay alive, so their ids stay unique
+        self.names = names  # id(parameter) -> "q_proj.weight"
+        self.input_names = list(inputs)
+        for i, t in enumerate(inputs.values()):
+            self.ids.setdefault(id(t), -1 - i)
+            self.keep.append(t)
+
+    def _arg(self, a: object) -> int | str:
+        if isinstance(a, Tensor):
+            if id(a) in self.ids:
+                return self.ids[id(a)]
+            if id(a) in self.names:
+                return self.names[id(a)]
+            return f"<{'mask' if a.dtype == torch.bool else 'tensor'} {list(a.shape)}>"
+        if isinstance(a, float):
+            return f"{a:.4g}"
+        if isinstance(a, list | tuple):
+            return "[" + ", ".join(str(self._arg(b)) for b in a) + "]"
+        if isinstance(a, torch.dtype):
+            return str(a)
+        return repr(a)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
+        tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
+        if not tracked or not isinstance(out, Tensor) or any(out is t for t in tracked):
+            return out  # off the data path, not one tensor, or a no-op such as .to(its own dtype)
+        src = tracked[0]
+        try:
+            shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        except RuntimeError:
+            shares = False
+        self.ops.append(
+            Op(
+                func=_fname(func),
+                args=[self._arg(a) for a in args],
+                kwargs={k: str(self._arg(v)) for k, v in kwargs.items()},
+                shape=list(out.shape),
+                dtype=out.dtype,
+                memory="view" if shares else "new",
+                out=out.detach(),
+                input_dtypes=[t.dtype for t in tracked],
+            )
+        )
+        self.ids[id(out)] = len(self.ops) - 1
+        self.keep.append(out)
+        return out
+
+
+def capture(fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None) -> list[Op]:
+    """The ops ``fn()`` runs on ``inputs`` (named as given), in order. ``module``'s parameters are named in calls.
+
+    An exception from ``fn`` propagates; the ops recorded until then are lost with it.
+    """
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    mode = _Mode(inputs, names)
+    with mode:
+        fn()
+    return mode.ops
+
+
+def _layouts(t: Tensor, want: Tensor) -> list[Tensor]:
+    """``t`` read in each layout that could hold ``want``'s values: as it is, heads and positions swapped,
+    heads folded into the batch."""
+    if t.numel() != want.numel():
+        return []
+    out = [t] if t.shape == want.shape else []
+    if want.dim() == 4:
+        B, H, T, D = want.shape
+        if t.dim() == 4 and t.shape == (B, T, H, D):
+            out.append(t.transpose(1, 2))
+        if t.dim() == 3 and t.shape == (B * H, T, D):
+            out.append(t.reshape(B, H, T, D))
+    return out
+
+
+def _equal(t: Tensor, want: Tensor) -> float:
+    """Relative error, NaN-free: positions that are -inf in ``want`` must be -inf (or hugely negative) in ``t``."""
+    t, want = t.double(), want.double()
+    finite = torch.isfinite(want)
+    if not bool(finite.all()):
+        if bool((t[~finite] > -1e4).any()):
+            return float("inf")
+        t, want = t[finite], want[finite]
+    if not bool(torch.isfinite(t).all()):
+        return float("inf")
+    return float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) if want.numel() else 0.0
+
+
+def stage_error(t: Tensor, want: Tensor) -> float | None:
+    """The smallest relative error of ``t`` against ``want`` over the layouts that fit; None when none fits."""
+    errs = [_equal(c, want) for c in _layouts(t, want)]
+    return min(errs) if errs else None
+
+
+def match_stages(ops: list[Op], stages: dict[str, Tensor]) -> None:
+    """Set each op's ``stage``: the reference stage its output equals, moving forward through :data:`STAGES`."""
+    reached = -1
+    for op in ops:
+        if not op.out.is_floating_point():
+            continue
+        hits = []
+        for i, name in enumerate(STAGES):
+            err = stage_error(op.out, stages[name])
+            if err is not None and err <= MATCH_TOL:
+                hits.append(i)
+        if not hits:
+            continue
+        ahead = [i for i in hits if i >= reached]
+        pick = min(ahead) if ahead else max(hits)
+        op.stage = STAGES[pick]
+        reached = max(reached, pick)
+
+
+def first_departure(
+    ops: list[Op], stages: dict[str, Tensor], *, masked: bool = False
+) -> tuple[list[str], str | None, Op | None]:
+    """(the stages matched, the first stage not matched after them, the op that should have produced it).
+
+    Stages that a correct module may skip are not required: ``masked`` when no mask applies (it equals
+    ``scaled``), ``scores`` and ``scaled`` when the module scales Q or K first, the split K/V heads when
+    the module reads them another way. The op is the first one after the last matched op whose shape
+    fits the missing stage (None when there is none).
+    """
+    matched = [s for s in STAGES if any(op.stage == s for op in ops)]
+    required = ["q", "k", "v", "q_heads", "weights", "context", "merged", "out"]
+    if "scores" in matched or "scaled" in matched:
+        required.insert(4, "scaled")
+    if masked and "scaled" in required:  # a mask applies: the masked scores are a stage of their own
+        required.insert(required.index("scaled") + 1, "masked")
+    missing = next((s for s in required if s not in matched), None)
+    if missing is None:
+        return matched, None, None
+    before = required[: required.index(missing)]
+    last = max((i for i, op in enumerate(ops) if op.stage in before), default=-1)
+    want = stages[missing]
+    candidate = next((op for op in ops[last + 1 :] if _layouts(op.out, want)), None)
+    return matched, missing, candidate

@@ -1,0 +1,672 @@
+"""From failing rows to a named mistake: the diagnosis of ``attnlab check``.
+
+Notation: B batch, T_q/T_k query/key positions, E embed_dim, H heads, G K/V heads, D head dim.
+
+When a check fails, :func:`diagnose` tests the catalogue (:mod:`attnlab.check.catalogue`) as
+hypotheses, in four steps:
+
+1. **Crashes** are named by their message (a ``view`` of a transposed tensor, a ``-1e9`` fill in
+   float16, K viewed with the query's length...).
+2. **Numerical mistakes**: the module runs on a few probe inputs (self- and cross-attention;
+   unmasked, causal, padded, bool-masked). Each catalogued mistake recomputes the output with that
+   mistake, on the module's own weights and inputs. A mistake is named when it matches the module
+   on every probe while the textbook formula does not. Its evidence is the match and the gap.
+3. **Behaviours**: a fully masked row (NaN, or a uniform average), NaN in padded values, dropout
+   in eval or at the wrong rate or scale, float32 inside a float64 run, a mask read the other way.
+4. Where nothing catalogued fits, the module's own intermediate tensors are captured
+   (:mod:`attnlab.check.capture`) and compared with the reference's stages: the **first stage
+   that diverges** is named.
+
+Each cause lists the failing rows it *explains*: a row the module passes when the reference makes
+that mistake too, or one that a module making exactly that mistake fails as well. Follow-on
+failures are so grouped under their cause instead of drowning it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from .adapters import AttentionAdapter, Projections, Unsupported
+from .capture import capture, first_departure, match_stages, stage_error
+from .catalogue import MISTAKES, Mistake, by_id
+from .recipe import Recipe, recipe_attention
+from .result import Cause, CheckResult, Report
+
+__all__ = ["diagnose"]
+
+HYPOTHESIS_TOL = 1e-4  # a float32 module matches its own formula to ~1e-7; mistakes differ by > 1e-2
+DISTINCT = 1e-3  # the textbook formula must be off by more than this on some probe for a mistake to be named
+PROBE_B, PROBE_T, PROBE_TK = 2, 7, 5  # odd lengths, unequal to each other and to the head counts
+
+
+class _Probe:
+    """One probe input, the module's output on it (or the error it raised)."""
+
+    def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, masks: dict, raw_bool: Tensor | None = None):
+        self.name, self.q, self.k, self.v, self.masks, self.raw_bool = name, q, k, v, masks, raw_bool
+        self.out: Tensor | None = None
+        self.error = ""
+
+
+def _dims(a: AttentionAdapter, **extra: object) -> dict[str, object]:
+    D = a.embed_dim // a.num_heads
+    return {
+        "E": a.embed_dim,
+        "H": a.num_heads,
+        "G": a.num_kv_heads,
+        "D": D,
+        "scale": a.scale,
+        "rE": 1.0 / math.sqrt(a.embed_dim),
+        "rD": 1.0 / math.sqrt(D),
+        **extra,
+    }
+
+
+def _cause(m: Mistake, a: AttentionAdapter, evidence: str, explains: Sequence[str], **extra: object) -> Cause:
+    dims = _dims(a, **extra)
+    return Cause(m.id, m.text("found", dims), evidence, m.text("fix", dims), m.seed, tuple(explains))
+
+
+# -- probes ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
+    g = torch.Generator().manual_seed(seed * 7919 + 17)
+    dev = a.projections().q_weight.device
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dev)
+    B, T, Tk, E = PROBE_B, PROBE_T, PROBE_TK, a.embed_dim
+    x = rnd(B, T, E)  # (B, T, E)
+    pad = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    pad[0, -2:] = True
+    pad[1, -1] = True
+    keep = (torch.rand(B, T, T, generator=g) > 0.4).to(dev)  # (B, T, T)
+    keep[..., 0] = True  # no query without a key: those rows are a behaviour of their own
+    probes = [
+        _Probe("self", x, x, x, {}),
+        _Probe("causal", x, x, x, {"is_causal": True}),
+        _Probe("padding", x, x, x, {"key_padding_mask": pad}),
+        _Probe("bool mask", x, x, x, {"keep_mask": keep}),
+    ]
+    if getattr(a, "supports_cross_attention", True):
+        k = rnd(B, Tk, a.kdim)  # (B, T_k, kdim)
+        v = k if getattr(a, "shared_kv", False) else rnd(B, Tk, a.vdim)  # (B, T_k, vdim)
+        probes.insert(1, _Probe("cross", rnd(B, T, E), k, v, {}))
+    masks = getattr(a, "masks", None)
+    if masks is not None and masks.bool_reading is None and masks.use == "float":
+        raw = keep[0]  # (T, T): handed untranslated, as a user would
+        probes.append(_Probe("raw bool mask", x, x, x, {"keep_mask": raw}, raw_bool=raw))
+    a.set_training(False)
+    for p in probes:
+        try:
+            p.out = a.raw_bool_mask(p.q, p.raw_bool) if p.raw_bool is not None else a(p.q, p.k, p.v, **p.masks)
+        except Unsupported:
+            p.error = "unsupported"
+        except Exception as e:
+            p.error = f"{type(e).__name__}: {e}"
+    return [p for p in probes if p.error != "unsupported"]
+
+
+def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok: bool = False) -> float | None:
+    """Relative error of the module against ``recipe`` on ``probe``, over the queries that see a key (and,
+    with ``nan_ok``, whose outputs are finite); None: the recipe cannot be computed at these sizes (so it
+    is not what the module does)."""
+    try:
+        s = recipe_attention(
+            a.projections(),
+            probe.q,
+            probe.k,
+            probe.v,
+            num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads,
+            scale=a.scale,
+            recipe=recipe,
+            **probe.masks,
+        )
+    except RuntimeError:
+        return None
+    assert probe.out is not None
+    sees = (s["weights"].abs().sum(-1) > 0).any(dim=1)  # (B, T_q): rows with a visible key
+    if nan_ok:
+        sees = sees & torch.isfinite(probe.out).all(dim=-1)
+    got, want = probe.out.double()[sees], s["out"][sees]
+    if got.shape != want.shape:
+        return math.inf
+    if not bool(torch.isfinite(got).all()):
+        return math.inf
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)) if want.numel() else 0.0
+
+
+# -- which failing rows a cause explains ------------------------------------------------------------
+class _Formula(AttentionAdapter):
+    """A module that makes exactly ``recipe``'s mistake, on the target's weights (the oracle of a hypothesis)."""
+
+    def __init__(self, target: AttentionAdapter, recipe: Recipe) -> None:
+        self.target, self.recipe = target, recipe
+        self.name = f"formula with {recipe.changes()}"
+        self.embed_dim, self.num_heads, self.num_kv_heads = target.embed_dim, target.num_heads, target.num_kv_heads
+        self.kdim, self.vdim = target.kdim, target.vdim
+        self.supports_cross_attention = getattr(target, "supports_cross_attention", True)
+        self.shared_kv = getattr(target, "shared_kv", False)
+
+    @property
+    def scale(self) -> float:
+        return self.target.scale
+
+    def projections(self) -> Projections:
+        return self.target.projections()
+
+    def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        s = recipe_attention(
+            self.projections(),
+            query,
+            key,
+            value,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            scale=self.scale,
+            recipe=self.recipe,
+            keep_mask=keep_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+        )
+        return s["out"].to(query.dtype)
+
+    def cast(self, dtype: torch.dtype) -> AttentionAdapter:
+        return self
+
+
+def _explained(
+    a: AttentionAdapter,
+    recipe: Recipe,
+    failing: Sequence[str],
+    *,
+    seed: int,
+    batch: int,
+    seq_len: int,
+    nan_rows: set[str] | None = None,
+) -> list[str]:
+    """The rows in ``failing`` that ``recipe``'s mistake accounts for; those where the mistake alone makes
+    NaN/inf too are added to ``nan_rows``."""
+    from .suite import CHECKS, Context
+
+    ctx = Context(a, batch=batch, seq_len=seq_len, seed=seed, recipe=recipe)
+    oracle = Context(_Formula(a, recipe), batch=batch, seq_len=seq_len, seed=seed)
+    out = []
+    with torch.random.fork_rng(devices=[]):
+        for name in failing:
+            torch.manual_seed(seed)
+            try:
+                row = CHECKS[name](oracle)
+                if row.status == "fail":  # the mistake alone fails this row too (cheap: no module call)
+                    out.append(name)
+                    if nan_rows is not None and "NaN/inf" in row.detail:
+                        nan_rows.add(name)
+                    continue
+            except Exception:
+                pass
+            try:
+                if CHECKS[name](ctx).status == "pass":  # the module agrees with the mistaken formula here
+                    out.append(name)
+            except Exception:
+                pass
+    a.set_training(False)
+    return out
+
+
+# -- the steps ---------------------------------------------------------------------------------------
+_RAISED = re.compile(r"^raised (\w+): (.*)$")
+
+
+def _crash_causes(a: AttentionAdapter, rows: list[CheckResult]) -> list[Cause]:
+    """Failing rows that raised, grouped by the catalogued message they carry."""
+    crashed = [(r, m) for r in rows if (m := _RAISED.match(r.detail))]
+    passed_self = not any(r.name == "parity_self" for r, _ in crashed)
+    causes: dict[str, tuple[Mistake | None, list[str], str]] = {}
+    for r, match in crashed:
+        message = f"{match[1]}: {match[2]}"
+        mistake = next((m for m in MISTAKES if m.kind == "crash" and re.search(m.pattern, match[2])), None)
+        if mistake is not None and mistake.id == "key_length_from_query" and not passed_self:
+            mistake = None  # a shape error in self-attention too is not about the key length
+        key = mistake.id if mistake else message
+        causes.setdefault(key, (mistake, [], message))[1].append(r.name)
+    out = []
+    for mistake, names, message in causes.values():
+        evidence = f"{len(names)} row(s) raised {message}"
+        if mistake is not None:
+            out.append(_cause(mistake, a, evidence, names))
+        else:
+            out.append(
+                Cause(
+                    "crash",
+                    f"the module raises {message.split(':')[0]} on these inputs",
+                    evidence,
+                    "run the module alone on the row's inputs (ATTNLAB_DEBUG=1 shows the traceback)",
+                    "seed 002, section 4.1",
+                    tuple(names),
+                )
+            )
+    return out
+
+
+def _recipe_causes(
+    a: AttentionAdapter,
+    probes: list[_Probe],
+    failing: list[str],
+    *,
+    seed: int,
+    batch: int,
+    seq_len: int,
+    nan_rows: set[str],
+) -> tuple[list[Cause], bool]:
+    """(the numerical mistakes that fit, whether the textbook formula failed a probe)."""
+    ran = [p for p in probes if p.out is not None]
+    masks = getattr(a, "masks", None)
+    if masks is not None and masks.use == "float":  # the float-mask probes ran another code path than a bool mask
+        ran = [p for p in ran if not p.masks or p.raw_bool is not None]
+    textbook = {p.name: _recipe_error(a, Recipe(), p) for p in ran}
+    off = {n: e for n, e in textbook.items() if e is not None and e > DISTINCT}
+    if not off:
+        return [], False
+    found = []
+    for m in MISTAKES:
+        if m.recipe is None:
+            continue
+        errs = {p.name: _recipe_error(a, m.recipe, p, nan_ok=m.nan_under_masks and bool(p.masks)) for p in ran}
+        if any(e is None or e > HYPOTHESIS_TOL for e in errs.values()):
+            continue
+        worst = max(e for e in errs.values() if e is not None)
+        gap_case = max(off, key=off.__getitem__)
+        evidence = (
+            f"the output matches this mistake to {worst:.1e} on {len(errs)} probe inputs ({', '.join(errs)}); "
+            f"the textbook formula is off by {off[gap_case]:.1e} ({gap_case})"
+        )
+        explains = _explained(a, m.recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
+        found.append((len(explains), -MISTAKES.index(m), _cause(m, a, evidence, explains)))
+    found.sort(key=lambda t: (t[0], t[1]), reverse=True)
+    return [c for *_, c in found], True
+
+
+@torch.no_grad()
+def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
+    g = torch.Generator().manual_seed(seed + 3)
+    T, E = PROBE_T, a.embed_dim
+    x = torch.randn(PROBE_B, T, E, generator=g).to(a.projections().q_weight.device)  # (B, T, E)
+    keep = torch.ones(T, T, dtype=torch.bool, device=x.device)
+    keep[2] = False  # query 2 sees no key
+    out = a(x, x, x, keep_mask=keep)[:, 2]  # (B, E)
+    if not bool(torch.isfinite(out).all()):
+        n = int((~torch.isfinite(out)).sum())
+        return _cause(
+            by_id("fully_masked_nan"),
+            a,
+            f"query 2 with every key masked: {n} of {out.numel()} outputs NaN/inf",
+            ["fully_masked_rows"],
+        )
+    s = recipe_attention(a.projections(), x, x, x, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale)
+    p = a.projections().to(torch.float64)
+    rep = a.num_heads // a.num_kv_heads
+    mean_v = s["v_heads"].mean(dim=2, keepdim=True).repeat_interleave(rep, dim=1)  # (B, H, 1, D): every key alike
+    uniform = torch.nn.functional.linear(
+        mean_v.transpose(1, 2).reshape(PROBE_B, -1), p.out_weight, p.out_bias
+    )  # (B, E)
+    err = float((out.double() - uniform).abs().max() / uniform.abs().max())
+    if err <= HYPOTHESIS_TOL:
+        return _cause(
+            by_id("fully_masked_uniform"),
+            a,
+            f"query 2 with every key masked equals the plain average of all values to {err:.1e}, not the zero context",
+            ["fully_masked_rows"],
+        )
+    return None
+
+
+def _dropout(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause | None:
+    p = float(getattr(a, "dropout_p", 0.0))
+    if "determinism" in rows:
+        names = [n for n in ("determinism", "dropout_off_in_eval") if n in rows]
+        d = rows.get("determinism")
+        diff = (
+            f"two eval calls differ by {d.measured:.2e}"
+            if d is not None and isinstance(d.measured, float)
+            else "eval outputs differ from the reference"
+        )
+        if p > 0:
+            return _cause(by_id("dropout_in_eval"), a, f"{diff} with dropout p={p:g} in eval mode", names)
+    r = rows.get("dropout_rate")
+    if r is None or not r.data:
+        return None
+    frac, kept, n = r.data["dropped"], r.data["kept_scale"], r.data["draws"]
+    band = 5.0 * math.sqrt(p * (1 - p) / n)
+    if abs(frac - (1 - p)) <= band and abs(frac - p) > band:
+        return _cause(
+            by_id("dropout_keep_prob"),
+            a,
+            f"{frac:.3f} of the weights dropped, p = {p:g}: that is 1 - p",
+            ["dropout_rate"],
+        )
+    if abs(frac - p) <= band and abs(kept - 1.0) < 0.1 * (1 / (1 - p) - 1):
+        return _cause(
+            by_id("dropout_no_rescale"),
+            a,
+            f"dropped fraction {frac:.3f} = p, but kept weights x{kept:.4f}, want x{1 / (1 - p):.4f}",
+            ["dropout_rate"],
+        )
+    if frac < p / 4:
+        return _cause(
+            by_id("dropout_inactive"),
+            a,
+            f"in training, {frac:.4f} of {n} one-key weights were dropped, want p = {p:g}",
+            ["dropout_rate"],
+        )
+    return None
+
+
+def _float64(
+    a: AttentionAdapter, rows: dict[str, CheckResult], seed: int, failing_names: Sequence[str]
+) -> Cause | None:
+    grads = [n for n in rows if n.startswith("gradcheck") or n == "grad_parity"]
+    if not grads:
+        return None
+    try:
+        a64 = a.cast(torch.float64)
+    except Unsupported:
+        return None
+    a64.set_training(False)
+    g = torch.Generator().manual_seed(seed + 5)
+    x = torch.randn(1, 4, a.embed_dim, generator=g, dtype=torch.float64).to(a.projections().q_weight.device)
+    module = getattr(a64, "module", None)
+    ops = capture(lambda: a64(x, x, x), {"query": x}, module)
+    low = next(
+        (
+            op
+            for op in ops
+            if op.dtype in (torch.float32, torch.float16, torch.bfloat16) and torch.float64 in op.input_dtypes
+        ),
+        None,
+    )
+    if low is not None:
+        where = _call_text(op_index=ops.index(low), ops=ops, input_names=["x"])
+        return _cause(
+            by_id("float64_downcast"),
+            a,
+            f"in a float64 run, op #{ops.index(low) + 1} `{where}` returns {str(low.dtype).removeprefix('torch.')}",
+            grads,
+            where=f"`{where}`",
+        )
+    forward_rows = {"parity_self", "parity_cross", "parity_masked", "odd_lengths"}
+    if not forward_rows & rows.keys() and not forward_rows & set(failing_names):
+        backward = grads + [n for n in rows if n.startswith("low_precision_grad")]
+        return _cause(
+            by_id("wrong_backward"), a, "the forward matches the reference but its gradients do not", backward
+        )
+    return None
+
+
+def _low_precision(a: AttentionAdapter, rows: dict[str, CheckResult], seed: int) -> Cause | None:
+    names = [n for n in rows if n.startswith("low_precision")]
+    if not names:
+        return None
+    dtype = torch.float16 if any("fp16" in n for n in names) else torch.bfloat16
+    where = ""
+    try:
+        low = a.cast(dtype)
+        low.set_training(False)
+        g = torch.Generator().manual_seed(seed + 11)
+        x = torch.randn(1, 4, a.embed_dim, generator=g).to(a.projections().q_weight.device, dtype)
+        ops = capture(lambda: low(x, x, x), {"query": x}, getattr(low, "module", None))
+        bits = lambda d: torch.finfo(d).bits if d.is_floating_point else 64
+        narrow = next((op for op in ops if op.input_dtypes and bits(op.dtype) < min(map(bits, op.input_dtypes))), None)
+        if narrow is not None:
+            where = f": op #{ops.index(narrow) + 1} `{_call_text(ops.index(narrow), ops, ['x'])}` narrows {dtype} to {narrow.dtype}"
+    except Exception:
+        pass
+    worst = max(
+        (rows[n] for n in names),
+        key=lambda r: (
+            r.measured / r.tolerance if isinstance(r.measured, float) and isinstance(r.tolerance, float) else 0
+        ),
+    )
+    evidence = (
+        f"{worst.name}: max error {worst.measured:.2e} against a budget of {worst.tolerance:.2e} (2x plain PyTorch + 1e-6)"
+        if isinstance(worst.measured, float)
+        else worst.detail
+    )
+    return _cause(by_id("low_precision_loss"), a, evidence, names, where=where)
+
+
+def _call_text(op_index: int, ops: list, input_names: list[str]) -> str:
+    op = ops[op_index]
+    name = lambda a: (
+        input_names[-1 - a] if a < 0 and -1 - a < len(input_names) else f"t{a + 1}" if isinstance(a, int) else a
+    )
+    args = ", ".join(str(name(x)) for x in op.args)
+    kwargs = "".join(f", {k}={v}" for k, v in op.kwargs.items())
+    return f"{op.func}({args}{kwargs})"
+
+
+def _mask_polarity(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause | None:
+    r = rows.get("mask_semantics")
+    if r is None or r.measured not in ("True = may attend", "True = blocked"):
+        return None
+    declared = r.tolerance
+    keep = declared == "True = may attend"
+    fix = (
+        "mask with masked_fill(~attn_mask, float('-inf')) so that True = may attend; or, if True = blocked is "
+        "your convention, say so: --mask-convention block"
+        if keep
+        else "mask with masked_fill(attn_mask, float('-inf')) so that True = blocked; or pass --mask-convention keep"
+    )
+    return _cause(
+        by_id("mask_polarity"),
+        a,
+        f"a bool mask reads {r.measured} here ({r.detail}); expected {declared}",
+        ["mask_semantics"],
+        convention=f"{declared} (the convention of {'the seeds and SDPA' if keep else 'nn.MultiheadAttention'})",
+        polarity_fix=fix,
+    )
+
+
+@torch.no_grad()
+def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str]) -> Cause | None:
+    """Where no catalogued mistake fits: the first stage whose tensor the module never produces."""
+    module = getattr(a, "module", None)
+    probe = next((p for p in probes if p.out is not None and _recipe_error(a, Recipe(), p) not in (None, 0.0)), None)
+    if probe is None:
+        return None
+    if _recipe_error(a, Recipe(), probe) <= DISTINCT:  # type: ignore[operator]
+        probe = next(
+            (p for p in probes if p.out is not None and (_recipe_error(a, Recipe(), p) or 0) > DISTINCT), probe
+        )
+    inputs = {"query": probe.q} if probe.k is probe.q else {"query": probe.q, "key": probe.k, "value": probe.v}
+    ops = capture(lambda: a(probe.q, probe.k, probe.v, **probe.masks), inputs, module)
+    stages = recipe_attention(
+        a.projections(),
+        probe.q,
+        probe.k,
+        probe.v,
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads,
+        scale=a.scale,
+        **probe.masks,
+    )
+    match_stages(ops, stages)
+    matched, missing, candidate = first_departure(ops, stages, masked=bool(probe.masks))
+    if missing is None:
+        return None
+    hint = _stage_hint(missing, candidate, stages, a)
+    ok = ", ".join(s for s in matched if s != missing) or "nothing"
+    found = f"your {ok} match the reference; your {missing} does not" + (f": {hint}" if hint else "")
+    where = (
+        f" (op #{ops.index(candidate) + 1}, {candidate.func}, shape {candidate.shape})" if candidate is not None else ""
+    )
+    return Cause(
+        "stage",
+        found,
+        f"intermediate tensors captured on the {probe.name!r} probe and compared with the reference's stages{where}",
+        f"compare your {missing} step with the reference: attnlab trace --target ... shows both side by side",
+        {"q": "seed 002, section 2.1", "k": "seed 002, section 2.1", "v": "seed 002, section 2.1",
+         "q_heads": "seed 002, section 2.2", "scaled": "seed 002, section 2.3", "weights": "seed 002, section 2.4",
+         "context": "seed 000, section 3.4", "merged": "seed 002, section 2.2", "out": "seed 002, section 2.1"}.get(missing, "seed 000"),
+        tuple(explains),
+    )  # fmt: skip
+
+
+def _stage_hint(missing: str, op, stages: dict[str, Tensor], a: AttentionAdapter) -> str:
+    if op is None:
+        return f"no tensor of its shape {list(stages[missing].shape)} comes after the last matching one"
+    t = op.out.double()
+    if missing == "weights" and t.dim() == 4:
+        rows = float((t.sum(-1) - 1).abs().max())
+        cols = float((t.sum(-2) - 1).abs().max())
+        if cols < 1e-4 < rows:
+            return "each column sums to 1, so softmax ran over the query axis"
+        if rows < 1e-4:
+            return "each row sums to 1, but the values differ: the scores going into softmax are not the reference's"
+        return f"its rows sum to {float(t.sum(-1).mean()):.3g} on average, not 1"
+    if missing == "masked" and t.dim() == 4:
+        want = stages["masked"]
+        blocked = ~torch.isfinite(want)
+        left_open = int((blocked & (t > -1e4)).sum()) if t.shape == want.shape else -1
+        if left_open > 0:
+            return f"{left_open} of the {int(blocked.sum())} pairs the mask blocks keep a finite score: the mask does not reach the scores"
+    if missing == "scaled":
+        raw = stages["scores"]
+        err = stage_error(t, raw)
+        if err is not None and err > HYPOTHESIS_TOL:
+            ratio = float((t.flatten() @ raw.flatten()) / (raw.flatten() @ raw.flatten()))
+            return f"your scores are {ratio:.4g} x Q K^T; expected {a.scale:.4g} x Q K^T"
+    err = stage_error(t, stages[missing])
+    return f"the closest tensor differs by {err:.1e} (relative)" if err is not None else ""
+
+
+# -- the whole diagnosis ---------------------------------------------------------------------------------
+def diagnose(a: AttentionAdapter, report: Report, *, seed: int = 0, batch: int = 2, seq_len: int = 8) -> list[Cause]:
+    """The likely causes of ``report``'s failures, most likely first (empty when nothing failed)."""
+    failing = [r for r in report.results if r.status == "fail"]
+    if not failing:
+        return []
+    causes: list[Cause] = []
+    explained: set[str] = set()
+    nan_by_mistake: set[str] = set()  # rows where a named numerical mistake makes NaN/inf by itself
+
+    def add(c: Cause | None, *, force: bool = False) -> None:
+        """Record ``c``; ``force``: its rows move to it from earlier causes (a NaN no formula makes)."""
+        if c is None:
+            return
+        if force:
+            for i, other in enumerate(causes):
+                causes[i] = replace(other, explains=tuple(n for n in other.explains if n not in c.explains))
+            explained.difference_update(c.explains)
+        new = tuple(n for n in c.explains if n not in explained)
+        if not new and c.explains:
+            return
+        causes.append(replace(c, explains=new))
+        explained.update(new)
+
+    crashes = _crash_causes(a, failing)
+    for c in crashes:
+        if c.id != "crash":  # a catalogued crash first; an unknown one may be a mistake's consequence
+            add(c)
+    if "determinism" in {r.name for r in failing} and float(getattr(a, "dropout_p", 0.0)) > 0:
+        # outputs drawn at random in eval: every comparison is noise, so this cause comes first and alone
+        d = report["determinism"]
+        add(
+            _cause(
+                by_id("dropout_in_eval"),
+                a,
+                f"two eval calls on the same input differ by {d.measured:.2e}, with dropout p={getattr(a, 'dropout_p', 0):g}"
+                if isinstance(d.measured, float)
+                else d.detail,
+                [r.name for r in failing if r.name not in explained],
+            )
+        )
+        return causes
+    rest = [r.name for r in failing if r.name not in explained]
+    probes = _run_probes(a, seed) if rest else []
+    textbook_off = False
+    if rest:
+        found, textbook_off = _recipe_causes(
+            a, probes, rest, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_by_mistake
+        )
+        for c in found[
+            :3
+        ]:  # most likely first; more than three fitting mistakes says the probes cannot tell them apart
+            add(c)
+    for c in crashes:
+        if c.id == "crash":
+            add(c)
+    left = {r.name: r for r in failing if r.name not in explained}
+    rows = {r.name: r for r in failing}
+    # a NaN that no named numerical mistake makes on its own is a behaviour of its own
+    nan = lambda name: name in rows and "NaN/inf" in rows[name].detail and name not in nan_by_mistake
+    if "fully_masked_rows" in left or nan("fully_masked_rows"):
+        try:
+            add(_fully_masked(a, seed), force=nan("fully_masked_rows"))
+        except Exception:
+            pass
+    if nan("padded_kv_nonfinite") and "padding_invariance" not in left:
+        r = rows["padded_kv_nonfinite"]
+        why = r.detail.split(" (", 1)[-1].removesuffix(")").split("); worst")[0]
+        add(_cause(by_id("padded_values_nan"), a, why, ["padded_kv_nonfinite"]), force=True)
+    left = {r.name: r for r in failing if r.name not in explained}
+    add(_dropout(a, left))
+    left = {r.name: r for r in failing if r.name not in explained}
+    try:
+        add(_float64(a, left, seed, [r.name for r in failing]))
+    except Exception:
+        pass
+    left = {r.name: r for r in failing if r.name not in explained}
+    add(_mask_polarity(a, left))
+    if not textbook_off:  # the forward is right in float32: a half-precision failure is a precision matter
+        add(_low_precision(a, {r.name: r for r in failing if r.name not in explained}, seed))
+    if "scale_attribute" in {r.name for r in failing}:
+        declared = getattr(a, "declared_scale", None)
+        scale_causes = [i for i, c in enumerate(causes) if c.id.startswith("scale_")]
+        if scale_causes and "scale_attribute" not in explained:
+            i = scale_causes[0]
+            causes[i] = replace(causes[i], explains=(*causes[i].explains, "scale_attribute"))
+            explained.add("scale_attribute")
+        elif declared is not None:
+            add(
+                _cause(
+                    by_id("scale_attribute"),
+                    a,
+                    report["scale_attribute"].detail,
+                    ["scale_attribute"],
+                    declared=declared,
+                )
+            )
+    left_names = [r.name for r in failing if r.name not in explained]
+    if left_names and textbook_off and not any(c.id in _NUMERIC for c in causes):
+        try:
+            add(_stage_cause(a, probes, left_names))
+        except Exception:
+            pass
+    return _ordered(causes)
+
+
+def _ordered(causes: list[Cause]) -> list[Cause]:
+    """Catalogued crashes first, then what is wrong with the forward's numbers, then behaviours, then
+    unknown crashes; within each, the cause explaining more rows first (stable: the catalogue's order
+    breaks ties)."""
+
+    def rank(c: Cause) -> int:
+        if by_kind(c.id) == "crash":
+            return 0
+        if c.id in _NUMERIC or c.id == "stage":
+            return 1
+        return 3 if c.id == "crash" else 2
+
+    return sorted(causes, key=lambda c: (rank(c), -len(c.explains)))
+
+
+def by_kind(mistake_id: str) -> str:
+    return next((m.kind for m in MISTAKES if m.id == mistake_id), "")
+
+
+_NUMERIC = {m.id for m in MISTAKES if m.recipe is not None}

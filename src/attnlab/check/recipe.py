@@ -1,0 +1,217 @@
+"""Attention written out stage by stage in float64, with each classic mistake a switch.
+
+Notation: B batch, T_q query positions, T_k key positions, E embed_dim, H query heads,
+G key/value heads, D head dim.
+
+:func:`recipe_attention` computes what a module *should* return (``Recipe()``, the textbook
+formula, equal to :func:`attnlab.check.reference_attention`) or what it returns when it makes
+one mistake: ``Recipe(scale="embed_dim")`` divides the scores by sqrt(E), ``Recipe(merge=
+"no_transpose")`` merges the heads without the transpose back, and so on. The diagnosis
+(:mod:`attnlab.check.diagnose`) recomputes the output with each catalogued mistake, on the
+module's own weights and inputs, and keeps those that match. Every stage's tensor is returned
+too, for ``attnlab trace`` and for locating the first stage where a module departs.
+
+Masks arrive as in :func:`attnlab.check.reference_attention`: ``keep_mask`` bool (True = may
+attend) ``(T_q, T_k)`` or ``(B, T_q, T_k)``, ``key_padding_mask`` bool ``(B, T_k)`` (True =
+padding), ``is_causal`` bottom-right aligned. A query with no visible key gets a zero context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .adapters import Projections
+
+__all__ = ["Recipe", "STAGES", "recipe_attention"]
+
+Source = Literal["query", "key", "value"]
+Proj = Literal["q", "k", "v"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the attention is computed; the defaults are the textbook formula (seed 002, section 2.2)."""
+
+    q_from: tuple[Proj, Source] = ("q", "query")  # Q = q_proj(query)
+    k_from: tuple[Proj, Source] = ("k", "key")  # K = k_proj(key)
+    v_from: tuple[Proj, Source] = ("v", "value")  # V = v_proj(value)
+    split: Literal["heads", "no_transpose", "interleaved"] = "heads"  # view(B, T, H, D).transpose(1, 2)
+    kv_repeat: Literal["interleave", "tile"] = "interleave"  # GQA: K/V head g serves queries g*H/G ..
+    scale: Literal["expected", "embed_dim", "none", "head_dim", "multiplied"] = "expected"
+    scale_after_softmax: bool = False  # the factor applied to the weights instead of the scores
+    softmax_dim: int = -1  # over keys
+    mask_stage: Literal["before", "after"] = "before"  # masked scores -inf before softmax
+    bool_mask_added: bool = False  # the keep mask added to the scores as 0/1 floats instead of masking
+    mask_ignored: bool = False  # no mask of any kind reaches the scores
+    causal: Literal["right", "sees_next", "hides_self", "reversed"] = "right"
+    padding: Literal["keys", "ignored", "inverted", "queries"] = "keys"
+    merge: Literal["transpose", "no_transpose", "interleaved"] = "transpose"
+    out_proj: bool = True
+
+    def changes(self) -> dict[str, object]:
+        """The fields that differ from the textbook recipe."""
+        plain = Recipe()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(plain, f.name)}
+
+
+# The stages :func:`recipe_attention` returns, in the order the data flows (seed 000's walk-through).
+STAGES = (
+    "q",  # (B, T_q, H*D): q_proj(query)
+    "k",  # (B, T_k, G*D)
+    "v",  # (B, T_k, G*D)
+    "q_heads",  # (B, H, T_q, D)
+    "k_heads",  # (B, G, T_k, D)
+    "v_heads",  # (B, G, T_k, D)
+    "scores",  # (B, H, T_q, T_k): Q K^T, before scaling
+    "scaled",  # (B, H, T_q, T_k): times the scale
+    "masked",  # (B, H, T_q, T_k): blocked pairs at -inf
+    "weights",  # (B, H, T_q, T_k): softmax over keys
+    "context",  # (B, H, T_q, D): weights V
+    "merged",  # (B, T_q, H*D): heads back side by side
+    "out",  # (B, T_q, E): out_proj(merged)
+)
+
+
+def _scale(recipe: Recipe, expected: float, E: int, D: int) -> float:
+    return {
+        "expected": expected,
+        "embed_dim": 1.0 / math.sqrt(E),
+        "none": 1.0,
+        "head_dim": 1.0 / D,
+        "multiplied": math.sqrt(D),
+    }[recipe.scale]
+
+
+def _split(x: Tensor, n: int, how: str) -> Tensor:
+    """``(B, T, n*D)`` -> ``(B, n, T, D)``, or what a mistaken split makes of it."""
+    B, T, C = x.shape
+    D = C // n
+    if how == "no_transpose":
+        return x.reshape(B, n, T, D)  # the memory of (B, T, n*D) reread as (B, n, T, D): positions and heads mixed
+    if how == "interleaved":
+        return x.view(B, T, D, n).permute(0, 3, 1, 2)  # head h takes every n-th feature
+    return x.view(B, T, n, D).transpose(1, 2)  # (B, n, T, D)
+
+
+def _merge(context: Tensor, how: str) -> Tensor:
+    """``(B, H, T, D)`` -> ``(B, T, H*D)``, or what a mistaken merge makes of it."""
+    B, H, T, D = context.shape
+    if how == "no_transpose":
+        return context.reshape(B, T, H * D)  # (B, H, T, D) memory reread as (B, T, H*D)
+    if how == "interleaved":
+        return context.permute(0, 2, 3, 1).reshape(B, T, H * D)  # feature d of head h at d*H + h
+    return context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+
+
+def _causal(recipe: Recipe, T_q: int, T_k: int, device: torch.device | None) -> Tensor:
+    """``(T_q, T_k)`` bool, True = may attend; bottom-right aligned like ``attnlab``'s ``is_causal``."""
+    ones = torch.ones(T_q, T_k, dtype=torch.bool, device=device)
+    offset = T_k - T_q
+    if recipe.causal == "sees_next":
+        return ones.tril(offset + 1)
+    if recipe.causal == "hides_self":
+        return ones.tril(offset - 1)
+    if recipe.causal == "reversed":
+        return ones.triu(offset)  # each query sees itself and the future
+    return ones.tril(offset)
+
+
+def recipe_attention(
+    p: Projections,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    recipe: Recipe = Recipe(),
+    keep_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+) -> dict[str, Tensor]:
+    """Every stage of ``recipe``'s attention, in float64: a dict over :data:`STAGES` (``"out"`` is the output).
+
+    Args:
+        p: the module's weights.
+        query, key, value: ``(B, T_q, E)``, ``(B, T_k, kdim)``, ``(B, T_k, vdim)``.
+        num_heads, num_kv_heads: H and G.
+        scale: the expected multiplier of the scores (``1/sqrt(D)`` unless the user said otherwise);
+            ``recipe.scale`` may replace it with a mistaken one.
+        recipe: the textbook formula by default.
+        keep_mask, key_padding_mask, bias, is_causal: the masks (see the module docstring); ``bias``
+            is a float ``(T_q, T_k)`` or ``(B, T_q, T_k)`` added to the scores.
+
+    Raises:
+        RuntimeError: a recipe whose shapes cannot work for these sizes (e.g. K through q_proj when
+            G < H): that mistake cannot be what the module does.
+    """
+    if recipe.mask_ignored:
+        keep_mask = key_padding_mask = bias = None
+        is_causal = False
+    f64 = torch.float64
+    w = p.to(f64)
+    inputs = {"query": query.to(f64), "key": key.to(f64), "value": value.to(f64)}
+    linear = {"q": (w.q_weight, w.q_bias), "k": (w.k_weight, w.k_bias), "v": (w.v_weight, w.v_bias)}
+    H, G = num_heads, num_kv_heads
+    s: dict[str, Tensor] = {}
+    for name, (proj, src) in (("q", recipe.q_from), ("k", recipe.k_from), ("v", recipe.v_from)):
+        s[name] = F.linear(inputs[src], *linear[proj])  # (B, T, n*D)
+    B, T_q, T_k = query.size(0), query.size(1), s["k"].size(1)
+    D = s["q"].size(-1) // H
+    s["q_heads"] = _split(s["q"], H, recipe.split)  # (B, H, T_q, D)
+    s["k_heads"] = _split(s["k"], G, recipe.split)  # (B, G, T_k, D)
+    s["v_heads"] = _split(s["v"], G, recipe.split)  # (B, G, T_k, D)
+    k, v = s["k_heads"], s["v_heads"]
+    if G != H:  # GQA: each K/V head serves H/G query heads
+        if recipe.kv_repeat == "tile":
+            k, v = k.repeat(1, H // G, 1, 1), v.repeat(1, H // G, 1, 1)  # g0 g1 g0 g1 ...: (B, H, T_k, D)
+        else:
+            k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # g0 g0 g1 g1 ...
+    s["scores"] = s["q_heads"] @ k.transpose(-2, -1)  # (B, H, T_q, T_k)
+    factor = _scale(recipe, scale, p.out_weight.size(0), D)
+    s["scaled"] = s["scores"] if recipe.scale_after_softmax else s["scores"] * factor
+
+    keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=query.device)  # True = may attend
+    added = torch.zeros(B, 1, T_q, T_k, dtype=f64, device=query.device)
+    if keep_mask is not None:
+        k4 = (keep_mask if keep_mask.dim() == 3 else keep_mask[None])[:, None]  # (B or 1, 1, T_q, T_k)
+        if recipe.bool_mask_added:
+            added = added + k4.to(f64)  # True adds 1.0 to the score: nothing is masked
+        else:
+            keep = keep & k4
+    if bias is not None:
+        b4 = bias.to(f64).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
+        keep = keep & (b4 != float("-inf"))
+        added = added + b4.masked_fill(b4 == float("-inf"), 0.0)
+    if key_padding_mask is not None and recipe.padding != "ignored":
+        pad = ~key_padding_mask if recipe.padding == "inverted" else key_padding_mask  # (B, T_k)
+        if recipe.padding == "queries":  # the mask laid along the query axis: padded *queries* see nothing
+            keep = keep & ~pad[:, None, :, None]  # (B, 1, T_q = T_k, 1)
+        else:
+            keep = keep & ~pad[:, None, None, :]  # (B, 1, 1, T_k)
+    if is_causal:
+        keep = keep & _causal(recipe, T_q, T_k, query.device)  # (T_q, T_k) broadcast
+    scores = s["scaled"] + added  # (B, H, T_q, T_k)
+    if recipe.mask_stage == "before":
+        s["masked"] = scores.masked_fill(~keep, float("-inf"))
+        weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)
+        empty = ~keep.any(dim=recipe.softmax_dim, keepdim=True)  # a softmax over nothing but -inf ...
+        weights = weights.masked_fill(empty, 0.0)  # ... has no visible key: zero weights (a NaN input stays NaN)
+    else:
+        s["masked"] = scores
+        weights = torch.softmax(scores, dim=recipe.softmax_dim).masked_fill(~keep, 0.0)  # not renormalised
+    if recipe.scale_after_softmax:
+        weights = weights * factor
+    s["weights"] = weights  # (B, H, T_q, T_k)
+    s["context"] = weights @ v.masked_fill(~keep.any(dim=2)[..., None], 0.0)  # (B, H, T_q, D); unseen keys: 0
+    s["merged"] = _merge(s["context"], recipe.merge)  # (B, T_q, H*D)
+    s["out"] = F.linear(s["merged"], w.out_weight, w.out_bias) if recipe.out_proj else s["merged"]  # (B, T_q, E)
+    return s
