@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from attnlab import MultiHeadAttention
+from attnlab.check.recipe import STAGES
 from attnlab.cli import main
-from attnlab.tools.trace import trace
+from attnlab.tools.trace import trace, trace_module
 
 B, T, E, H, TK = 3, 7, 48, 6, 5  # odd sizes, so that no two axes can be confused
 D = E // H
@@ -205,3 +206,244 @@ def test_cli_trace_wide_terminal_and_json_keep_every_column(capsys, monkeypatch)
         "axes": "(b, t, h, d): features cut into h heads of d",
         "memory": "view",
     }
+
+
+# -- --target: any hand-written module, each op matched with the reference's stages ----------------------
+
+CORPUS = "tests/mistake_corpus"
+TINY = ["--batch-size", "2", "--seq-len", "3", "--embed-dim", "16", "--num-heads", "4"]  # D = 4
+
+
+def _target(capsys, name: str, *flags: str) -> tuple[int, dict]:
+    code = main(["trace", "--target", f"{CORPUS}/{name}.py:MultiHeadAttention", "--json", *flags])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _by_stage(rows: list[dict]) -> dict[str, list[tuple]]:
+    out: dict[str, list[tuple]] = {}
+    for r in rows:
+        if r["stage"]:
+            out.setdefault(r["stage"], []).append((r["func"], r["shape"], r["memory"]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["seed002_correct", "seed000_correct"])
+def test_target_correct_module_reproduces_every_stage_with_seed_000_shapes(capsys, name):
+    code, data = _target(capsys, name)
+    assert code == 0 and data["departure"] is None and data["error"] is None
+    assert data["matched"] == [s for s in STAGES if s != "masked"]  # no mask: masked equals scaled
+    assert data["inputs"] == {"x": [2, 10, 64]}
+    heads = [("view", [2, 10, 8, 8], "view"), ("transpose", [2, 8, 10, 8], "view")]
+    assert _by_stage(data["rows"]) == {
+        "q": [("linear", [2, 10, 64], "new")],
+        "k": [("linear", [2, 10, 64], "new")],
+        "v": [("linear", [2, 10, 64], "new")],
+        "q_heads": heads,
+        "k_heads": heads,
+        "v_heads": heads,
+        "scores": [("matmul", [2, 8, 10, 10], "new")],
+        "scaled": [("div", [2, 8, 10, 10], "new")],
+        "weights": [("softmax", [2, 8, 10, 10], "new")],
+        "context": [
+            ("matmul", [2, 8, 10, 8], "new"),
+            ("transpose", [2, 10, 8, 8], "view"),
+            ("contiguous", [2, 10, 8, 8], "new"),  # the copy that lets the merge be a view
+        ],
+        "merged": [("view", [2, 10, 64], "view")],
+        "out": [("linear", [2, 10, 64], "new")],
+    }
+    split = next(r for r in data["rows"] if r["func"] == "view" and r["stage"] == "q_heads")
+    assert split["operation"] == "q = view(q, 2, 10, 8, 8)" or split["operation"] == "q = view(q, 2, -1, 8, 8)"
+    assert split["reference_shape"] == [2, 8, 10, 8]  # the same values, read (B, T, H, D) before the transpose
+    kT = next(r for r in data["rows"] if r["stage"] is None)
+    assert kT["operation"] == f"t{kT['index']} = transpose(k, -2, -1)"
+    assert data["rows"][-1]["operation"] in (
+        "out = linear(merged, out_proj.weight, out_proj.bias)",
+        "out = linear(merged, w_o.weight, w_o.bias)",
+    )
+
+
+def test_target_seed000_is_called_in_its_own_form(capsys):
+    _, data = _target(capsys, "seed000_correct")
+    assert data["call"] == "forward(x_query, x_context, mask)"
+    assert data["mask"].startswith("bool, True = may attend")
+
+
+@pytest.mark.parametrize(
+    ("name", "stage", "func"),
+    [
+        ("seed002_softmax_query_axis", "weights", "softmax"),
+        ("seed000_softmax_query_axis", "weights", "softmax"),
+        ("seed000_merge_without_transpose", "merged", "view"),
+        ("seed002_scale_embed_dim", "scaled", "mul"),  # times 1/sqrt(E) where 1/sqrt(D) belongs
+        ("seed002_split_without_transpose", "q_heads", "view"),
+        ("seed000_split_without_transpose", "q_heads", "view"),
+    ],
+)
+def test_target_first_departure_is_the_mistaken_stage(capsys, name, stage, func):
+    code, data = _target(capsys, name)
+    assert code == 0 and data["error"] is None
+    dep = data["departure"]
+    assert dep["stage"] == stage and dep["reference_shape"] == data["reference"][stage]
+    assert stage not in data["matched"]
+    before = [s for s in STAGES[: STAGES.index(stage)] if s != "masked"]  # no mask: masked equals scaled
+    assert [s for s in data["matched"] if s in before] == before  # every stage up to it reproduced
+    row = data["rows"][dep["op"] - 1]
+    assert row["stage"] is None and row["shape"] == dep["op_shape"]
+    if func is not None:
+        assert row["func"] == dep["op_func"] == func
+
+
+def test_target_softmax_query_axis_marks_the_departure_under_its_op(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["trace", "--target", f"{CORPUS}/seed002_softmax_query_axis.py:MultiHeadAttention"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(">> first departure"))
+    assert lines[i - 1] == "    t13 = softmax(scores, dim=-2, dtype=torch.float32)"
+    assert " ".join(ln.strip() for ln in lines[i : i + 2]) == (
+        ">> first departure: the reference's weights [2, 8, 10, 10] is never produced; "
+        "op #13 (softmax, shape [2, 8, 10, 10]) is where it should be"
+    )
+    assert lines[-1].startswith("reference stages reproduced") or lines[-2].startswith("reference stages reproduced")
+
+
+def test_target_that_raises_prints_the_ops_before_it_then_the_error(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    spec = f"{CORPUS}/seed002_view_not_contiguous.py:MultiHeadAttention"
+    assert main(["trace", "--target", spec]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(">> raised RuntimeError: view size is not compatible"))
+    assert lines[i - 1] == "    context = transpose(context, 1, 2)"  # the last op that ran: .view() failed on it
+    assert lines[i - 2].split()[:3] == ["15", "[2,", "10,"] and "view" in lines[i - 2]
+    rest = lines[i + 1 :]
+    assert [ln for ln in rest if not ln.startswith("   ")] == []  # the error is the last row
+    with open(spec.split(":")[0]) as f:
+        line_no = next(n for n, src in enumerate(f, 1) if src.strip().startswith("out = out.transpose(1, 2).view("))
+    assert f"   at seed002_view_not_contiguous.py:{line_no}:" in rest
+    assert "      out = out.transpose(1, 2).view(B, T_q, self.embed_dim)" in rest
+    assert main(["trace", "--target", spec, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["error"]["type"] == "RuntimeError" and data["departure"] is None
+    assert len(data["rows"]) == 15 and data["matched"][-1] == "context"
+
+
+def test_target_cross_attention_causal_padding_gqa(capsys):
+    flags = [*TINY, "--context-len", "5", "--causal", "--pad", "1", "--num-kv-heads", "2"]
+    code, data = _target(capsys, "gqa_correct", *flags)
+    assert code == 0 and data["departure"] is None and data["error"] is None
+    assert data["matched"] == list(STAGES)  # the masks apply: the masked scores are a stage of their own
+    assert data["inputs"] == {"query": [2, 3, 16], "context": [2, 5, 16]}
+    assert data["masks"] == ["key_padding_mask [2, 5]", "is_causal"]
+    by = _by_stage(data["rows"])
+    assert by["k"] == [("linear", [2, 5, 8], "new")]  # G = 2 K/V heads of D = 4
+    assert by["k_heads"][-1] == ("transpose", [2, 2, 5, 4], "view")
+    assert by["scores"] == [("matmul", [2, 4, 3, 5], "new")]
+    assert by["masked"] == [("masked_fill", [2, 4, 3, 5], "new")]
+    assert by["out"] == [("linear", [2, 3, 16], "new")]
+
+
+def test_target_self_attention_masks_through_attn_mask(capsys):
+    code, data = _target(capsys, "seed002_correct", *TINY, "--causal", "--pad", "1")
+    assert code == 0 and data["departure"] is None and "masked" in data["matched"]
+
+
+@pytest.mark.parametrize("name", ["gqa_padding_ignored", "gqa_causal_sees_next"])
+def test_target_mask_mistakes_depart_at_the_masked_scores(capsys, name):
+    code, data = _target(capsys, name, *TINY, "--context-len", "5", "--causal", "--pad", "1", "--num-kv-heads", "2")
+    assert code == 0 and data["departure"]["stage"] == "masked"
+    assert data["rows"][data["departure"]["op"] - 1]["func"] == "masked_fill"  # a value, not mask bookkeeping
+
+
+def test_cli_trace_target_fits_80_columns_and_json_parses(capsys, monkeypatch):
+    spec = f"{CORPUS}/seed002_correct.py:MultiHeadAttention"
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["trace", "--target", spec]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert lines[0] == spec
+    h = lines.index("    operation")  # two lines per op: number, shape, memory, reference; then the operation
+    assert lines[h - 1].split() == ["#", "shape", "memory", "reference"]
+    i = lines.index("    q = view(q, 2, 10, 8, 8)")
+    assert lines[i - 1].split() == ["2", "[2,", "10,", "8,", "8]", "view", "q_heads", "[2,", "8,", "10,", "8]"]
+    assert " ".join(lines[-2:]).startswith("every reference stage was reproduced: q, k, v, q_heads")
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["trace", "--target", spec]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert wide[4].split() == ["#", "operation", "shape", "memory", "reference"]
+    assert len(wide) == 4 + 2 + 18 + 1  # title, header and rule, one line per op, the verdict
+    monkeypatch.setenv("COLUMNS", "40")
+    assert main(["trace", "--target", spec, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rows"][0] == {
+        "index": 1,
+        "name": "q",
+        "operation": "q = linear(x, q_proj.weight, q_proj.bias)",
+        "func": "linear",
+        "shape": [2, 10, 64],
+        "dtype": "float32",
+        "memory": "new",
+        "stage": "q",
+        "reference_shape": [2, 10, 64],
+    }
+    assert data["reference"]["weights"] == [2, 8, 10, 10]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--target", "missing.py:MultiHeadAttention"], "--target 'missing.py:MultiHeadAttention': there is no file"),
+        (["--target", "torch"], "--target torch: trace shows attnlab's own MultiHeadAttention by default"),
+        (["--target", f"{CORPUS}/seed002_correct.py:MultiHeadAttention", "--alibi"], "--alibi configures attnlab's"),
+        (["--target", f"{CORPUS}/seed002_correct.py:MultiHeadAttention", "--num-kv-heads", "2"], "--num-kv-heads 2:"),
+        (["--target", f"{CORPUS}/seed002_correct.py:MultiHeadAttention", "--model", "smollm2"], "--target '"),
+    ],
+)
+def test_cli_trace_bad_target_is_one_line(capsys, flags, says):
+    assert main(["trace", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"attnlab: error: {says}")
+
+
+class _FusedSDPA(nn.Module):
+    """nanoGPT's layout: one fused c_attn split in three, SDPA for scores..weighted sum."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_trace_module_fused_kernel_and_split_projection():
+    torch.manual_seed(0)
+    m = _FusedSDPA().eval()
+    x = torch.randn(2, 3, 8)
+    keep = torch.ones(3, 3, dtype=torch.bool).tril()
+    t = trace_module(m, x, keep_mask=keep)
+    assert [r.operation for r in t.rows[1:4]] == [f"{n} = split(t1, 8, dim=2)[{i}]" for i, n in enumerate("qkv")]
+    assert [r.memory for r in t.rows[1:4]] == ["view"] * 3
+    assert t.departure is None and t.error is None  # weights never leave SDPA, the context it returns is right
+    assert "scaled_dot_product_attention" in {r.func for r in t.rows if r.stage == "context"}
+    assert "not seen on their own: scores, scaled, masked, weights" in t.to_text()
+
+
+def test_trace_module_keeps_the_ops_before_an_exception():
+    class Broken(_FusedSDPA):
+        def forward(self, x, mask=None):
+            q = self.c_attn(x)
+            raise ValueError(f"no heads for {list(q.shape)}")
+
+    t = trace_module(Broken().eval(), torch.randn(1, 2, 8))
+    assert [r.func for r in t.rows] == ["linear"] and t.error is not None
+    assert (t.error.type, t.error.message) == ("ValueError", "no heads for [1, 2, 24]")
+    assert "raise ValueError" in t.error.source
+    assert t.to_text().splitlines()[-3] == ">> raised ValueError: no heads for [1, 2, 24]"

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from .recipe import STAGES
 
-__all__ = ["Op", "capture", "match_stages", "first_departure"]
+__all__ = ["Op", "capture", "capture_until_error", "match_stages", "first_departure"]
 
 MATCH_TOL = 1e-4  # relative: a float32 module against the float64 reference is ~1e-7; a mistake is >1e-2
 
@@ -51,8 +51,9 @@ def _fname(func: object) -> str:
 
 
 class _Mode(TorchFunctionMode):
-    def __init__(self, inputs: dict[str, Tensor], names: dict[int, str]) -> None:
+    def __init__(self, inputs: dict[str, Tensor], names: dict[int, str], tuples: bool = False) -> None:
         super().__init__()
+        self.tuples = tuples  # record each tensor of a split/chunk/unbind as an op of its own, "split[0]" ...
         self.ops: list[Op] = []
         self.ids: dict[int, int] = {}  # id(tensor) -> producing op index (inputs negative)
         self.keep: list[Tensor] = []  # the tensors stay alive, so their ids stay unique
@@ -82,40 +83,65 @@ class _Mode(TorchFunctionMode):
         out = func(*args, **kwargs)
         flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
         tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
-        if not tracked or not isinstance(out, Tensor) or any(out is t for t in tracked):
+        split = self.tuples and isinstance(out, tuple | list) and len(out) > 0
+        parts = list(out) if split else [out]
+        if not tracked or not all(isinstance(o, Tensor) for o in parts) or any(out is t for t in tracked):
             return out  # off the data path, not one tensor, or a no-op such as .to(its own dtype)
         src = tracked[0]
-        try:
-            shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
-        except RuntimeError:
-            shares = False
-        self.ops.append(
-            Op(
-                func=_fname(func),
-                args=[self._arg(a) for a in args],
-                kwargs={k: str(self._arg(v)) for k, v in kwargs.items()},
-                shape=list(out.shape),
-                dtype=out.dtype,
-                memory="view" if shares else "new",
-                out=out.detach(),
-                input_dtypes=[t.dtype for t in tracked],
+        args_text, kwargs_text = [self._arg(a) for a in args], {k: str(self._arg(v)) for k, v in kwargs.items()}
+        for i, part in enumerate(parts):
+            try:
+                shares = part.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+            except RuntimeError:
+                shares = False
+            self.ops.append(
+                Op(
+                    func=f"{_fname(func)}[{i}]" if split else _fname(func),
+                    args=args_text,
+                    kwargs=kwargs_text,
+                    shape=list(part.shape),
+                    dtype=part.dtype,
+                    memory="view" if shares else "new",
+                    out=part.detach(),
+                    input_dtypes=[t.dtype for t in tracked],
+                )
             )
-        )
-        self.ids[id(out)] = len(self.ops) - 1
-        self.keep.append(out)
+            self.ids[id(part)] = len(self.ops) - 1
+            self.keep.append(part)
         return out
 
 
 def capture(fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None) -> list[Op]:
     """The ops ``fn()`` runs on ``inputs`` (named as given), in order. ``module``'s parameters are named in calls.
 
-    An exception from ``fn`` propagates; the ops recorded until then are lost with it.
+    An exception from ``fn`` propagates; the ops recorded until then are lost with it
+    (:func:`capture_until_error` keeps them).
     """
-    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-    mode = _Mode(inputs, names)
+    mode = _Mode(inputs, _param_names(module))
     with mode:
         fn()
     return mode.ops
+
+
+def capture_until_error(
+    fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None, *, tuples: bool = False
+) -> tuple[list[Op], Exception | None]:
+    """:func:`capture` that survives ``fn`` raising: ``(the ops recorded until then, the exception or None)``.
+
+    ``tuples``: also record ops that return several tensors (``split``, ``chunk``, ``unbind``), one op per
+    tensor, named ``split[0]``, ``split[1]`` ...; :func:`capture` leaves them (and what follows from them) out.
+    """
+    mode = _Mode(inputs, _param_names(module), tuples)
+    try:
+        with mode:
+            fn()
+    except Exception as e:  # the module's own failure is the finding: the ops before it show where
+        return mode.ops, e
+    return mode.ops, None
+
+
+def _param_names(module: nn.Module | None) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()} if module is not None else {}
 
 
 def _layouts(t: Tensor, want: Tensor) -> list[Tensor]:

@@ -268,13 +268,13 @@ MISTAKES: tuple[Mistake, ...] = (
     ),
     Mistake(
         "float64_downcast", "behaviour",
-        "a float64 module computes part of attention in float32 ({where}): gradcheck's finite differences drown in float32 rounding",
+        "a float64 module computes part of attention in float32: gradcheck's finite differences drown in its rounding",
         "upcast only half precision: torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32))",
         S_GRAD, "gradcheck rows",
     ),
     Mistake(
         "low_precision_loss", "behaviour",
-        "in half precision the module loses more than twice what plain PyTorch attention does{where}",
+        "in half precision the module loses more than twice what plain PyTorch attention does",
         "keep every step in at least the input dtype, and run softmax in float32: torch.softmax(scores.float(), -1).to(v.dtype)",
         S_SCALE, "low_precision rows",
     ),
@@ -341,3 +341,53 @@ def by_id(mistake_id: str) -> Mistake:
         if m.id == mistake_id:
             return m
     raise KeyError(f"no mistake {mistake_id!r} in the catalogue; ids: {[m.id for m in MISTAKES]}")
+
+
+# Sizes and values the gallery fills the messages with: seed 000's case (E=64, H=8, D=8).
+_EXAMPLE = {
+    "E": 64,
+    "H": 8,
+    "G": 8,
+    "D": 8,
+    "scale": 1 / 8**0.5,
+    "rE": 1 / 64**0.5,
+    "rD": 1 / 8**0.5,
+    "declared": 0.125,
+    "convention": "True = may attend (the convention of the seeds and SDPA)",
+    "polarity_fix": "mask with masked_fill(~attn_mask, float('-inf')); or, if True = blocked is your convention, "
+    "say so: --mask-convention block",
+}
+_HOW = {"recipe": "recomputed with the mistake", "behaviour": "probed", "crash": "its exception"}
+
+
+def gallery_markdown(examples: dict[str, list[str]] | None = None) -> str:
+    """``docs/check_gallery.md``: every catalogued mistake, what check says, the rows it fails, the fix;
+    ``examples`` maps a mistake's id to the files of modules that make it."""
+    examples = examples or {}
+    lines = [
+        "# The mistakes `attnlab check` names",
+        "",
+        "Generated from `attnlab.check.catalogue.MISTAKES` by `python scripts/check_gallery.py`; "
+        "`tests/test_check_diagnosis.py` fails when the two differ. The messages are filled in for "
+        "seed 000's sizes (embed_dim 64, 8 heads of 8). How each is recognised: *recomputed* (the output "
+        "is recomputed with the mistake on the module's own weights and inputs, and matches), *probed* "
+        "(a behaviour tested directly) or *its exception* (the message it raises).",
+        "",
+        f"{len(MISTAKES)} mistakes. Each module in `tests/mistake_corpus/` makes one of them (or none) and "
+        "must get it named first.",
+        "",
+    ]
+    for m in MISTAKES:
+        lines += [
+            f"## `{m.id}`",
+            "",
+            f"- **check says:** {m.text('found', _EXAMPLE)}",
+            f"- **rows that fail:** {m.symptom}",
+            f"- **recognised by:** {_HOW[m.kind]}",
+            f"- **fix:** {m.text('fix', _EXAMPLE)}",
+            f"- **see:** {m.seed}",
+        ]
+        if examples.get(m.id):
+            lines.append("- **written wrong in:** " + ", ".join(f"`{f}`" for f in sorted(examples[m.id])))
+        lines.append("")
+    return "\n".join(lines)

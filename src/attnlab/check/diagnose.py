@@ -176,6 +176,22 @@ class _Formula(AttentionAdapter):
         )
         return s["out"].to(query.dtype)
 
+    def attention_weights(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        s = recipe_attention(
+            self.projections(),
+            query,
+            key,
+            value,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            scale=self.scale,
+            recipe=self.recipe,
+            keep_mask=keep_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+        )
+        return s["weights"].to(query.dtype)
+
     def cast(self, dtype: torch.dtype) -> AttentionAdapter:
         return self
 
@@ -215,6 +231,8 @@ def _explained(
             except Exception:
                 pass
     a.set_training(False)
+    if "dropout_rate" in failing and "dropout_rate" not in out and "parity_self" in out:
+        out.append("dropout_rate")  # it reads the heads back through the textbook forward, which this mistake breaks
     return out
 
 
@@ -285,7 +303,10 @@ def _recipe_causes(
             f"the output matches this mistake to {worst:.1e} on {len(errs)} probe inputs ({', '.join(errs)}); "
             f"the textbook formula is off by {off[gap_case]:.1e} ({gap_case})"
         )
-        explains = _explained(a, m.recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
+        if m.nan_under_masks:  # the whole forward is off, and what masked slices give depends on the fill: all of it
+            explains = list(failing)
+        else:
+            explains = _explained(a, m.recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
         found.append((len(explains), -MISTAKES.index(m), _cause(m, a, evidence, explains)))
     found.sort(key=lambda t: (t[0], t[1]), reverse=True)
     return [c for *_, c in found], True
@@ -298,7 +319,21 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
     x = torch.randn(PROBE_B, T, E, generator=g).to(a.projections().q_weight.device)  # (B, T, E)
     keep = torch.ones(T, T, dtype=torch.bool, device=x.device)
     keep[2] = False  # query 2 sees no key
-    out = a(x, x, x, keep_mask=keep)[:, 2]  # (B, E)
+    with torch.enable_grad():
+        xg = x.clone().requires_grad_()
+        full = a(xg, xg, xg, keep_mask=keep)  # (B, T, E)
+        grad = (
+            torch.autograd.grad(full.sum(), xg)[0] if full.requires_grad and bool(torch.isfinite(full).all()) else None
+        )
+    out = full.detach()[:, 2]  # (B, E)
+    if grad is not None and not bool(torch.isfinite(grad).all()):
+        n = int((~torch.isfinite(grad)).sum())
+        return _cause(
+            by_id("fully_masked_nan"),
+            a,
+            f"query 2 with every key masked: outputs finite, but {n} input gradients NaN/inf (autograd through a softmax of -inf)",
+            ["fully_masked_rows"],
+        )
     if not bool(torch.isfinite(out).all()):
         n = int((~torch.isfinite(out)).sum())
         return _cause(
@@ -390,13 +425,13 @@ def _float64(
         None,
     )
     if low is not None:
-        where = _call_text(op_index=ops.index(low), ops=ops, input_names=["x"])
+        _name_by_stage(a64, x, ops)
+        where = _call_text(ops.index(low), ops, ["x"])
         return _cause(
             by_id("float64_downcast"),
             a,
             f"in a float64 run, op #{ops.index(low) + 1} `{where}` returns {str(low.dtype).removeprefix('torch.')}",
             grads,
-            where=f"`{where}`",
         )
     forward_rows = {"parity_self", "parity_cross", "parity_masked", "odd_lengths"}
     if not forward_rows & rows.keys() and not forward_rows & set(failing_names):
@@ -422,7 +457,8 @@ def _low_precision(a: AttentionAdapter, rows: dict[str, CheckResult], seed: int)
         bits = lambda d: torch.finfo(d).bits if d.is_floating_point else 64
         narrow = next((op for op in ops if op.input_dtypes and bits(op.dtype) < min(map(bits, op.input_dtypes))), None)
         if narrow is not None:
-            where = f": op #{ops.index(narrow) + 1} `{_call_text(ops.index(narrow), ops, ['x'])}` narrows {dtype} to {narrow.dtype}"
+            _name_by_stage(low, x, ops)
+            where = f"; op #{ops.index(narrow) + 1} `{_call_text(ops.index(narrow), ops, ['x'])}` narrows {dtype} to {narrow.dtype}"
     except Exception:
         pass
     worst = max(
@@ -436,14 +472,33 @@ def _low_precision(a: AttentionAdapter, rows: dict[str, CheckResult], seed: int)
         if isinstance(worst.measured, float)
         else worst.detail
     )
-    return _cause(by_id("low_precision_loss"), a, evidence, names, where=where)
+    return _cause(by_id("low_precision_loss"), a, evidence + where, names)
+
+
+# What an op's result is called in a message: the reference stage it equals, in the seed's words.
+_SHOWN = {"q_heads": "q", "k_heads": "k", "v_heads": "v", "scaled": "scores", "masked": "scores"}
+
+
+def _name_by_stage(target: AttentionAdapter, x: Tensor, ops: list) -> None:
+    """Match the ops of a self-attention call on ``x`` with the reference's stages (names for messages)."""
+    p = target.projections()
+    stages = recipe_attention(
+        p, x, x, x, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, scale=target.scale
+    )
+    match_stages(ops, stages)
 
 
 def _call_text(op_index: int, ops: list, input_names: list[str]) -> str:
     op = ops[op_index]
-    name = lambda a: (
-        input_names[-1 - a] if a < 0 and -1 - a < len(input_names) else f"t{a + 1}" if isinstance(a, int) else a
-    )
+
+    def name(a: object) -> str:
+        if isinstance(a, int) and a < 0:
+            return input_names[-1 - a] if -1 - a < len(input_names) else "input"
+        if isinstance(a, int):
+            stage = ops[a].stage
+            return _SHOWN.get(stage, stage) if stage else f"t{a + 1}"
+        return str(a)
+
     args = ", ".join(str(name(x)) for x in op.args)
     kwargs = "".join(f", {k}={v}" for k, v in op.kwargs.items())
     return f"{op.func}({args}{kwargs})"

@@ -288,6 +288,18 @@ class ProbedAdapter(AttentionAdapter):
         self.supports_cross_attention = self.form.inputs > 1
         self.shared_kv = self.form.inputs == 2
 
+    def describe(self) -> str:
+        """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
+        f = self.form
+        folded = [
+            what
+            for what, arg in (("key padding", f.padding_arg), ("causality", None if f.torch_form else f.causal_arg))
+            if arg is None
+        ]
+        mask = "no mask argument" if f.mask_arg is None else f"{f.mask_arg}: {self.masks.describe()}"
+        via = f"; {' and '.join(folded)} through {f.mask_arg}" if folded and f.mask_arg else ""
+        return f"called as {f.describe()}; {mask}{via}; weights from {self.found.describe()}"
+
     # -- the protocol ------------------------------------------------------------------------
     @property
     def scale(self) -> float:

@@ -71,49 +71,59 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
         counts = {s: sum(r.status == s for r in report.results) for s in ("pass", "fail", "skip")}
         verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
         console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
-        skipped = skip_line(report)
+        skipped = skip_line(report, console.width)
         if skipped:
-            console.print(escape(skipped), overflow="ellipsis", no_wrap=True, crop=True)
+            console.print(skipped, markup=False, highlight=False, soft_wrap=True)
         if report.diagnosis:
             _print_diagnosis(console, report)
         console.print()
 
 
-def skip_line(report: Report) -> str:
-    """The skipped rows in one line: their names, the variant rows folded into one ``variant[...]``.
-
-    Every reason is in ``--json``; the most common one is quoted here.
-    """
-    skipped = [r for r in report.results if r.status == "skip"]
+def skip_line(report: Report, width: int = 80) -> str:
+    """The skipped rows in one line of at most ``width`` characters; every reason is in ``--json``."""
+    skipped = [r.name for r in report.results if r.status == "skip"]
     if not skipped:
         return ""
-    variants = [r.name[len("variant[") : -1] for r in skipped if r.name.startswith("variant[")]
-    names = [r.name for r in skipped if not r.name.startswith("variant[")]
+    variants = sum(n.startswith("variant[") for n in skipped)
+    entries = [(n, 1) for n in skipped if not n.startswith("variant[")]  # (label, rows it stands for)
     if variants:
-        names.append(f"variant[{','.join(variants)}]")
-    reasons = [r.detail for r in skipped if not r.name.startswith("variant[")]
-    common = max(set(reasons), key=reasons.count) if reasons else ""
-    why = f" (e.g. {common})" if common and len(common) < 70 else ""
-    return f"skipped: {', '.join(names)}{why}; --json has every reason"
+        entries.append((f"{variants} variant rows", variants))
+    head = f"skipped {len(skipped)} (--json has each reason): "
+    shown = entries
+    line = head + ", ".join(label for label, _ in shown)
+    while len(line) > width and len(shown) > 1:  # fold the tail into a count
+        shown = shown[:-1]
+        rest = len(skipped) - sum(n for _, n in shown)
+        line = head + ", ".join(label for label, _ in shown) + f", {rest} more"
+    return line
 
 
 def _print_diagnosis(console: object, report: Report) -> None:
-    """The ``Likely cause`` section: each cause with what was found, the evidence, the fix and the seed section."""
+    """The ``Likely cause`` section: each cause with what was found, the evidence, the fix and the seed section,
+    wrapped to the terminal with a hanging indent."""
+    import textwrap
+
     from rich.console import Console
-    from rich.markup import escape
 
     assert isinstance(console, Console)
-    console.print("\n[bold]Likely cause[/]" + (" (most likely first)" if len(report.diagnosis) > 1 else ""))
+    width = max(40, console.width)
+
+    def out(text: str, first: str, rest: str) -> None:
+        for line in textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    console.print()
+    console.print("[bold]Likely cause[/]" + (" (most likely first)" if len(report.diagnosis) > 1 else ""))
     for i, c in enumerate(report.diagnosis, 1):
-        console.print(f"{i}. [bold]{escape(c.found)}[/] [dim]\\[{escape(c.id)}][/]")
+        out(f"{c.found} [{c.id}]", f"{i}. ", "   ")
         for label, text in (("evidence", c.evidence), ("fix", c.fix), ("see", c.seed)):
-            console.print(f"   {label}: {escape(text)}")
+            out(text, f"   {label}: ", " " * (5 + len(label)))
         if c.explains:
-            console.print(f"   explains: {escape(_rows(c))}")
+            out(_rows(c), "   explains: ", " " * 13)
     explained = {n for c in report.diagnosis for n in c.explains}
     rest = [r.name for r in report.failures if r.name not in explained]
     if rest:
-        console.print(f"   not explained by the above: {escape(', '.join(rest))}")
+        out(", ".join(rest), "not explained by the above: ", "   ")
 
 
 def _rows(c: Cause) -> str:

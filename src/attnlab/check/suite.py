@@ -900,6 +900,7 @@ def run_checks(
             "seq_len": seq_len,
             "seed": seed,
             "torch": torch.__version__,
+            **({"called_as": adapter.describe()} if hasattr(adapter, "describe") else {}),
         },
     )
     with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG: leave the caller's alone

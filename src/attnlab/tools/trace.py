@@ -11,28 +11,41 @@ Only ops whose inputs descend from the module's query/key/value are recorded, so
 bookkeeping stays out of the table. ``attnlab trace --model smollm2 --layer N`` traces one layer
 of a real model as the model calls it: its weights, its widths, the rotary embedding it applies. On the ``"sdpa"`` backend the scores, softmax and
 weighted sum happen inside one fused kernel and appear as a single row.
+
+``attnlab trace --target mine.py:Name`` (or :func:`trace_module` on a module) traces any hand-written
+attention module instead: every op it runs on its inputs (:func:`attnlab.check.capture.capture`), each
+result named after the reference stage its value equals (:mod:`attnlab.check.recipe`), and the first
+stage it never produces marked where it should have been. A module that raises shows the ops up to the
+failing one and the exception, with the line of its file that raised.
 """
 
 from __future__ import annotations
 
+import inspect
 import json as _json
 import re
 import shutil
 import textwrap
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..check.adapters import AttentionAdapter, Unsupported, as_adapter
+from ..check.capture import Op, capture_until_error, first_departure, match_stages, stage_error
 from ..check.cli import model_flag_conflicts, model_layer
+from ..check.recipe import STAGES, recipe_attention
+from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
 from ..runtime import UsageError, check_range
 
-__all__ = ["TraceRow", "AttentionTrace", "trace"]
+__all__ = ["TraceRow", "AttentionTrace", "trace", "TargetRow", "Departure", "Raised", "TargetTrace", "trace_module"]
 
 
 @dataclass
@@ -311,6 +324,270 @@ def traces_to_json(calls: list[AttentionTrace]) -> str:
     return _json.dumps([c.to_dict() for c in calls], indent=2)
 
 
+# -- --target: a hand-written module, op by op, against the reference's stages ---------------------------
+
+# What an op's result is called in later rows: the reference stage it equals, in the seed's words.
+_SHOWN = {"q_heads": "q", "k_heads": "k", "v_heads": "v", "scaled": "scores", "masked": "scores"}
+# Stages that every later step feeds on: one of them matching means that nothing before it departed.
+_DOWNSTREAM = ("scaled", "masked", "weights", "context", "merged", "out")
+
+
+@dataclass
+class TargetRow:
+    """One op the module ran on its inputs."""
+
+    index: int  # 1-based, as printed and as the departure names it
+    name: str  # what its result is called in later rows: its stage's name, else t<index>
+    operation: str  # "q = linear(x, q_proj.weight, q_proj.bias)"
+    func: str
+    shape: list[int]
+    dtype: str
+    memory: str  # "view" (shares its input's storage) or "new"
+    stage: str | None  # the reference stage its value equals, in any layout of it; None: none
+    reference_shape: list[int] | None  # that stage's shape in the reference: (B, H, T, D) for heads
+
+    def reference(self) -> str:
+        return f"{self.stage} {self.reference_shape}" if self.stage else ""
+
+
+@dataclass
+class Departure:
+    """The first reference stage that the module never produces."""
+
+    stage: str
+    reference_shape: list[int]
+    op: int | None  # the row that should have produced it: the first after the last match whose shape fits
+    op_func: str | None
+    op_shape: list[int] | None
+
+    def text(self) -> str:
+        where = (
+            f"op #{self.op} ({self.op_func}, shape {self.op_shape}) is where it should be"
+            if self.op is not None
+            else "no op after the last matching one has its shape"
+        )
+        return f">> first departure: the reference's {self.stage} {self.reference_shape} is never produced; {where}"
+
+
+@dataclass
+class Raised:
+    """The exception the module raised during the trace."""
+
+    type: str
+    message: str
+    where: str  # the line of the module's file that raised, "mine.py:63"; "" when the traceback has none
+    source: str  # that line's code
+
+    def text(self) -> str:
+        return f">> raised {self.type}: {self.message}"
+
+
+@dataclass
+class TargetTrace:
+    """One call of a hand-written attention module, each op it ran matched with the reference's stages."""
+
+    module: str  # its name (on the command line, the --target spec)
+    call: str  # how it was called: forward(query, key, value, attn_mask, ...)
+    mask: str  # what its mask means to it, as probed
+    inputs: dict[str, list[int]]  # the inputs as the rows name them -> shape
+    masks: list[str]  # this call's masks: "is_causal", "key_padding_mask [2, 10]", ...
+    training: bool  # train mode: dropout acts, and the stages after it cannot match the reference
+    reference: dict[str, list[int]]  # every reference stage's shape
+    rows: list[TargetRow] = field(default_factory=list)
+    matched: list[str] = field(default_factory=list)  # the reference stages some op reproduced, in order
+    departure: Departure | None = None
+    error: Raised | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self, width: int | None = None) -> str:
+        """A table (what ``attnlab trace --target`` prints), one line per op, the departure marked where it is.
+
+        Args:
+            width: the columns the table may use (``None``: no limit). When one line per op does not fit,
+                each op takes two: number, shape, memory and reference; then, indented, the operation.
+        """
+        wrap = lambda text, indent: textwrap.wrap(text, width, subsequent_indent=indent) if width else [text]
+        names = list(self.inputs)
+        mode = "train mode (dropout acts: the stages after it differ)" if self.training else "eval mode"
+        if len(names) == 1:
+            given = f"{names[0]} {self.inputs[names[0]]} as query, key and value"
+        else:
+            given = ", ".join(f"{n} {s}" for n, s in self.inputs.items())
+            given += " as key and value" if len(names) == 2 else ""
+        title = [
+            *wrap(self.module, "    "),
+            *wrap(f"  called as {self.call}", "    "),
+            *wrap(f"  its mask: {self.mask}", "    "),
+            *wrap(f"  inputs: {given}; masks: {', '.join(self.masks) or 'none'}; {mode}", "    "),
+        ]
+        body = [(str(r.index), r.operation, str(r.shape), r.memory, r.reference()) for r in self.rows]
+        wide = _aligned(("#", "operation", "shape", "memory", "reference"), body)
+        if width is None or max(len(line) for line in wide) <= width:
+            head, blocks = wide[:2], [[line] for line in wide[2:]]
+        else:
+            short = _aligned(("#", "shape", "memory", "reference"), [(b[0], b[2], b[3], b[4]) for b in body])
+            head = [short[0], "    operation", short[1]]
+            blocks = [
+                [line, *wrap(f"    {op}", "      ")] for line, (_, op, _, _, _) in zip(short[2:], body, strict=True)
+            ]
+        tail: list[str] = []
+        if self.departure is not None:
+            marker = wrap(self.departure.text(), "   ")
+            (blocks[self.departure.op - 1] if self.departure.op is not None else tail).extend(marker)
+            tail += wrap(f"reference stages reproduced: {', '.join(self.matched) or 'none'}", "  ")
+        elif self.error is not None:
+            tail += wrap(self.error.text(), "   ")
+            if self.error.where:
+                tail += [f"   at {self.error.where}:", *wrap(f"      {self.error.source}", "        ")]
+        else:
+            skipped = [s for s in STAGES if s not in self.matched and (s != "masked" or self.masks)]
+            note = f"; not seen on their own: {', '.join(skipped)} (folded into a neighbouring step)" if skipped else ""
+            tail += wrap(f"every reference stage was reproduced: {', '.join(self.matched)}{note}", "  ")
+        return "\n".join([*title, *head, *(line for block in blocks for line in block), *tail])
+
+
+def _input_names(query: Tensor, key: Tensor, value: Tensor) -> dict[str, Tensor]:
+    """The inputs as the rows name them: ``x`` for self-attention, ``context`` for one K/V source."""
+    if key is query and value is query:
+        return {"x": query}
+    if value is key:
+        return {"query": query, "context": key}
+    return {"query": query, "key": key, "value": value}
+
+
+def _arg_text(a: int | str, rows: list[TargetRow], inputs: list[str]) -> str:
+    if isinstance(a, int) and a < 0:
+        return inputs[-1 - a] if -1 - a < len(inputs) else "input"
+    if isinstance(a, int):
+        return rows[a].name
+    return a
+
+
+def _raised(error: Exception, module: nn.Module | None) -> Raised:
+    """The exception in one line, with the line of the module's file that raised it."""
+    where = code = ""
+    try:
+        source = inspect.getsourcefile(type(module)) if module is not None else None
+    except TypeError:  # a class defined in C or at the prompt
+        source = None
+    if source is not None:
+        path = Path(source).resolve()
+        mine = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == path]
+        if mine:
+            where, code = f"{path.name}:{mine[-1].lineno}", (mine[-1].line or "").strip()
+    return Raised(type(error).__name__, " ".join(str(error).split()), where, code)
+
+
+@torch.no_grad()
+def trace_module(
+    target: nn.Module | AttentionAdapter,
+    query: Tensor,
+    key: Tensor | None = None,
+    value: Tensor | None = None,
+    *,
+    keep_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    name: str | None = None,
+) -> TargetTrace:
+    """Run ``target`` once; record every op it runs on its inputs and match each with the reference's stages.
+
+    Args:
+        target: any attention ``nn.Module`` (its weights and call form are read off it, see
+            :class:`attnlab.check.probe.ProbedAdapter`) or an adapter.
+        query: ``(B, T_q, E)``.
+        key, value: ``(B, T_k, E)``; ``key`` defaults to ``query`` (self-attention), ``value`` to ``key``.
+        keep_mask: bool ``(T_q, T_k)`` or ``(B, T_q, T_k)``, True = may attend; handed to the module in its
+            own mask form.
+        key_padding_mask: bool ``(B, T_k)``, True = padding.
+        is_causal: causal masking, aligned bottom-right.
+        name: the title (default: the module's class name).
+
+    The module runs as it is (train or eval mode untouched), under ``no_grad``. An exception from it is
+    kept in ``error`` with the ops before it; :class:`~attnlab.check.adapters.Unsupported` (the module
+    cannot take these inputs or masks at all) propagates.
+    """
+    adapter = as_adapter(target)
+    key = query if key is None else key
+    value = key if value is None else value
+    inputs = _input_names(query, key, value)
+    masks: dict[str, Any] = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
+    masks = {k: v for k, v in masks.items() if v is not None and v is not False}
+    module = getattr(adapter, "module", None)
+    module = module if isinstance(module, nn.Module) else None
+    ops, error = capture_until_error(lambda: adapter(query, key, value, **masks), inputs, module, tuples=True)
+    if isinstance(error, Unsupported):
+        raise error
+    stages = recipe_attention(
+        adapter.projections(),
+        query,
+        key,
+        value,
+        num_heads=adapter.num_heads,
+        num_kv_heads=adapter.num_kv_heads,
+        scale=adapter.scale,
+        **masks,
+    )
+    match_stages(ops, stages)
+    rows: list[TargetRow] = []
+    for i, op in enumerate(ops, 1):
+        shown = _SHOWN.get(op.stage, op.stage) if op.stage else f"t{i}"
+        args = [_arg_text(a, rows, list(inputs)) for a in op.args] + [f"{k}={v}" for k, v in op.kwargs.items()]
+        ref = list(stages[op.stage].shape) if op.stage else None
+        dtype = str(op.dtype).removeprefix("torch.")
+        func, bracket, part = op.func.partition("[")  # "split[0]": the first tensor of a split
+        call = f"{shown} = {func}({', '.join(args)}){bracket}{part}"  # q = split(t1, 64, dim=2)[0]
+        rows.append(TargetRow(i, shown, call, op.func, op.shape, dtype, op.memory, op.stage, ref))
+    trace_ = TargetTrace(
+        module=name or getattr(adapter, "name", None) or type(target).__name__,
+        call=_call_form(adapter),
+        mask=_mask_form(adapter),
+        inputs={n: list(t.shape) for n, t in inputs.items()},
+        masks=[k if isinstance(v, bool) else f"{k} {list(v.shape)}" for k, v in masks.items()],
+        training=bool(module is not None and module.training),
+        reference={s: list(t.shape) for s, t in stages.items()},
+        rows=rows,
+    )
+    if error is not None:
+        trace_.matched = [s for s in STAGES if any(op.stage == s for op in ops)]
+        trace_.error = _raised(error, module)
+        return trace_
+    trace_.matched, missing, _ = first_departure(ops, stages, masked=bool(masks))
+    trace_.departure = _departure(ops, stages, trace_.matched, missing)
+    return trace_
+
+
+def _departure(ops: list[Op], stages: dict[str, Tensor], matched: list[str], missing: str | None) -> Departure | None:
+    """``missing`` as a departure, with the op where it should have been; None when a later stage matches
+    (then ``missing`` ran inside a fused op such as SDPA, and ran right)."""
+    if missing is None or any(s in matched for s in STAGES[STAGES.index(missing) + 1 :] if s in _DOWNSTREAM):
+        return None
+    # the first value (never mask bookkeeping) after the last op that matched an earlier stage, with a
+    # shape that can hold the missing one
+    before = STAGES[: STAGES.index(missing)]
+    floats = [op for op in ops if op.out.is_floating_point()]
+    last = max((n for n, op in enumerate(floats) if op.stage in before), default=-1)
+    op = next((op for op in floats[last + 1 :] if stage_error(op.out, stages[missing]) is not None), None)
+    if op is None:
+        return Departure(missing, list(stages[missing].shape), None, None, None)
+    at = next(i for i, o in enumerate(ops, 1) if o is op)  # `is`: an Op holds tensors, == would compare them
+    return Departure(missing, list(stages[missing].shape), at, op.func, op.shape)
+
+
+def _call_form(adapter: AttentionAdapter) -> str:
+    form = getattr(adapter, "form", None)  # a ProbedAdapter read it off forward's signature
+    return form.describe() if form is not None else "forward(query, key, value)"
+
+
+def _mask_form(adapter: AttentionAdapter) -> str:
+    form, masks = getattr(adapter, "form", None), getattr(adapter, "masks", None)
+    if form is not None and form.mask_arg is None:
+        return "none (forward takes no mask)"
+    return masks.describe() if masks is not None else "bool, as its adapter translates it"
+
+
 def trace_command(
     batch_size: int = 2,
     seq_len: int = 10,
@@ -331,8 +608,9 @@ def trace_command(
     alibi: bool = False,
     sinks: bool = False,
     qk_norm: bool = False,
+    target: str | None = None,
 ) -> int:
-    """Trace every stage of attention on random input (defaults: the seed-000 case), or one layer of a real model.
+    """Trace every stage of attention on random input (defaults: the seed-000 case), one layer of a real model, or your own module.
 
     Args:
         batch_size: B.
@@ -354,9 +632,21 @@ def trace_command(
         alibi: ALiBi: head h adds -m_h |i - j| to its scores (BLOOM).
         sinks: a learned sink logit per head in the softmax denominator (gpt-oss; traced with values 0).
         qk_norm: RMSNorm on each head's q and k (Qwen 3).
+        target: trace your own attention module, 'path/to/mine.py:Name' or 'package.module:Name' (a class, a factory or an instance), built at --embed-dim/--num-heads/--num-kv-heads: every op it runs on its inputs, each matched with the reference's stages, and the first stage it never produces marked. Default: attnlab's MultiHeadAttention.
     """
     check_range("--batch-size", batch_size, low=1, integer=True)
     check_range("--seq-len", seq_len, low=1, integer=True, hint="it is T_q, the number of query positions")
+    if target == "torch":
+        raise UsageError(
+            "--target torch: trace shows attnlab's own MultiHeadAttention by default, which computes what "
+            "torch.nn.MultiheadAttention does stage by stage; drop --target (or pass your module: --target mine.py:Name)."
+        )
+    custom = target is not None and target != "attnlab"
+    if model is not None and custom:
+        raise UsageError(
+            f"--target {target!r} and --model {model!r} both name what to trace; pass one: "
+            f"attnlab trace --target {target} or attnlab trace --model {model}."
+        )
     if model is not None:
         check_range("--pad", pad, low=0, high=seq_len - 1, integer=True, hint="a sequence keeps one real token")
         # before the model loads: neither applies to a decoder layer
@@ -381,6 +671,29 @@ def trace_command(
         "--pad", pad, low=0, high=t_k, integer=True, hint=f"it counts padded keys out of the T_k = {t_k} of a sequence"
     )
     check_range("--dropout", dropout, low=0, high=1, high_inclusive=False)
+    if custom:
+        assert target is not None  # custom says so; for mypy
+        own: dict[str, object] = {"--backend": backend, "--window": window, "--softcap": softcap, "--alibi": alibi, "--sinks": sinks, "--qk-norm": qk_norm}  # fmt: skip
+        _target_flag_conflicts(target, own)
+        if causal and t_k < seq_len:
+            raise UsageError(
+                f"is_causal=True needs T_q <= T_k, got T_q={seq_len} queries and T_k={t_k} keys (--seq-len, "
+                f"--context-len): the first {seq_len - t_k} queries would see no key; drop --causal or make --context-len >= --seq-len."
+            )
+        return _trace_target(
+            target,
+            batch_size,
+            seq_len,
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            context_len,
+            causal,
+            pad,
+            dropout,
+            json,
+            seed,
+        )
     torch.manual_seed(seed)
     try:
         mha = MultiHeadAttention(
@@ -410,6 +723,63 @@ def trace_command(
         mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
     _print(calls, json)
     return 0
+
+
+def _target_flag_conflicts(target: str, given: dict[str, object]) -> None:
+    """Flags that shape attnlab's own module mean nothing for a module that is traced as it is written."""
+    defaults = {n: p.default for n, p in inspect.signature(trace_command).parameters.items()}
+    for flag, value in given.items():
+        if value != defaults[flag.removeprefix("--").replace("-", "_")]:
+            shown = flag if value is True else f"{flag} {value}"
+            raise UsageError(
+                f"{shown} configures attnlab's own MultiHeadAttention, and --target {target!r} traces your module "
+                f"as it is written; drop {flag}."
+            )
+
+
+def _trace_target(
+    target: str,
+    batch_size: int,
+    seq_len: int,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    context_len: int | None,
+    causal: bool,
+    pad: int,
+    dropout: float,
+    json: bool,
+    seed: int,
+) -> int:
+    """Build ``--target``, trace one call on random input, print it; 1 when the module raised."""
+    torch.manual_seed(seed)
+    adapter = build_target(
+        target, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, dropout=dropout, seed=seed
+    )
+    if num_kv_heads is not None and adapter.num_kv_heads != num_kv_heads:
+        raise UsageError(
+            f"--num-kv-heads {num_kv_heads}: {target} was built with {adapter.num_kv_heads} K/V heads (its "
+            f"constructor takes no K/V head count); drop --num-kv-heads."
+        )
+    adapter.set_training(dropout > 0)
+    w = adapter.projections().q_weight  # inputs on the module's device, in its dtype
+    x = torch.randn(batch_size, seq_len, adapter.embed_dim).to(w)  # (B, T_q, E)
+    ctx = torch.randn(batch_size, context_len, adapter.embed_dim).to(w) if context_len else x  # (B, T_k, E)
+    t_k = ctx.size(1)
+    kpm = None
+    if pad:
+        kpm = torch.zeros(batch_size, t_k, dtype=torch.bool, device=w.device)  # (B, T_k), True = padding
+        kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
+    try:
+        traced = trace_module(adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=target)
+    except Unsupported as err:
+        flags = [f for f, on in (("--context-len", context_len), ("--causal", causal), ("--pad", pad)) if on]
+        raise UsageError(f"--target {target!r}: {err}; drop {' / '.join(flags) or 'the masks'}.") from None
+    if json:
+        print(_json.dumps(traced.to_dict(), indent=2))
+    else:
+        print(traced.to_text(width=shutil.get_terminal_size((80, 24)).columns))
+    return 1 if traced.error is not None else 0
 
 
 def _print(calls: list[AttentionTrace], json: bool) -> None:

@@ -1,0 +1,373 @@
+"""``attnlab check`` on hand-written modules as they are written, and the diagnosis that names the mistake.
+
+The corpus (tests/mistake_corpus/) holds modules written the way blog posts write them, in four call
+forms, each with one classic mistake or none; it was written apart from the catalogue. Every
+catchable one-mistake module must get its mistake named first; correct ones must pass with no
+``Likely cause``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab.check import CHECKS, run_checks
+from attnlab.check.catalogue import MISTAKES
+from attnlab.check.probe import ProbedAdapter
+from attnlab.check.recipe import Recipe, recipe_attention
+from attnlab.check.reference import reference_attention
+from attnlab.check.target import build_target
+from attnlab.cli import main
+
+CORPUS = Path(__file__).parent / "mistake_corpus"
+FILES = sorted(p for p in CORPUS.glob("*.py"))
+# The two rows that rebuild or lengthen the target cost most of a check's time and name no mistake of
+# their own; the corpus runs without them (the seed modules below run every row).
+FAST = [n for n in CHECKS if n not in ("odd_lengths", "parity_head_dims")]
+
+
+def _expected(path: Path) -> tuple[str, list[str]]:
+    spec = importlib.util.spec_from_file_location(f"corpus_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.EXPECTED, list(getattr(module, "ALSO", []))
+
+
+def _target(path: Path, **kw):
+    kv = 2 if path.stem.startswith("gqa") else None
+    return build_target(
+        f"{path}:MultiHeadAttention", embed_dim=32, num_heads=4, num_kv_heads=kv, dropout=0.1, seed=0, **kw
+    )
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_the_corpus_mistake_is_named_first(path):
+    expected, also = _expected(path)
+    report = run_checks(_target(path), checks=FAST)
+    ids = [c.id for c in report.diagnosis]
+    if expected == "pass":
+        assert report.ok and ids == [], [(r.name, r.detail) for r in report.failures]
+        return
+    assert not report.ok
+    if also:  # several mistakes at once (the seeds' own modules): exactly those, in any order
+        assert set(ids) == {expected, *also}, ids
+    else:
+        assert ids[:1] == [expected], (ids, [r.name for r in report.failures])
+    explained = {n for c in report.diagnosis for n in c.explains}
+    assert explained == {r.name for r in report.failures}  # every failing row sits under a cause
+
+
+def test_every_catalogued_mistake_is_in_the_corpus():
+    """The corpus is the catalogue's test set: a mistake nobody wrote a module for is untested."""
+    written = {_expected(p)[0] for p in FILES} | {m for p in FILES for m in _expected(p)[1]}
+    untested = {m.id for m in MISTAKES} - written
+    # device_mismatch needs a GPU; wrong_backward / low_precision_loss / mask_polarity / scale_attribute have
+    # modules of their own below
+    assert untested <= {
+        "device_mismatch",
+        "wrong_backward",
+        "low_precision_loss",
+        "mask_polarity",
+        "scale_attribute",
+    }, untested
+
+
+@pytest.mark.parametrize("name", ["seed002_as_published", "seed000_as_published"])
+def test_the_seeds_modules_are_checked_unchanged(capsys, name):
+    """Each seed's own module, called its own way, through a file path, with every row."""
+    path = CORPUS / f"{name}.py"
+    expected, also = _expected(path)
+    code = main(["check", "--target", f"{path}:MultiHeadAttention", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1
+    report = data["reports"][0]
+    assert {c["id"] for c in report["diagnosis"]} == {expected, *also}
+    rows = {r["name"]: r["status"] for r in report["results"]}
+    assert rows["parity_self"] == rows["parity_cross"] == rows["parity_masked"] == "pass"
+    assert "TypeError" not in json.dumps(report)  # the seed's forward is called as it is written
+    for cause in report["diagnosis"]:
+        assert cause["found"] and cause["evidence"] and cause["fix"] and cause["seed"].startswith("seed 00")
+
+
+def test_a_text_report_ends_with_the_likely_cause(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code = main(["check", "--target", f"{CORPUS / 'seed002_scale_embed_dim.py'}:MultiHeadAttention"])
+    out = capsys.readouterr().out
+    assert code == 1
+    cause = " ".join(out[out.index("Likely cause") :].split())  # the section, unwrapped
+    assert "1. scores are scaled by 1/sqrt(embed_dim) = 0.1768, not 1/sqrt(head_dim) = 0.3536" in cause
+    assert "evidence: the output matches this mistake to" in cause and "see: seed 002, section 2.3" in cause
+    assert "fix: divide the scores by math.sqrt(head_dim)" in cause
+    assert "explains: parity_self, parity_cross, parity_masked" in cause
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_a_correct_module_has_no_cause_and_its_skips_on_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code = main(["check", "--target", f"{CORPUS / 'seed002_correct.py'}:MultiHeadAttention"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Likely cause" not in out and "SKIP" not in out
+    assert "OK: 24 passed, 0 failed, 8 skipped" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("skipped")]
+    assert line == "skipped 8 (--json has each reason): scale_attribute, kv_cache, 6 variant rows"
+
+
+# -- the scale comes from the head dim, not from the module --------------------------------------
+class StatedScale(nn.Module):
+    """Blog style; stores its scale the common wrong way and, with ``use``, computes with it."""
+
+    def __init__(self, embed_dim: int = 32, num_heads: int = 4, use: bool = True) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.use = num_heads, embed_dim // num_heads, use
+        self.scale = 1 / math.sqrt(embed_dim)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(embed_dim, embed_dim) for _ in range(4))
+
+    def forward(self, query, key, value, attn_mask=None):
+        B, T, E = query.shape
+        q, k, v = (p(x).view(B, -1, self.num_heads, self.head_dim).transpose(1, 2) for p, x in
+                   ((self.q_proj, query), (self.k_proj, key), (self.v_proj, value)))  # fmt: skip
+        scores = q @ k.transpose(-2, -1) * (self.scale if self.use else 1 / math.sqrt(self.head_dim))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+        w = torch.softmax(scores, dim=-1)
+        if attn_mask is not None:
+            w = w.masked_fill(~attn_mask.any(-1, keepdim=True), 0.0)
+            v = v.masked_fill(~attn_mask.any(-2)[..., None], 0.0)  # keys no query sees: NaN there stays out
+        return self.out_proj((w @ v).transpose(1, 2).reshape(B, T, E))
+
+
+def test_a_wrong_scale_attribute_never_passes():
+    torch.manual_seed(0)
+    used = run_checks(StatedScale(), checks=FAST)
+    assert not used.ok and used.diagnosis[0].id == "scale_embed_dim"
+    assert "scale_attribute" in used.diagnosis[0].explains  # the stated scale is the same mistake
+    # follow-on rows grouped under the cause rather than drowning it
+    assert {"parity_masked", "fully_masked_rows", "mask_semantics"} <= set(used.diagnosis[0].explains)
+    stated = run_checks(StatedScale(use=False), checks=FAST)  # computes right, states wrong
+    assert [r.name for r in stated.failures] == ["scale_attribute"]
+    assert [c.id for c in stated.diagnosis] == ["scale_attribute"]
+    assert stated["scale_attribute"].detail.startswith("the module's scale attribute is 1/sqrt(embed_dim) = 0.1768")
+    intended = run_checks(StatedScale(), checks=FAST, scale=1 / math.sqrt(32))  # --scale: the user's truth
+    assert intended.ok, intended.failures
+
+
+# -- call forms ----------------------------------------------------------------------------------
+class SelfOnly(nn.Module):
+    """``forward(x)``: self-attention only, no mask argument at all."""
+
+    def __init__(self, d_model: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, E = x.shape
+        q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        out = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(B, T, E))
+
+
+def test_a_module_without_masks_or_cross_attention_skips_what_it_lacks():
+    torch.manual_seed(0)
+    adapter = ProbedAdapter(SelfOnly())
+    assert adapter.found.qkv == "qkv" and not adapter.supports_cross_attention
+    report = run_checks(adapter, checks=FAST)
+    assert report.ok, report.failures
+    skipped = {r.name: r.detail for r in report.results if r.status == "skip"}
+    assert "parity_masked" in skipped and "takes no attention mask" in skipped["parity_masked"]
+    assert "parity_cross" in skipped
+    assert report["parity_self"].status == "pass" and report["gradcheck[plain]"].status == "pass"
+
+
+def test_torchs_call_form_is_read_as_true_means_blocked():
+    adapter = _target(CORPUS / "torchlike_correct.py")
+    assert adapter.form.torch_form and adapter.convention == "block" and adapter.masks.polarity == "block"
+    assert adapter.masks.layout in ("b1qk", "bhqk")  # per-sequence masks it broadcasts right
+    report = run_checks(adapter, checks=["mask_semantics", "parity_masked", "attention_weights"])
+    assert report.ok and report["mask_semantics"].measured == "True = blocked"
+
+
+def test_a_mask_read_the_other_way_is_named():
+    """Told that its bool masks mean True = may attend, torch's convention is a finding, checked the module's own way."""
+    adapter = _target(CORPUS / "torchlike_correct.py", mask_convention="keep")
+    report = run_checks(adapter, checks=FAST)
+    assert [r.name for r in report.failures] == ["mask_semantics"]  # every other row ran in its own reading
+    assert [c.id for c in report.diagnosis] == ["mask_polarity"]
+    assert "--mask-convention block" in report.diagnosis[0].fix
+
+
+# -- where nothing catalogued fits: the first stage that diverges --------------------------------
+class DoubledValues(nn.Module):
+    """A mistake outside the catalogue: the weighted sum is taken over 2 V."""
+
+    def __init__(self, embed_dim: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(embed_dim, embed_dim) for _ in range(4))
+
+    def forward(self, query, key, value, attn_mask=None):
+        B, T, E = query.shape
+        H = self.num_heads
+        q = self.q_proj(query).view(B, -1, H, E // H).transpose(1, 2)
+        k = self.k_proj(key).view(B, -1, H, E // H).transpose(1, 2)
+        v = self.v_proj(value).view(B, -1, H, E // H).transpose(1, 2)
+        w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(E // H), dim=-1)
+        return self.out_proj((w @ (2 * v)).transpose(1, 2).reshape(B, T, E))
+
+
+def test_an_uncatalogued_mistake_is_located_at_its_first_diverging_stage():
+    torch.manual_seed(0)
+    report = run_checks(DoubledValues(), checks=["parity_self"])
+    (cause,) = report.diagnosis
+    assert cause.id == "stage"
+    assert cause.found.startswith("your q, k, v, q_heads, k_heads, v_heads, scores, scaled, weights match")
+    assert "your context does not" in cause.found
+
+
+# -- the reference these hypotheses stand on ------------------------------------------------------
+@pytest.mark.parametrize("G", [4, 2, 1])
+def test_the_textbook_recipe_is_the_reference(G):
+    g = torch.Generator().manual_seed(1)
+    m = ProbedAdapter(_gqa(G))
+    x, kv = torch.randn(2, 7, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, -2:] = True
+    keep = torch.rand(2, 7, 7, generator=g) > 0.5
+    cases = [((x, kv, kv), {}), ((x, x, x), {"is_causal": True, "key_padding_mask": pad, "keep_mask": keep})]
+    heads = {"num_heads": 4, "num_kv_heads": G, "scale": m.scale}
+    for inputs, masks in cases:
+        want = reference_attention(m.projections(), *inputs, **heads, **masks)
+        got = recipe_attention(m.projections(), *inputs, recipe=Recipe(), **heads, **masks)["out"]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _gqa(G: int) -> nn.Module:
+    torch.manual_seed(0)
+    spec = importlib.util.spec_from_file_location("gqa_correct", CORPUS / "gqa_correct.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MultiHeadAttention(32, 4, G)
+
+
+def test_every_numerical_mistake_changes_the_output():
+    """A catalogued mistake indistinguishable from the textbook formula on these probes could never be named."""
+    m = ProbedAdapter(_gqa(2))
+    g = torch.Generator().manual_seed(2)
+    x, k, v = (torch.randn(2, t, 32, generator=g) for t in (7, 5, 5))
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, -2:] = True
+    heads = {"num_heads": 4, "num_kv_heads": 2, "scale": m.scale}
+    p = m.projections()
+    for mistake in (mm for mm in MISTAKES if mm.recipe is not None):
+        gaps = []
+        keep = torch.rand(2, 7, 7, generator=g) > 0.5
+        cases = [
+            ((x, k, v), {}),
+            ((x, x, x), {"is_causal": True}),
+            ((x, x, x), {"key_padding_mask": pad}),
+            ((x, x, x), {"keep_mask": keep}),
+        ]
+        for inputs, masks in cases:
+            want = recipe_attention(p, *inputs, **heads, **masks)["out"]
+            try:
+                got = recipe_attention(p, *inputs, recipe=mistake.recipe, **heads, **masks)["out"]
+            except RuntimeError:  # a shape it cannot make: K through q_proj with fewer K/V heads, say
+                gaps.append(math.inf)
+                continue
+            gaps.append(float((got - want).abs().max()) if got.shape == want.shape else math.inf)
+        assert max(gaps) > 1e-3, mistake.id
+
+
+# -- bad targets ------------------------------------------------------------------------------------
+def _error(capsys, target: str) -> str:
+    assert main(["check", "--target", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnlab: error: --target") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_targets_get_one_line_naming_the_path_and_the_fix(capsys, tmp_path):
+    assert "there is no file 'nope.py'" in _error(capsys, "nope.py:MultiHeadAttention")
+    assert "names a file but not what to build in it; add ':ClassName'" in _error(
+        capsys, f"{CORPUS / 'seed002_correct.py'}"
+    )
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\n\nx = 1\nraise RuntimeError('oops')\n")
+    assert f"importing {broken} raised RuntimeError at line 4: oops" in _error(capsys, f"{broken}:M")
+    err = _error(capsys, f"{CORPUS / 'seed002_correct.py'}:Attention")
+    assert "defines no 'Attention' (nn.Module classes: MultiHeadAttention)" in err
+    odd = tmp_path / "odd.py"
+    odd.write_text(
+        "from torch import nn\n\nclass M(nn.Module):\n    def __init__(self, embed_dim, num_heads, rotary_base):\n"
+        "        super().__init__()\n"
+    )
+    assert "M() needs 'rotary_base', which check cannot guess" in _error(capsys, f"{odd}:M")
+    mlp = tmp_path / "mlp.py"
+    mlp.write_text(
+        "from torch import nn\n\nclass MLP(nn.Module):\n    def __init__(self, dim=32):\n        super().__init__()\n"
+        "        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)\n"
+        "    def forward(self, x):\n        return self.down(self.up(x))\n"
+    )
+    assert "MLP has no recognisable q/k/v/out projections (nn.Linear children found: up (32->128), down (128->32))" in (
+        _error(capsys, f"{mlp}:MLP")
+    )
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text(
+        "import torch\nfrom torch import nn\n\nclass A(nn.Module):\n    def __init__(self, embed_dim, num_heads):\n"
+        "        super().__init__()\n        self.num_heads = num_heads\n"
+        "        self.q, self.k, self.v, self.o = (nn.Linear(embed_dim, embed_dim) for _ in range(4))\n"
+        "    def forward(self, q, k, v):\n        return self.o(q).sum(-1)\n"
+    )
+    assert "is not attention as check reads it: called on query/key/value of shape [2, 7, 32] it returned [2, 7]" in (
+        _error(capsys, f"{wrong}:A")
+    )
+
+
+def test_the_gallery_is_the_catalogue():
+    import sys
+
+    root = Path(__file__).parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    from check_gallery import corpus_examples
+
+    from attnlab.check.catalogue import gallery_markdown
+
+    gallery = root / "docs" / "check_gallery.md"
+    assert gallery.read_text() == gallery_markdown(corpus_examples(root)), "run: python scripts/check_gallery.py"
+    for m in MISTAKES:
+        assert f"## `{m.id}`" in gallery.read_text()
+
+
+@pytest.mark.parametrize(
+    ("broken", "cause"),
+    [
+        ("NoScale", "scale_missing"),
+        ("MaskAfterSoftmax", "mask_after_softmax"),
+        ("CausalOffByOne", "causal_sees_next"),
+        ("MergeWithoutTranspose", "merge_without_transpose"),
+        ("NaNOnFullyMaskedRows", "fully_masked_nan"),
+        ("DropoutInEval", "dropout_in_eval"),
+        ("WrongBackward", "wrong_backward"),
+        ("LossyLowPrecision", "low_precision_loss"),
+        ("PaddingIgnored", "stage"),  # it zeroes the padded values, so no catalogued formula fits: located instead
+    ],
+)
+def test_the_broken_tiny_modules_are_diagnosed(broken, cause):
+    """test_check.py's one-method breaks of a correct TinyAttention, each diagnosed."""
+    import test_check
+
+    torch.manual_seed(0)
+    report = run_checks(getattr(test_check, broken)(), checks=FAST)
+    assert report.diagnosis[0].id == cause, [(c.id, c.found) for c in report.diagnosis]
+    if cause == "stage":
+        assert (
+            "your masked does not: 42 of the 42 pairs the mask blocks keep a finite score" in report.diagnosis[0].found
+        )
