@@ -175,6 +175,7 @@ SMALL: dict[str, Callable[[list[str]], list[str]]] = {
 # Files the README's commands read, written into the scratch directory first.
 FILES = {
     "book.txt": "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 40,
+    "mine.py": (ROOT / "tests" / "mistake_corpus" / "seed002_as_published.py").read_text(),  # seed 002's module
     "mypkg/__init__.py": "",
     "mypkg/layers.py": (
         "from attnlab import MultiHeadAttention\n\n\n"

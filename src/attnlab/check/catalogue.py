@@ -239,7 +239,7 @@ MISTAKES: tuple[Mistake, ...] = (
     Mistake(
         "padded_values_nan", "behaviour",
         "NaN or inf in a padded key/value row reaches every output: weight 0 times NaN is still NaN",
-        "zero the padded rows of V (and K) before the weighted sum: v.masked_fill(key_padding_mask[:, None, :, None], 0.0)",
+        "{pad_fix}",
         S_MASK, "padded_kv_nonfinite",
     ),
     Mistake(
@@ -354,6 +354,7 @@ _EXAMPLE = {
     "rD": 1 / 8**0.5,
     "declared": 0.125,
     "convention": "True = may attend (the convention of the seeds and SDPA)",
+    "pad_fix": "zero the padded rows of V before the weighted sum: v.masked_fill(key_padding_mask[:, None, :, None], 0.0)",
     "polarity_fix": "mask with masked_fill(~attn_mask, float('-inf')); or, if True = blocked is your convention, "
     "say so: --mask-convention block",
 }

@@ -667,7 +667,13 @@ def diagnose(a: AttentionAdapter, report: Report, *, seed: int = 0, batch: int =
     if nan("padded_kv_nonfinite") and "padding_invariance" not in left:
         r = rows["padded_kv_nonfinite"]
         why = r.detail.split(" (", 1)[-1].removesuffix(")").split("); worst")[0]
-        add(_cause(by_id("padded_values_nan"), a, why, ["padded_kv_nonfinite"]), force=True)
+        form = getattr(a, "form", None)
+        pad_fix = (
+            "zero V at the keys no query may see before the weighted sum: v.masked_fill(~attn_mask.any(-2)[..., None], 0.0)"
+            if form is not None and form.padding_arg is None
+            else "zero the padded rows of V before the weighted sum: v.masked_fill(key_padding_mask[:, None, :, None], 0.0)"
+        )
+        add(_cause(by_id("padded_values_nan"), a, why, ["padded_kv_nonfinite"], pad_fix=pad_fix), force=True)
     left = {r.name: r for r in failing if r.name not in explained}
     add(_dropout(a, left))
     left = {r.name: r for r in failing if r.name not in explained}
