@@ -42,7 +42,7 @@ def _variant_module(ctx: Any, attribute: str, **options: Any) -> MultiHeadAttent
     if getattr(module, attribute, None) is not None:
         return module
     if type(module) is not MultiHeadAttention:
-        return f"{type(module).__name__} has no {attribute!r}: it does not implement this variant"
+        return f"{type(module).__name__} is not attnlab's MultiHeadAttention and sets no {attribute!r}: it does not implement this variant"
     copy = MultiHeadAttention(
         module.embed_dim,
         module.num_heads,
