@@ -111,26 +111,26 @@ class _Mode(TorchFunctionMode):
         return out
 
 
-def capture(fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None) -> list[Op]:
+def capture(
+    fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None, *, tuples: bool = True
+) -> list[Op]:
     """The ops ``fn()`` runs on ``inputs`` (named as given), in order. ``module``'s parameters are named in calls.
 
-    An exception from ``fn`` propagates; the ops recorded until then are lost with it
-    (:func:`capture_until_error` keeps them).
+    ``tuples``: ops that return several tensors (``split``, ``chunk``, ``unbind``: a fused ``qkv``) are
+    recorded one op per tensor, ``split[0]``, ``split[1]`` ...; without it they, and all that follows
+    from them, are left out. An exception from ``fn`` propagates; the ops recorded until then are lost
+    with it (:func:`capture_until_error` keeps them).
     """
-    mode = _Mode(inputs, _param_names(module))
+    mode = _Mode(inputs, _param_names(module), tuples)
     with mode:
         fn()
     return mode.ops
 
 
 def capture_until_error(
-    fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None, *, tuples: bool = False
+    fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None, *, tuples: bool = True
 ) -> tuple[list[Op], Exception | None]:
-    """:func:`capture` that survives ``fn`` raising: ``(the ops recorded until then, the exception or None)``.
-
-    ``tuples``: also record ops that return several tensors (``split``, ``chunk``, ``unbind``), one op per
-    tensor, named ``split[0]``, ``split[1]`` ...; :func:`capture` leaves them (and what follows from them) out.
-    """
+    """:func:`capture` that survives ``fn`` raising: ``(the ops recorded until then, the exception or None)``."""
     mode = _Mode(inputs, _param_names(module), tuples)
     try:
         with mode:
@@ -197,15 +197,21 @@ def match_stages(ops: list[Op], stages: dict[str, Tensor]) -> None:
         reached = max(reached, pick)
 
 
+# Stages that every later step feeds on: one of them matching means that nothing before it departed.
+DOWNSTREAM = ("scaled", "masked", "weights", "context", "merged", "out")
+
+
 def first_departure(
     ops: list[Op], stages: dict[str, Tensor], *, masked: bool = False
 ) -> tuple[list[str], str | None, Op | None]:
-    """(the stages matched, the first stage not matched after them, the op that should have produced it).
+    """(the stages matched, the first stage not matched, the op that should have produced it).
 
-    Stages that a correct module may skip are not required: ``masked`` when no mask applies (it equals
+    Stages a correct module may skip are not required: ``masked`` when no mask applies (it equals
     ``scaled``), ``scores`` and ``scaled`` when the module scales Q or K first, the split K/V heads when
-    the module reads them another way. The op is the first one after the last matched op whose shape
-    fits the missing stage (None when there is none).
+    it reads them another way; and a stage that a later one (``DOWNSTREAM``) matches after ran inside a
+    fused op such as SDPA, and ran right. The op is the first floating-point one (never mask
+    bookkeeping) after the last op that matched an earlier stage, whose shape can hold the missing
+    stage; None when there is none.
     """
     matched = [s for s in STAGES if any(op.stage == s for op in ops)]
     required = ["q", "k", "v", "q_heads", "weights", "context", "merged", "out"]
@@ -214,10 +220,11 @@ def first_departure(
     if masked and "scaled" in required:  # a mask applies: the masked scores are a stage of their own
         required.insert(required.index("scaled") + 1, "masked")
     missing = next((s for s in required if s not in matched), None)
-    if missing is None:
+    if missing is None or any(s in matched for s in STAGES[STAGES.index(missing) + 1 :] if s in DOWNSTREAM):
         return matched, None, None
-    before = required[: required.index(missing)]
-    last = max((i for i, op in enumerate(ops) if op.stage in before), default=-1)
+    before = STAGES[: STAGES.index(missing)]
+    floats = [op for op in ops if op.out.is_floating_point()]
+    last = max((n for n, op in enumerate(floats) if op.stage in before), default=-1)
     want = stages[missing]
-    candidate = next((op for op in ops[last + 1 :] if _layouts(op.out, want)), None)
+    candidate = next((op for op in floats[last + 1 :] if _layouts(op.out, want)), None)
     return matched, missing, candidate

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..check.adapters import AttentionAdapter, Unsupported, as_adapter
-from ..check.capture import Op, capture_until_error, first_departure, match_stages, stage_error
+from ..check.capture import Op, capture_until_error, first_departure, match_stages
 from ..check.cli import model_flag_conflicts, model_layer
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
@@ -328,8 +328,6 @@ def traces_to_json(calls: list[AttentionTrace]) -> str:
 
 # What an op's result is called in later rows: the reference stage it equals, in the seed's words.
 _SHOWN = {"q_heads": "q", "k_heads": "k", "v_heads": "v", "scaled": "scores", "masked": "scores"}
-# Stages that every later step feeds on: one of them matching means that nothing before it departed.
-_DOWNSTREAM = ("scaled", "masked", "weights", "context", "merged", "out")
 
 
 @dataclass
@@ -517,7 +515,7 @@ def trace_module(
     masks = {k: v for k, v in masks.items() if v is not None and v is not False}
     module = getattr(adapter, "module", None)
     module = module if isinstance(module, nn.Module) else None
-    ops, error = capture_until_error(lambda: adapter(query, key, value, **masks), inputs, module, tuples=True)
+    ops, error = capture_until_error(lambda: adapter(query, key, value, **masks), inputs, module)
     if isinstance(error, Unsupported):
         raise error
     stages = recipe_attention(
@@ -554,22 +552,15 @@ def trace_module(
         trace_.matched = [s for s in STAGES if any(op.stage == s for op in ops)]
         trace_.error = _raised(error, module)
         return trace_
-    trace_.matched, missing, _ = first_departure(ops, stages, masked=bool(masks))
-    trace_.departure = _departure(ops, stages, trace_.matched, missing)
+    trace_.matched, missing, at = first_departure(ops, stages, masked=bool(masks))
+    trace_.departure = _departure(ops, stages, missing, at)
     return trace_
 
 
-def _departure(ops: list[Op], stages: dict[str, Tensor], matched: list[str], missing: str | None) -> Departure | None:
-    """``missing`` as a departure, with the op where it should have been; None when a later stage matches
-    (then ``missing`` ran inside a fused op such as SDPA, and ran right)."""
-    if missing is None or any(s in matched for s in STAGES[STAGES.index(missing) + 1 :] if s in _DOWNSTREAM):
+def _departure(ops: list[Op], stages: dict[str, Tensor], missing: str | None, op: Op | None) -> Departure | None:
+    """``missing`` (see :func:`attnlab.check.capture.first_departure`) as a departure, at the op where it should have been."""
+    if missing is None:
         return None
-    # the first value (never mask bookkeeping) after the last op that matched an earlier stage, with a
-    # shape that can hold the missing one
-    before = STAGES[: STAGES.index(missing)]
-    floats = [op for op in ops if op.out.is_floating_point()]
-    last = max((n for n, op in enumerate(floats) if op.stage in before), default=-1)
-    op = next((op for op in floats[last + 1 :] if stage_error(op.out, stages[missing]) is not None), None)
     if op is None:
         return Departure(missing, list(stages[missing].shape), None, None, None)
     at = next(i for i, o in enumerate(ops, 1) if o is op)  # `is`: an Op holds tensors, == would compare them
