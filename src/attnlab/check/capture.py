@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from .recipe import STAGES
 
-__all__ = ["Op", "capture", "capture_until_error", "match_stages", "first_departure"]
+__all__ = ["Op", "capture", "capture_until_error", "departure_hint", "first_departure", "match_stages"]
 
 MATCH_TOL = 1e-4  # relative: a float32 module against the float64 reference is ~1e-7; a mistake is >1e-2
 
@@ -228,3 +228,32 @@ def first_departure(
     want = stages[missing]
     candidate = next((op for op in floats[last + 1 :] if _layouts(op.out, want)), None)
     return matched, missing, candidate
+
+
+def departure_hint(missing: str, op: Op | None, stages: dict[str, Tensor], scale: float) -> str:
+    """What is off about ``op``'s tensor, the one that should have been stage ``missing`` (for messages)."""
+    if op is None:
+        return f"no tensor of its shape {list(stages[missing].shape)} comes after the last matching one"
+    t = op.out.double()
+    if missing == "weights" and t.dim() == 4:
+        rows = float((t.sum(-1) - 1).abs().max())
+        cols = float((t.sum(-2) - 1).abs().max())
+        if cols < 1e-4 < rows:
+            return "each column sums to 1, so softmax ran over the query axis"
+        if rows < 1e-4:
+            return "each row sums to 1, but the values differ: the scores going into softmax are not the reference's"
+        return f"its rows sum to {float(t.sum(-1).mean()):.3g} on average, not 1"
+    if missing == "masked" and t.dim() == 4:
+        want = stages["masked"]
+        blocked = ~torch.isfinite(want)
+        left_open = int((blocked & (t > -1e4)).sum()) if t.shape == want.shape else -1
+        if left_open > 0:
+            return f"{left_open} of the {int(blocked.sum())} pairs the mask blocks keep a finite score: the mask does not reach the scores"
+    if missing == "scaled":
+        raw = stages["scores"]
+        err = stage_error(t, raw)
+        if err is not None and err > MATCH_TOL:
+            ratio = float((t.flatten() @ raw.flatten()) / (raw.flatten() @ raw.flatten()))
+            return f"your scores are {ratio:.4g} x Q K^T; expected {scale:.4g} x Q K^T"
+    err = stage_error(t, stages[missing])
+    return f"the closest tensor differs by {err:.1e} (relative)" if err is not None else ""

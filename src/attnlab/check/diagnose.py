@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .adapters import AttentionAdapter, Projections, Unsupported
-from .capture import capture, first_departure, match_stages, stage_error
+from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
 from .recipe import Recipe, recipe_attention
 from .result import Cause, CheckResult, Report
@@ -553,7 +553,7 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
     matched, missing, candidate = first_departure(ops, stages, masked=bool(probe.masks))
     if missing is None:
         return None
-    hint = _stage_hint(missing, candidate, stages, a)
+    hint = departure_hint(missing, candidate, stages, a.scale)
     ok = ", ".join(s for s in matched if s != missing) or "nothing"
     found = f"your {ok} match the reference; your {missing} does not" + (f": {hint}" if hint else "")
     where = (
@@ -569,34 +569,6 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
          "context": "seed 000, section 3.4", "merged": "seed 002, section 2.2", "out": "seed 002, section 2.1"}.get(missing, "seed 000"),
         tuple(explains),
     )  # fmt: skip
-
-
-def _stage_hint(missing: str, op, stages: dict[str, Tensor], a: AttentionAdapter) -> str:
-    if op is None:
-        return f"no tensor of its shape {list(stages[missing].shape)} comes after the last matching one"
-    t = op.out.double()
-    if missing == "weights" and t.dim() == 4:
-        rows = float((t.sum(-1) - 1).abs().max())
-        cols = float((t.sum(-2) - 1).abs().max())
-        if cols < 1e-4 < rows:
-            return "each column sums to 1, so softmax ran over the query axis"
-        if rows < 1e-4:
-            return "each row sums to 1, but the values differ: the scores going into softmax are not the reference's"
-        return f"its rows sum to {float(t.sum(-1).mean()):.3g} on average, not 1"
-    if missing == "masked" and t.dim() == 4:
-        want = stages["masked"]
-        blocked = ~torch.isfinite(want)
-        left_open = int((blocked & (t > -1e4)).sum()) if t.shape == want.shape else -1
-        if left_open > 0:
-            return f"{left_open} of the {int(blocked.sum())} pairs the mask blocks keep a finite score: the mask does not reach the scores"
-    if missing == "scaled":
-        raw = stages["scores"]
-        err = stage_error(t, raw)
-        if err is not None and err > HYPOTHESIS_TOL:
-            ratio = float((t.flatten() @ raw.flatten()) / (raw.flatten() @ raw.flatten()))
-            return f"your scores are {ratio:.4g} x Q K^T; expected {a.scale:.4g} x Q K^T"
-    err = stage_error(t, stages[missing])
-    return f"the closest tensor differs by {err:.1e} (relative)" if err is not None else ""
 
 
 # -- the whole diagnosis ---------------------------------------------------------------------------------

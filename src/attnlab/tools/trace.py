@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..check.adapters import AttentionAdapter, Unsupported, as_adapter
-from ..check.capture import Op, capture_until_error, first_departure, match_stages
+from ..check.capture import Op, capture_until_error, departure_hint, first_departure, match_stages
 from ..check.cli import model_flag_conflicts, model_layer
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
@@ -357,6 +357,7 @@ class Departure:
     op: int | None  # the row that should have produced it: the first after the last match whose shape fits
     op_func: str | None
     op_shape: list[int] | None
+    hint: str = ""  # what is off about that op's tensor (attnlab.check.capture.departure_hint)
 
     def text(self) -> str:
         where = (
@@ -364,7 +365,10 @@ class Departure:
             if self.op is not None
             else "no op after the last matching one has its shape"
         )
-        return f">> first departure: the reference's {self.stage} {self.reference_shape} is never produced; {where}"
+        hint = f"; {self.hint}" if self.hint and self.op is not None else ""
+        return (
+            f">> first departure: the reference's {self.stage} {self.reference_shape} is never produced; {where}{hint}"
+        )
 
 
 @dataclass
@@ -553,18 +557,22 @@ def trace_module(
         trace_.error = _raised(error, module)
         return trace_
     trace_.matched, missing, at = first_departure(ops, stages, masked=bool(masks))
-    trace_.departure = _departure(ops, stages, missing, at)
+    trace_.departure = _departure(ops, stages, missing, at, adapter.scale)
     return trace_
 
 
-def _departure(ops: list[Op], stages: dict[str, Tensor], missing: str | None, op: Op | None) -> Departure | None:
+def _departure(
+    ops: list[Op], stages: dict[str, Tensor], missing: str | None, op: Op | None, scale: float
+) -> Departure | None:
     """``missing`` (see :func:`attnlab.check.capture.first_departure`) as a departure, at the op where it should have been."""
     if missing is None:
         return None
     if op is None:
         return Departure(missing, list(stages[missing].shape), None, None, None)
     at = next(i for i, o in enumerate(ops, 1) if o is op)  # `is`: an Op holds tensors, == would compare them
-    return Departure(missing, list(stages[missing].shape), at, op.func, op.shape)
+    return Departure(
+        missing, list(stages[missing].shape), at, op.func, op.shape, departure_hint(missing, op, stages, scale)
+    )
 
 
 def _call_form(adapter: AttentionAdapter) -> str:
