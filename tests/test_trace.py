@@ -300,9 +300,10 @@ def test_target_softmax_query_axis_marks_the_departure_under_its_op(capsys, monk
     lines = capsys.readouterr().out.splitlines()
     i = next(i for i, ln in enumerate(lines) if ln.startswith(">> first departure"))
     assert lines[i - 1] == "    t13 = softmax(scores, dim=-2, dtype=torch.float32)"
-    assert " ".join(ln.strip() for ln in lines[i : i + 2]) == (
+    assert " ".join(ln.strip() for ln in lines[i : i + 3]) == (
         ">> first departure: the reference's weights [2, 8, 10, 10] is never produced; "
-        "op #13 (softmax, shape [2, 8, 10, 10]) is where it should be"
+        "op #13 (softmax, shape [2, 8, 10, 10]) is where it should be; each column sums to 1, "
+        "so softmax ran over the query axis"
     )
     assert lines[-1].startswith("reference stages reproduced") or lines[-2].startswith("reference stages reproduced")
 
