@@ -11,16 +11,19 @@ and returns a :class:`Report` of :class:`CheckResult` rows (pass / fail / skip, 
 figure, the tolerance, and how it was measured or why it was skipped).
 """
 
-from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported, as_adapter
+from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported
+from .probe import ProbedAdapter, as_adapter
 from .reference import plain_attention, reference_attention
 from .result import CheckResult, Report
-from .suite import CHECKS, run_checks
+from .runner import run_checks
+from .suite import CHECKS
 
 __all__ = [
     "CHECKS",
     "AttentionAdapter",
     "CheckResult",
     "ModuleAdapter",
+    "ProbedAdapter",
     "Projections",
     "Report",
     "TorchMHAAdapter",

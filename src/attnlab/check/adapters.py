@@ -66,7 +66,6 @@ __all__ = [
     "Projections",
     "TorchMHAAdapter",
     "Unsupported",
-    "as_adapter",
     "call_factory",
 ]
 
@@ -178,7 +177,7 @@ class AttentionAdapter:
 
     def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
         """A fresh target at ``(E, H, G) = (embed_dim, num_heads, num_kv_heads)``, built by ``factory``."""
-        built = as_adapter(self._build(embed_dim, num_heads, num_kv_heads))
+        built = _wrap(self._build(embed_dim, num_heads, num_kv_heads))
         return _same_size(built, embed_dim, num_heads, num_kv_heads)
 
     def _build(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> object:
@@ -361,7 +360,7 @@ class ModuleAdapter(AttentionAdapter):
             made = self._build(embed_dim, num_heads, num_kv_heads)
             if isinstance(made, nn.Module) and not isinstance(made, nn.MultiheadAttention):
                 made = type(self)(made, name=self.name, factory=self.factory, scale=self._scale)
-            return _same_size(as_adapter(made), embed_dim, num_heads, num_kv_heads)
+            return _same_size(_wrap(made), embed_dim, num_heads, num_kv_heads)
         proj = self.projections()
         default_scale = m.scale == 1.0 / math.sqrt(m.head_dim)
         built = MultiHeadAttention(
@@ -481,25 +480,20 @@ class TorchMHAAdapter(AttentionAdapter):
         return TorchMHAAdapter(built.train(m.training), need_weights=self.need_weights)
 
 
-def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapter:
-    """``target`` as an adapter: adapters pass through, modules are wrapped by their kind.
+def _wrap(made: object) -> AttentionAdapter:
+    """What a factory built, as an adapter (for ``resized``): modules by their kind, adapters as they are.
 
-    ``torch.nn.MultiheadAttention``: :class:`TorchMHAAdapter`; attnlab's ``MultiHeadAttention``:
-    :class:`ModuleAdapter`; any other module: :class:`attnlab.check.probe.ProbedAdapter`, which
-    reads its weights and call form off the module itself. ``scale``: the expected multiplier of
-    the scores (default 1/sqrt(D)); the module's own ``scale`` attribute is never taken as the truth.
+    A module that is neither torch's nor attnlab's is wrapped by :class:`ModuleAdapter`, whose
+    convention a factory-backed adapter's modules follow; :func:`attnlab.check.probe.as_adapter` is the
+    public entry, which probes any other module instead.
     """
-    if isinstance(target, nn.MultiheadAttention):
-        return TorchMHAAdapter(target)
-    if isinstance(target, MultiHeadAttention):
-        return ModuleAdapter(target, scale=scale)
-    if isinstance(target, nn.Module):
-        from .probe import ProbedAdapter
-
-        return ProbedAdapter(target, scale=scale)
-    if callable(target) and hasattr(target, "projections"):
-        return target  # type: ignore[return-value]  # duck-typed adapter following the protocol
+    if isinstance(made, nn.MultiheadAttention):
+        return TorchMHAAdapter(made)
+    if isinstance(made, nn.Module):
+        return ModuleAdapter(made)
+    if callable(made) and hasattr(made, "projections"):
+        return made  # type: ignore[return-value]  # duck-typed adapter following the protocol
     raise TypeError(
-        f"attnlab check got a {type(target).__name__}; expected an nn.Module or an adapter with "
+        f"attnlab check got a {type(made).__name__}; expected an nn.Module or an adapter with "
         f"projections() and __call__ (see attnlab.check.adapters)."
     )

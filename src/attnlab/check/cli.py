@@ -21,11 +21,13 @@ from torch import nn
 from ..core.attention import Backend, MultiHeadAttention
 from ..models import pretrained
 from ..runtime import UsageError, check_range
-from .adapters import TorchMHAAdapter, as_adapter
+from .adapters import TorchMHAAdapter
 from .diagnose import diagnose
+from .probe import as_adapter
 from .report import print_tables, to_json
 from .result import Report
-from .suite import CHECKS, run_checks
+from .runner import run_checks
+from .suite import CHECKS
 from .target import TargetError, build_target, random_biases
 
 SLOW_ON_MODELS = "gradcheck[plain]"  # one forward per input element: 2304 of them at SmolLM2's width, ~70 s on 2 cores

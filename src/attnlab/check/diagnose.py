@@ -37,6 +37,7 @@ from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
 from .recipe import Recipe, recipe_attention
 from .result import Cause, CheckResult, Report
+from .suite import CHECKS, Context
 
 __all__ = ["diagnose"]
 
@@ -208,8 +209,6 @@ def _explained(
 ) -> list[str]:
     """The rows in ``failing`` that ``recipe``'s mistake accounts for; those where the mistake alone makes
     NaN/inf too are added to ``nan_rows``."""
-    from .suite import CHECKS, Context
-
     ctx = Context(a, batch=batch, seq_len=seq_len, seed=seed, recipe=recipe)
     oracle = Context(_Formula(a, recipe), batch=batch, seq_len=seq_len, seed=seed)
     out = []

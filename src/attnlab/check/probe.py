@@ -36,10 +36,11 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ..core.attention import MultiHeadAttention
 from ..core.functional import causal_keep
-from .adapters import AttentionAdapter, Projections, Unsupported, _same_size, as_adapter
+from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported, _same_size, _wrap
 
-__all__ = ["CallForm", "MaskForm", "ProbedAdapter", "find_projections", "NotAttention"]
+__all__ = ["CallForm", "MaskForm", "NotAttention", "ProbedAdapter", "as_adapter", "find_projections"]
 
 
 class NotAttention(TypeError):
@@ -352,7 +353,7 @@ class ProbedAdapter(AttentionAdapter):
     def resized(self, embed_dim: int, num_heads: int, num_kv_heads: int) -> AttentionAdapter:
         made = self._build(embed_dim, num_heads, num_kv_heads)
         if not isinstance(made, nn.Module):
-            return _same_size(as_adapter(made), embed_dim, num_heads, num_kv_heads)
+            return _same_size(_wrap(made), embed_dim, num_heads, num_kv_heads)
         # the same code at another size: its call form and mask reading are the same
         built = ProbedAdapter(
             made,
@@ -572,3 +573,21 @@ def _dropout_of(module: nn.Module) -> float:
         if isinstance(v, float | int) and not isinstance(v, bool):
             return float(v)
     return next((float(m.p) for m in module.modules() if isinstance(m, nn.Dropout)), 0.0)
+
+
+def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapter:
+    """``target`` as an adapter: adapters pass through, modules are wrapped by their kind.
+
+    ``torch.nn.MultiheadAttention``: :class:`~attnlab.check.adapters.TorchMHAAdapter`; attnlab's
+    ``MultiHeadAttention``: :class:`~attnlab.check.adapters.ModuleAdapter`; any other module:
+    :class:`ProbedAdapter`, which reads its weights and call form off the module itself. ``scale``:
+    the expected multiplier of the scores (default 1/sqrt(D)); the module's own ``scale`` attribute
+    is never taken as the truth.
+    """
+    if isinstance(target, nn.MultiheadAttention):
+        return TorchMHAAdapter(target)
+    if isinstance(target, MultiHeadAttention):
+        return ModuleAdapter(target, scale=scale)
+    if isinstance(target, nn.Module):
+        return ProbedAdapter(target, scale=scale)
+    return _wrap(target)

@@ -18,13 +18,14 @@ import torch
 from torch import Tensor
 from torch.autograd import gradcheck
 
-from .adapters import AttentionAdapter, Projections, Unsupported, as_adapter
+from .adapters import AttentionAdapter, Projections, Unsupported
+from .probe import as_adapter
 from .recipe import Recipe, recipe_attention
 from .reference import plain_attention, reference_attention
 from .result import CheckResult, Report
 from .variants import VARIANT_CHECKS
 
-__all__ = ["CHECKS", "Context", "run_checks"]
+__all__ = ["CHECKS", "Context", "run_rows"]
 
 # float32 against float64, tiny dims: observed errors are ~1e-7 relative; 2e-5 leaves room for
 # longer rows and fused kernels yet stays far below any real bug (a wrong scale or mask is > 1e-2).
@@ -851,7 +852,7 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
 CROSS_ATTENTION_CHECKS = frozenset({"parity_cross"})
 
 
-def run_checks(
+def run_rows(
     target: object,
     *,
     checks: Iterable[str] | None = None,
@@ -859,27 +860,8 @@ def run_checks(
     batch: int = 2,
     seq_len: int = 8,
     scale: float | None = None,
-    diagnose: bool = True,
-) -> Report:
-    """Audit an attention module against attnlab's float64 reference.
-
-    Args:
-        target: an :class:`~attnlab.check.adapters.AttentionAdapter` (or any object following
-            its protocol), a ``torch.nn.MultiheadAttention``, or an ``nn.Module`` following
-            attnlab's calling convention.
-        checks: names from :data:`CHECKS` to run (default: all, in that order).
-        seed: seeds every input; the same seed gives the same figures.
-        batch, seq_len: B and T of the inputs (seq_len >= 4).
-        scale: the expected multiplier of the scores; default ``1/sqrt(head_dim)``. The module's own
-            ``scale`` attribute is never taken as the truth (``scale_attribute`` reports on it).
-        diagnose: when a check fails, test the catalogue of known mistakes and fill
-            ``report.diagnosis`` (:func:`attnlab.check.diagnose.diagnose`).
-
-    Returns:
-        A :class:`Report`; ``report.ok`` is False when a check failed, and ``report.diagnosis``
-        names the likely causes, most likely first. The target is left in eval mode, and the
-        global RNG state is untouched.
-    """
+) -> tuple[AttentionAdapter, Report]:
+    """The rows of :func:`attnlab.check.run_checks`, without the diagnosis: ``(the adapter, the report)``."""
     adapter = as_adapter(target, scale=scale)
     names = list(CHECKS) if checks is None else list(checks)
     unknown = [n for n in names if n not in CHECKS]
@@ -924,9 +906,4 @@ def run_checks(
                     "", "fail", None, None, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 )
             report.results.append(replace(result, name=name))
-        if diagnose and not report.ok:
-            from .diagnose import diagnose as find_causes
-
-            report.diagnosis = find_causes(adapter, report, seed=seed, batch=batch, seq_len=seq_len)
-            adapter.set_training(False)
-    return report
+    return adapter, report

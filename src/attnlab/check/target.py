@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..runtime import UsageError
-from .adapters import AttentionAdapter, as_adapter
-from .probe import NotAttention, ProbedAdapter
+from .adapters import AttentionAdapter
+from .probe import NotAttention, ProbedAdapter, as_adapter
 
 __all__ = ["TargetError", "build_target", "load_object", "random_biases"]
 

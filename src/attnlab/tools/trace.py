@@ -37,9 +37,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..check.adapters import AttentionAdapter, Unsupported, as_adapter
+from ..check.adapters import AttentionAdapter, Unsupported
 from ..check.capture import Op, capture_until_error, departure_hint, first_departure, match_stages
 from ..check.cli import model_flag_conflicts, model_layer
+from ..check.probe import as_adapter
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
