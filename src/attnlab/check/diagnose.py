@@ -529,13 +529,9 @@ def _mask_polarity(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause |
 def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str]) -> Cause | None:
     """Where no catalogued mistake fits: the first stage whose tensor the module never produces."""
     module = getattr(a, "module", None)
-    probe = next((p for p in probes if p.out is not None and _recipe_error(a, Recipe(), p) not in (None, 0.0)), None)
-    if probe is None:
+    probe = next((p for p in probes if p.out is not None and (_recipe_error(a, Recipe(), p) or 0) > DISTINCT), None)
+    if probe is None:  # the forward matches on every probe: nothing to locate
         return None
-    if _recipe_error(a, Recipe(), probe) <= DISTINCT:  # type: ignore[operator]
-        probe = next(
-            (p for p in probes if p.out is not None and (_recipe_error(a, Recipe(), p) or 0) > DISTINCT), probe
-        )
     inputs = {"query": probe.q} if probe.k is probe.q else {"query": probe.q, "key": probe.k, "value": probe.v}
     ops = capture(lambda: a(probe.q, probe.k, probe.v, **probe.masks), inputs, module)
     stages = recipe_attention(
@@ -619,9 +615,8 @@ def diagnose(a: AttentionAdapter, report: Report, *, seed: int = 0, batch: int =
         found, textbook_off = _recipe_causes(
             a, probes, rest, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_by_mistake
         )
-        for c in found[
-            :3
-        ]:  # most likely first; more than three fitting mistakes says the probes cannot tell them apart
+        # most likely first; more than three fitting mistakes would say that the probes cannot tell them apart
+        for c in found[:3]:
             add(c)
     for c in crashes:
         if c.id == "crash":
