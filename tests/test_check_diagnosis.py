@@ -399,3 +399,19 @@ def test_the_tutorial_says_what_check_says():
         report = run_checks(_target(CORPUS / f"{stem}.py"), checks=FAST)
         assert report.diagnosis[0].id == cause
         assert " ".join(report.diagnosis[0].found.split()) == " ".join(found.split())
+
+
+def test_a_factory_in_a_file_gets_the_sizes_under_its_own_names(capsys, tmp_path):
+    mine = tmp_path / "mine.py"
+    mine.write_text(
+        f"import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('base', {str(CORPUS / 'seed000_correct.py')!r})\n"
+        "base = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(base)\n\n"
+        "def make(d_model, n_heads, dropout_p=0.0):\n    return base.MultiHeadAttention(d_model, n_heads, dropout_p)\n"
+    )
+    code = main(["check", "--target", f"{mine}:make", "--embed-dim", "24", "--num-heads", "3", "--json",
+                 "--checks", "parity_self", "parity_head_dims"])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)["reports"][0]
+    assert code == 0 and report["config"]["embed_dim"] == 24 and report["config"]["num_heads"] == 3
+    head_dims = next(r for r in report["results"] if r["name"] == "parity_head_dims")
+    assert head_dims["status"] == "pass" and "rebuilt with H=3, G=3" in head_dims["detail"]  # rebuilt through make()
