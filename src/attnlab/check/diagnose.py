@@ -161,37 +161,18 @@ class _Formula(AttentionAdapter):
     def projections(self) -> Projections:
         return self.target.projections()
 
+    def _stage(self, stage: str, query: Tensor, key: Tensor, value: Tensor, **masks: object) -> Tensor:
+        heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "scale": self.scale}
+        s = recipe_attention(self.projections(), query, key, value, recipe=self.recipe, **heads, **masks)  # type: ignore[arg-type]
+        return s[stage].to(query.dtype)
+
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
-        s = recipe_attention(
-            self.projections(),
-            query,
-            key,
-            value,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            scale=self.scale,
-            recipe=self.recipe,
-            keep_mask=keep_mask,
-            key_padding_mask=key_padding_mask,
-            is_causal=is_causal,
-        )
-        return s["out"].to(query.dtype)
+        masks = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
+        return self._stage("out", query, key, value, **masks)
 
     def attention_weights(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
-        s = recipe_attention(
-            self.projections(),
-            query,
-            key,
-            value,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            scale=self.scale,
-            recipe=self.recipe,
-            keep_mask=keep_mask,
-            key_padding_mask=key_padding_mask,
-            is_causal=is_causal,
-        )
-        return s["weights"].to(query.dtype)
+        masks = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
+        return self._stage("weights", query, key, value, **masks)
 
     def cast(self, dtype: torch.dtype) -> AttentionAdapter:
         return self
