@@ -6,9 +6,12 @@ Library use, e.g. in a pytest suite::
     run_checks(my_attention_module).raise_if_failed()
 
 ``run_checks`` takes an adapter (see :mod:`attnlab.check.adapters` for the protocol), a
-``torch.nn.MultiheadAttention``, or an ``nn.Module`` following attnlab's calling convention,
-and returns a :class:`Report` of :class:`CheckResult` rows (pass / fail / skip, the measured
-figure, the tolerance, and how it was measured or why it was skipped).
+``torch.nn.MultiheadAttention``, attnlab's ``MultiHeadAttention``, or any attention
+``nn.Module`` as it is written (:class:`ProbedAdapter` reads its weights, call form and mask
+convention off the module), and returns a :class:`Report` of :class:`CheckResult` rows (pass /
+fail / skip, the measured figure, the tolerance, and how it was measured or why it was skipped).
+When a row fails, ``report.diagnosis`` names the likely causes from the catalogue of known
+mistakes (:mod:`attnlab.check.catalogue`, :mod:`attnlab.check.diagnose`), most likely first.
 """
 
 from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported

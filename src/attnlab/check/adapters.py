@@ -37,11 +37,12 @@ Optional (each missing one skips the checks that need it, with the reason):
     deterministic-backward check compares too (default: none).
     A capability method may raise :class:`Unsupported` with the reason instead.
 
-Subclass :class:`AttentionAdapter` to get those defaults. A plain ``nn.Module`` that follows
-attnlab's convention (``forward(query, key, value, *, attn_mask, key_padding_mask,
-is_causal)``, bool ``attn_mask`` True = may attend, and ``q_proj``/``k_proj``/``v_proj``/
-``out_proj`` exposing ``.weight``/``.bias``) is wrapped by :class:`ModuleAdapter`;
-``torch.nn.MultiheadAttention`` by :class:`TorchMHAAdapter`.
+Subclass :class:`AttentionAdapter` to get those defaults. attnlab's ``MultiHeadAttention``, and
+any module following its convention (``forward(query, key, value, *, attn_mask,
+key_padding_mask, is_causal)``, bool ``attn_mask`` True = may attend, ``q_proj``/``k_proj``/
+``v_proj``/``out_proj``), is wrapped by :class:`ModuleAdapter`; ``torch.nn.MultiheadAttention``
+by :class:`TorchMHAAdapter`; any other module, by :func:`attnlab.check.as_adapter`, in
+:class:`attnlab.check.probe.ProbedAdapter`, which needs no adapter written.
 """
 
 from __future__ import annotations
