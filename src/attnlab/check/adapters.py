@@ -414,7 +414,10 @@ class TorchMHAAdapter(AttentionAdapter):
             bq, bk, bv = m.in_proj_bias.chunk(3)  # (E,) each
         return Projections(wq, wk, wv, m.out_proj.weight, bq, bk, bv, m.out_proj.bias)
 
-    def _run(self, query: Tensor, key: Tensor, value: Tensor, **kw) -> Tensor:
+    def _run(
+        self, query: Tensor, key: Tensor, value: Tensor, *, weights: bool = False, **kw
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(output (B, T_q, E), per-head weights (B, H, T_q, T_k) when ``weights``, else None)``."""
         seq_first = not self.module.batch_first
         if seq_first:  # (B, T, E) -> (T, B, E), keeping self-attention's one tensor object
             q = query.transpose(0, 1)
@@ -422,13 +425,16 @@ class TorchMHAAdapter(AttentionAdapter):
             v = k if value is key else value.transpose(0, 1)
         else:
             q, k, v = query, key, value
-        if getattr(self, "_keep_weights", False):
-            out, self._weights = self.module(q, k, v, need_weights=True, average_attn_weights=False, **kw)
+        if weights:
+            out, w = self.module(q, k, v, need_weights=True, average_attn_weights=False, **kw)
         else:
-            out = _first(self.module(q, k, v, need_weights=self.need_weights, **kw))
-        return out.transpose(0, 1) if seq_first else out  # (B, T_q, E)
+            out, w = _first(self.module(q, k, v, need_weights=self.need_weights, **kw)), None
+        return (out.transpose(0, 1) if seq_first else out), w  # (B, T_q, E)
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
+        return self._masked(query, key, value, keep_mask, key_padding_mask, is_causal, weights=False)[0]
+
+    def _masked(self, query, key, value, keep_mask, key_padding_mask, is_causal, *, weights: bool):
         T_q, T_k = query.size(1), key.size(1)
         keep = keep_mask
         if is_causal:  # torch's is_causal is a hint that requires the mask itself: build it
@@ -439,22 +445,18 @@ class TorchMHAAdapter(AttentionAdapter):
             blocked = ~keep  # torch: True = blocked
             if blocked.dim() == 3:  # (B, T_q, T_k) -> (B*H, T_q, T_k), batch-major as torch expects
                 blocked = blocked.repeat_interleave(self.num_heads, dim=0)
-        return self._run(query, key, value, attn_mask=blocked, key_padding_mask=key_padding_mask)
+        return self._run(query, key, value, weights=weights, attn_mask=blocked, key_padding_mask=key_padding_mask)
 
     def set_training(self, mode: bool) -> None:
         self.module.train(mode)
 
     def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
-        return self._run(query, query, query, attn_mask=mask)
+        return self._run(query, query, query, attn_mask=mask)[0]
 
     def attention_weights(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
-        saved = self.need_weights
-        self.need_weights, self._keep_weights = True, True
-        try:
-            self(query, key, value, keep_mask=keep_mask, key_padding_mask=key_padding_mask, is_causal=is_causal)
-        finally:
-            self.need_weights, self._keep_weights = saved, False
-        return self._weights
+        _, w = self._masked(query, key, value, keep_mask, key_padding_mask, is_causal, weights=True)
+        assert w is not None  # need_weights=True always returns them
+        return w
 
     def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
         raise Unsupported("torch.nn.MultiheadAttention has no KV cache")

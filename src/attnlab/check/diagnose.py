@@ -341,17 +341,8 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
 
 
 def _dropout(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause | None:
+    """The rate and the rescale, read off dropout_rate's figures (dropout in eval is named first, in diagnose)."""
     p = float(getattr(a, "dropout_p", 0.0))
-    if "determinism" in rows:
-        names = [n for n in ("determinism", "dropout_off_in_eval") if n in rows]
-        d = rows.get("determinism")
-        diff = (
-            f"two eval calls differ by {d.measured:.2e}"
-            if d is not None and isinstance(d.measured, float)
-            else "eval outputs differ from the reference"
-        )
-        if p > 0:
-            return _cause(by_id("dropout_in_eval"), a, f"{diff} with dropout p={p:g} in eval mode", names)
     r = rows.get("dropout_rate")
     if r is None or not r.data:
         return None

@@ -150,11 +150,10 @@ class CallForm:
 
 def read_call_form(module: nn.Module) -> CallForm:
     positional, params = _param_names(module.forward)
-    has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
     pick = lambda names: next((n for n in names if n in params), None)
     inputs = [n for n in positional if n not in _CAUSAL_ARGS + _WEIGHTS_ARGS + ("average_attn_weights",)]
     required = [n for n in inputs if params[n].default is inspect.Parameter.empty]
-    n_inputs = min(3, max(1, len(required) if len(required) >= 1 else 1))
+    n_inputs = min(3, max(1, len(required)))
     if (
         n_inputs < 3
         and len(inputs) >= 3
@@ -170,8 +169,6 @@ def read_call_form(module: nn.Module) -> CallForm:
         n_inputs = 2  # forward(x, context=None)
     mask_arg, pad_arg = pick(_MASK_ARGS), pick(_PAD_ARGS)
     weights_arg = pick(_WEIGHTS_ARGS)
-    if mask_arg is None and has_var_kw:
-        mask_arg = None  # **kwargs tells nothing of what it reads
     return CallForm(
         inputs=n_inputs,
         input_names=tuple(inputs[:n_inputs]),
