@@ -3,8 +3,10 @@ or dataclass by tyro: no hand-copied flag lists, unknown flags rejected.
 
 What reaches the user is one of: the command's own output; ``attnlab: error: <what>, <got>, <fix>``
 with exit code 2 for a mistake in the input (:class:`attnlab.runtime.UsageError`, and the
-``ValueError``/``TypeError`` of attnlab's argument checks); one line and exit code 130 (Ctrl-C) or 143
-(SIGTERM) for an interrupt. Never a traceback, unless ``ATTNLAB_DEBUG=1`` asks for it.
+``ValueError``/``TypeError`` of attnlab's argument checks); one line, ``attnlab: <command>
+interrupted (...)``, naming any partial results kept, and exit code 130 (Ctrl-C) or 143 (SIGTERM)
+for an interrupt. Output piped into ``head`` or ``less`` and cut short ends quietly (exit 141, as a
+Unix tool killed by SIGPIPE). Never a traceback, unless ``ATTNLAB_DEBUG=1`` asks for it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .bench.decode import bench_decode
 from .check.cli import check
 from .lab.cli import ablate_command, lab_main, train_command
 from .models.generate_cli import generate_command
-from .runtime import UsageError
+from .runtime import INTERRUPTS, Terminated, UsageError, interrupt_exit, kept
 from .tools.demo import demo
 from .tools.doctor import doctor
 from .tools.inspect_cli import inspect_command
@@ -32,12 +34,29 @@ from .tools.trace import trace_command
 LAB = ("train", "ablate-heads")  # they also take --config FILE as tyro defaults, and own their interrupts: lab/cli.py
 
 
-class _Terminated(Exception):
-    """SIGTERM, raised in the main thread where Ctrl-C raises ``KeyboardInterrupt``."""
-
-
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
+    raise Terminated
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so that the interpreter's last flush is silent too."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout closed or not a file: nothing is left to flush into
+        pass
+
+
+def _flushed() -> bool:
+    """Flush stdout; False (and stdout silenced) when its pipe was closed: it breaks here, not at exit."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return False
+    except (OSError, ValueError):
+        pass
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,15 +94,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"attnlab: error: {err}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, _Terminated) as err:
+    except INTERRUPTS as err:
         if os.environ.get("ATTNLAB_DEBUG"):
             raise
-        how, code = ("Ctrl-C", 130) if isinstance(err, KeyboardInterrupt) else ("SIGTERM", 143)
-        print(f"attnlab: {command} interrupted ({how}) before it finished; nothing more was written.", file=sys.stderr)
+        how, code = interrupt_exit(err)
+        saved = kept(err)
+        outcome = f"kept {saved}" if saved else "nothing more was written"
+        print(f"attnlab: {command} interrupted ({how}) before it finished; {outcome}.", file=sys.stderr)
         return code
+    except BrokenPipeError:  # `attnlab ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 141
+    except SystemExit:  # --help and tyro's own usage errors: their text may sit in a pipe's buffer still
+        if not _flushed():
+            return 141
+        raise
     finally:
         if own_sigterm:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if not _flushed():
+        return 141
     return int(result or 0)
 
 

@@ -4,17 +4,26 @@ class for a user's mistake. Below every other layer but ``core``'s peers: it imp
 """
 
 from .devices import DEVICE_HELP, DTYPE_HELP, resolve_device, resolve_dtype
-from .errors import UsageError, check_range
+from .errors import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, check_range
 from .files import atomic_write_bytes, atomic_write_text, check_writable_dir
+from .signals import INTERRUPTS, Terminated, interrupt_exit, keep, kept
 
 __all__ = [
     "DEVICE_HELP",
     "DTYPE_HELP",
+    "INTERRUPTS",
+    "LimitError",
+    "ModelFileError",
+    "ModelFileNotFoundError",
+    "Terminated",
     "UsageError",
     "atomic_write_bytes",
     "atomic_write_text",
     "check_range",
     "check_writable_dir",
+    "interrupt_exit",
+    "keep",
+    "kept",
     "resolve_device",
     "resolve_dtype",
 ]

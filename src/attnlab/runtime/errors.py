@@ -1,10 +1,19 @@
-"""``UsageError``: a mistake in what the user asked for, reported as one sentence and exit 2."""
+"""The exceptions of a user's mistake, each reported by ``attnlab`` as one sentence and exit 2.
+
+* :class:`UsageError`: bad input (an argument, a flag); a ``ValueError``.
+* :class:`ModelFileError`: a model file (GGUF, ``config.json``, safetensors, tokenizer) that is
+  damaged, inconsistent or claims more than it holds; a ``UsageError``.
+* :class:`ModelFileNotFoundError`: a model file or directory that is not there; also a
+  ``FileNotFoundError``, so ``except FileNotFoundError`` code keeps working.
+* :class:`LimitError`: a request past a limit (the model's context, ``--max-tokens``, this
+  machine's memory), refused before any work with the number that fits.
+"""
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["UsageError", "check_range"]
+__all__ = ["LimitError", "ModelFileError", "ModelFileNotFoundError", "UsageError", "check_range"]
 
 
 class UsageError(ValueError):
@@ -13,6 +22,19 @@ class UsageError(ValueError):
     The message names the argument, what was received, what was expected and the fix. A
     ``ValueError`` so that Python callers can catch it as the usual kind of bad argument.
     """
+
+
+class ModelFileError(UsageError):
+    """A model file attnlab cannot use: the message names the file, the field or tensor, what was
+    found, what was expected, and the fix (copy the file again, or re-export it)."""
+
+
+class ModelFileNotFoundError(ModelFileError, FileNotFoundError):
+    """A model file or directory that does not exist."""
+
+
+class LimitError(UsageError):
+    """A request past a limit, refused before the work starts; the message says the number that fits."""
 
 
 def check_range(
