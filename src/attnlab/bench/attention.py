@@ -34,9 +34,18 @@ import tyro
 from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
-from ..runtime import UsageError, check_range, check_writable_dir, resolve_device, resolve_dtype
+from ..runtime import (
+    INTERRUPTS,
+    UsageError,
+    atomic_write_text,
+    check_range,
+    check_writable_dir,
+    resolve_device,
+    resolve_dtype,
+)
 from .decode import copy_bandwidth
 from .memory import PeakMemory
+from .partial import carried_by_interrupts, drop_partial, save_partial
 from .seed_module import SeedMultiHeadAttention
 from .table import aligned, terminal_width, wrap
 
@@ -269,6 +278,7 @@ class BenchResult:
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     train_throughput: dict | None = None
+    partial: str | None = None  # why the run stopped early (the rows are the lengths it finished), or None
 
 
 # On a GPU the CPU-sized defaults measure kernel launches, not attention: at E=512 and 8192 tokens every
@@ -358,72 +368,73 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
         copy_GB_per_s=round(copy_rate, 2),
         skipped=dict(skipped),
     )
-    E = cfg.embed_dim
-    checked = False
-    for T in cfg.lengths:
-        B = max(1, cfg.tokens // T)
-        x = torch.randn(B, T, E, device=device, dtype=dtype)
-        grad_out = torch.randn(B, T, E, device=device, dtype=dtype)
-        active = {
-            n: fn for n, fn in runners.items() if not (n in ("attnlab-math", "seed-000") and T > cfg.math_max_len)
-        }
-        rows = {n: Row(T, B, n) for n in runners}
-        for n in runners.keys() - active.keys():
-            rows[n].note = f"skipped: materialises (B, H, T, T) scores, T > math_max_len={cfg.math_max_len}"
-        if not checked:  # every runner computes the same function, or the timings mean nothing
-            with torch.no_grad():
-                ref = active["attnlab"](x, T) if "attnlab" in active else next(iter(active.values()))(x, T)
-                for n, fn in active.items():
-                    err = (fn(x, T).float() - ref.float()).abs().max().item()
-                    tol = 1e-4 if dtype == torch.float32 else 5e-2
-                    if err > tol:
-                        raise RuntimeError(
-                            f"runner {n} disagrees with attnlab by {err:.2e} (> {tol}); the benchmark would compare different functions."
-                        )
-            checked = True
-        fwd: dict[str, list[float]] = {n: [] for n in active}
-        fb: dict[str, list[float]] = {n: [] for n in active}
-        names = list(active)
-        for rep in range(cfg.warmup + cfg.repeats):
-            order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: no runner always first
-            for n in order:
-                _sync(device)
-                t0 = time.perf_counter()
+    with carried_by_interrupts(result):  # an interrupt hands up the lengths measured so far
+        E = cfg.embed_dim
+        checked = False
+        for T in cfg.lengths:
+            B = max(1, cfg.tokens // T)
+            x = torch.randn(B, T, E, device=device, dtype=dtype)
+            grad_out = torch.randn(B, T, E, device=device, dtype=dtype)
+            active = {
+                n: fn for n, fn in runners.items() if not (n in ("attnlab-math", "seed-000") and T > cfg.math_max_len)
+            }
+            rows = {n: Row(T, B, n) for n in runners}
+            for n in runners.keys() - active.keys():
+                rows[n].note = f"skipped: materialises (B, H, T, T) scores, T > math_max_len={cfg.math_max_len}"
+            if not checked:  # every runner computes the same function, or the timings mean nothing
                 with torch.no_grad():
-                    active[n](x, T)
-                _sync(device)
-                if rep >= cfg.warmup:
-                    fwd[n].append(time.perf_counter() - t0)
-            for n in order:
-                xg = x.detach().requires_grad_()
-                _sync(device)
-                t0 = time.perf_counter()
-                active[n](xg, T).backward(grad_out)
-                _sync(device)
-                if rep >= cfg.warmup:
-                    fb[n].append(time.perf_counter() - t0)
-                _zero_grads(xg)
-        flops = attention_flops(B, T, E)
-        for n in active:
-            r = rows[n]
-            r.fwd_ms = 1e3 * statistics.median(fwd[n])
-            r.fwd_bwd_ms = 1e3 * statistics.median(fb[n])
-            r.fwd_gflops = flops / (r.fwd_ms / 1e3) / 1e9
-        result.rows.extend(rows.values())
-        log(f"T={T} B={B}: fwd+bwd ms " + ", ".join(f"{n} {rows[n].fwd_bwd_ms:.1f}" for n in active))
+                    ref = active["attnlab"](x, T) if "attnlab" in active else next(iter(active.values()))(x, T)
+                    for n, fn in active.items():
+                        err = (fn(x, T).float() - ref.float()).abs().max().item()
+                        tol = 1e-4 if dtype == torch.float32 else 5e-2
+                        if err > tol:
+                            raise RuntimeError(
+                                f"runner {n} disagrees with attnlab by {err:.2e} (> {tol}); the benchmark would compare different functions."
+                            )
+                checked = True
+            fwd: dict[str, list[float]] = {n: [] for n in active}
+            fb: dict[str, list[float]] = {n: [] for n in active}
+            names = list(active)
+            for rep in range(cfg.warmup + cfg.repeats):
+                order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: no runner always first
+                for n in order:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        active[n](x, T)
+                    _sync(device)
+                    if rep >= cfg.warmup:
+                        fwd[n].append(time.perf_counter() - t0)
+                for n in order:
+                    xg = x.detach().requires_grad_()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    active[n](xg, T).backward(grad_out)
+                    _sync(device)
+                    if rep >= cfg.warmup:
+                        fb[n].append(time.perf_counter() - t0)
+                    _zero_grads(xg)
+            flops = attention_flops(B, T, E)
+            for n in active:
+                r = rows[n]
+                r.fwd_ms = 1e3 * statistics.median(fwd[n])
+                r.fwd_bwd_ms = 1e3 * statistics.median(fb[n])
+                r.fwd_gflops = flops / (r.fwd_ms / 1e3) / 1e9
+            result.rows.extend(rows.values())
+            log(f"T={T} B={B}: fwd+bwd ms " + ", ".join(f"{n} {rows[n].fwd_bwd_ms:.1f}" for n in active))
 
-    result.gemm_gflops = max(result.gemm_gflops, gemm_gflops(device, dtype, cfg.gemm_size))
-    if cfg.memory and mem.available:  # after all timings: the allocator setting below slows allocation
-        mem.exact_mode()
-        for r in result.rows:
-            if r.fwd_ms is None:
-                continue
-            x = torch.randn(r.B, r.T, E, device=device, dtype=dtype, requires_grad=True)
-            grad_out = torch.randn_like(x)
-            peak = mem.measure(partial(_fwd_bwd, runners[r.runner], x, r.T, grad_out))
-            r.peak_mib = None if peak is None else peak / 2**20
-            _zero_grads(x)
-        log("peak memory measured")
+        result.gemm_gflops = max(result.gemm_gflops, gemm_gflops(device, dtype, cfg.gemm_size))
+        if cfg.memory and mem.available:  # after all timings: the allocator setting below slows allocation
+            mem.exact_mode()
+            for r in result.rows:
+                if r.fwd_ms is None:
+                    continue
+                x = torch.randn(r.B, r.T, E, device=device, dtype=dtype, requires_grad=True)
+                grad_out = torch.randn_like(x)
+                peak = mem.measure(partial(_fwd_bwd, runners[r.runner], x, r.T, grad_out))
+                r.peak_mib = None if peak is None else peak / 2**20
+                _zero_grads(x)
+            log("peak memory measured")
     return result
 
 
@@ -576,7 +587,10 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
         return bench_window(cfg)
     width = terminal_width()
     log = lambda text: print(wrap(text, width), flush=True)
-    res = run_bench(cfg, log=log)
+    try:
+        res = run_bench(cfg, log=log)
+    except INTERRUPTS as err:  # the lengths timed so far are kept, marked partial
+        raise save_partial(err, cfg.out_dir, "bench_attention", markdown) from None
     summary = goals(res)
     if cfg.train:
         from .train import train_throughput
@@ -589,9 +603,10 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
         )
     out = cfg.out_dir
     paths = [out / "bench_attention.json", out / "bench_attention.md", out / "bench_attention.png"]
-    paths[0].write_text(json.dumps(asdict(res), indent=2))
-    paths[1].write_text(markdown(res) + "\n\n" + summary + "\n")
+    atomic_write_text(paths[0], json.dumps(asdict(res), indent=2))
+    atomic_write_text(paths[1], markdown(res) + "\n\n" + summary + "\n")
     plot(res, paths[2])
+    drop_partial(out, "bench_attention")
     print("\n" + compact_table(res) + "\n\n" + wrap(summary, width))
     print("\nwrote (the Markdown table has every column):\n" + "\n".join(f"  {p}" for p in paths))
     return 0
@@ -602,13 +617,17 @@ def bench_window(cfg: BenchConfig) -> int:
     from .window import run_window_bench, window_goals, window_markdown, window_plot, window_table
 
     width = terminal_width()
-    res = run_window_bench(cfg, log=lambda text: print(wrap(text, width), flush=True))
+    try:
+        res = run_window_bench(cfg, log=lambda text: print(wrap(text, width), flush=True))
+    except INTERRUPTS as err:  # the lengths timed so far are kept, marked partial
+        raise save_partial(err, cfg.out_dir, "bench_window", window_markdown) from None
     summary = window_goals(res)
     out = cfg.out_dir
     paths = [out / "bench_window.json", out / "bench_window.md", out / "bench_window.png"]
-    paths[0].write_text(json.dumps(asdict(res) | {"goals": summary.splitlines()}, indent=2))
-    paths[1].write_text(window_markdown(res) + "\n\n" + summary + "\n")
+    atomic_write_text(paths[0], json.dumps(asdict(res) | {"goals": summary.splitlines()}, indent=2))
+    atomic_write_text(paths[1], window_markdown(res) + "\n\n" + summary + "\n")
     window_plot(res, paths[2])
+    drop_partial(out, "bench_window")
     print("\n" + window_table(res) + "\n\n" + wrap(summary, width))
     print("\nwrote (the Markdown table has every column):\n" + "\n".join(f"  {p}" for p in paths))
     return 0

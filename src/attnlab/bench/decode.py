@@ -24,7 +24,21 @@ import torch
 
 from ..models.generation import generate
 from ..models.gpt import GPTConfig, TinyGPT
-from ..runtime import UsageError, check_range, check_writable_dir, resolve_device, resolve_dtype
+from ..runtime import (
+    INTERRUPTS,
+    LimitError,
+    UsageError,
+    atomic_write_text,
+    available_bytes,
+    check_range,
+    check_writable_dir,
+    gib,
+    import_advice,
+    interrupt_exit,
+    keep,
+    resolve_device,
+    resolve_dtype,
+)
 from .table import aligned, terminal_width, wrap
 
 
@@ -196,59 +210,74 @@ def bench_decode(
         f"KV cache {gpt.kv_cache_bytes_per_token} bytes/token for the whole model"
     )
     print(wrap(title, width), flush=True)
-    for ctx in contexts:
-        idx = torch.randint(0, vocab_size, (1, ctx), generator=torch.Generator().manual_seed(seed + ctx)).to(dev)
-        times: dict[str, dict[int, list[float]]] = {name: {1: [], n: []} for name, (_, n) in runners.items()}
-        outs: dict[str, torch.Tensor] = {}
-        compile_s = None
-        for name, (fn, _n) in runners.items():  # warm-up (and, for compile, the compilation itself)
-            t, _ = _time(partial(fn, idx), 2, dev)
-            if name == "attnlab cache+compile":
-                compile_s = t
-        for _ in range(repeats):
-            for name, (fn, n) in runners.items():  # interleaved, so that drift hits every runner alike
-                for k in (1, n):
-                    t, out = _time(partial(fn, idx), k, dev)
-                    times[name][k].append(t)
-                    outs[name] = out
-        row: dict[str, Any] = {"context": ctx}
-        for name, (_, n) in runners.items():
-            t1, tn = statistics.median(times[name][1]), statistics.median(times[name][n])
-            per_token = (tn - t1) / (n - 1)
-            row[name] = {
-                "ms_per_token": 1e3 * per_token,
-                "tokens_per_s": 1.0 / per_token,
-                "prefill_ms": 1e3 * t1,
-                "new_tokens": n,
-            }
-        # A decode step reads every weight once plus the cached K/V of the context: its memory traffic.
-        step_bytes = gpt.num_params() * dt.itemsize + ctx * gpt.kv_cache_bytes_per_token
-        row["cache_GB_per_s"] = step_bytes / (row["attnlab cache"]["ms_per_token"] * 1e-3) / 1e9
-        ref = outs["attnlab cache"]
-        row["same_tokens"] = {
-            name: bool(torch.equal(out[:, : ref.size(1)], ref[:, : out.size(1)])) for name, out in outs.items()
-        }
-        if compile_s is not None:
-            row["compile_warmup_s"] = compile_s
-        results.append(row)
-        print(f"context {ctx}: done", flush=True)
 
+    def report(partial: str | None = None) -> dict[str, Any]:
+        return {
+            "config": vars(config)
+            | {"params": gpt.num_params(), "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token},
+            "device": str(dev),
+            "dtype": dtype_name,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "repeats": repeats,
+            "partial": partial,
+            "results": results,
+        }
+
+    try:
+        for ctx in contexts:
+            idx = torch.randint(0, vocab_size, (1, ctx), generator=torch.Generator().manual_seed(seed + ctx)).to(dev)
+            times: dict[str, dict[int, list[float]]] = {name: {1: [], n: []} for name, (_, n) in runners.items()}
+            outs: dict[str, torch.Tensor] = {}
+            compile_s = None
+            for name, (fn, _n) in runners.items():  # warm-up (and, for compile, the compilation itself)
+                t, _ = _time(partial(fn, idx), 2, dev)
+                if name == "attnlab cache+compile":
+                    compile_s = t
+            for _ in range(repeats):
+                for name, (fn, n) in runners.items():  # interleaved, so that drift hits every runner alike
+                    for k in (1, n):
+                        t, out = _time(partial(fn, idx), k, dev)
+                        times[name][k].append(t)
+                        outs[name] = out
+            row: dict[str, Any] = {"context": ctx}
+            for name, (_, n) in runners.items():
+                t1, tn = statistics.median(times[name][1]), statistics.median(times[name][n])
+                per_token = (tn - t1) / (n - 1)
+                row[name] = {
+                    "ms_per_token": 1e3 * per_token,
+                    "tokens_per_s": 1.0 / per_token,
+                    "prefill_ms": 1e3 * t1,
+                    "new_tokens": n,
+                }
+            # A decode step reads every weight once plus the cached K/V of the context: its memory traffic.
+            step_bytes = gpt.num_params() * dt.itemsize + ctx * gpt.kv_cache_bytes_per_token
+            row["cache_GB_per_s"] = step_bytes / (row["attnlab cache"]["ms_per_token"] * 1e-3) / 1e9
+            ref = outs["attnlab cache"]
+            row["same_tokens"] = {
+                name: bool(torch.equal(out[:, : ref.size(1)], ref[:, : out.size(1)])) for name, out in outs.items()
+            }
+            if compile_s is not None:
+                row["compile_warmup_s"] = compile_s
+            results.append(row)
+            print(f"context {ctx}: done", flush=True)
+
+    except INTERRUPTS as err:  # the contexts measured so far are kept, marked partial, beside the last full result
+        how, _ = interrupt_exit(err)
+        if not results:
+            raise
+        why = f"interrupted ({how}) after {len(results)} of {len(contexts)} contexts"
+        atomic_write_text(out_dir / "decode.partial.json", json.dumps(report(why), indent=2) + "\n")
+        kept = f"{len(results)} measured context(s), marked partial, in {out_dir / 'decode.partial.json'}"
+        raise keep(err, kept) from None
     names = list(runners)
     mismatched = sorted({n for row in results for n, same in row["same_tokens"].items() if not same})
     same = f"greedy tokens identical across runners: {'yes' if not mismatched else 'NO: ' + ', '.join(mismatched)}"
-    report = {
-        "config": vars(config) | {"params": gpt.num_params(), "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token},
-        "device": str(dev),
-        "dtype": dtype_name,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "repeats": repeats,
-        "results": results,
-    }
-    (out_dir / "decode.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "decode.md").write_text(_markdown(results, names, hf) + "\n\n" + same + "\n")
+    atomic_write_text(out_dir / "decode.json", json.dumps(report(), indent=2) + "\n")
+    atomic_write_text(out_dir / "decode.md", _markdown(results, names, hf) + "\n\n" + same + "\n")
+    (out_dir / "decode.partial.json").unlink(missing_ok=True)
     print()
     print(_compact(results, names, hf))
     print(f"\n{same}")
@@ -384,10 +413,9 @@ def _load_hf(source: str, dtype: torch.dtype, device: torch.device) -> Any:
     """The same checkpoint in Hugging Face transformers (``AutoModelForCausalLM``), the reference runner."""
     try:
         from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise UsageError(
-            "--model compares with Hugging Face generate, which needs transformers: run `pip install transformers`, or pass --no-hf."
-        ) from None
+    except Exception as err:  # not installed, or broken by a package it imports: the advice tells which
+        need = "--model compares with Hugging Face generate (--no-hf leaves it out), which needs transformers"
+        raise UsageError(import_advice("transformers", need, err)) from None
     from ..models.pretrained import smollm2_path
 
     path = smollm2_path() if source.lower() == "smollm2" else Path(source)
@@ -449,6 +477,7 @@ def bench_decode_model(
     )
     base: Any  # a Llama or a TinyGPT: num_params, kv_cache_bytes_per_token, config.vocab_size
     base, _ = from_pretrained(source, dtype=torch.float32, device=device)
+    _check_fits(source, base, batch_sizes, dtypes, prompt_len, max_new_tokens, hf, device)  # before HF loads
     hf_base = _load_hf(source, torch.float32, device) if hf else None
     bandwidth = copy_bandwidth(device)
     config = base.config
@@ -456,8 +485,9 @@ def bench_decode_model(
     results: list[dict[str, Any]] = []
     failures: dict[str, str] = {}  # runner -> why it did not run
 
-    def write() -> tuple[str, list[str], str]:
-        """decode_model.json and .md with the rows so far: an interrupted run keeps what it measured."""
+    def write(partial: str | None = None) -> tuple[str, list[str], str]:
+        """decode_model.json, .md and .png with every row; ``partial``: the rows so far, as decode_model.partial.*,
+        beside (never over) the last complete result."""
         names = [n for n in _MODEL_RUNNERS if any(n in row for row in results)]
         title = (
             f"decode benchmark: {source} ({base.num_params() / 1e6:.1f}M params), prompt {prompt_len}, "
@@ -478,77 +508,54 @@ def bench_decode_model(
             "processor": platform.processor(),
             "repeats": repeats,
             "failed": failures,
+            "partial": partial,
             "results": results,
         }
         failed = "".join(f"\n{name} left out: {why}" for name, why in failures.items())
-        (out_dir / "decode_model.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "decode_model.md").write_text(
-            title + "\n\n" + _model_markdown(results, names) + "\n" + failed + "\n"
+        stem = "decode_model.partial" if partial else "decode_model"
+        head = f"PARTIAL: {partial}\n\n" if partial else ""
+        atomic_write_text(out_dir / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+        atomic_write_text(
+            out_dir / f"{stem}.md", head + title + "\n\n" + _model_markdown(results, names) + "\n" + failed + "\n"
         )
-        plot_decode_model(report, out_dir / "decode_model.png")
+        if not partial:
+            plot_decode_model(report, out_dir / "decode_model.png")
+            for suffix in (".json", ".md"):  # a complete result replaces an interrupted run's rows
+                (out_dir / f"decode_model.partial{suffix}").unlink(missing_ok=True)
         return title, names, failed
 
-    for dt in dtypes:
-        model = base if dt == torch.float32 else copy.deepcopy(base).to(dtype=dt)  # .to keeps the head's layout
-        hf_model = None if hf_base is None else hf_base if dt == torch.float32 else copy.deepcopy(hf_base).to(dt)
-        dtype_name = str(dt).removeprefix("torch.")
-        for batch in batch_sizes:
-            gen = torch.Generator().manual_seed(seed + batch)
-            idx = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
-            runners: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-                "attnlab": partial(generate, model, temperature=0)
-            }
-            if compile:
-                runners["attnlab compiled"] = partial(generate, model, temperature=0, compile=True)
-            if hf_model is not None:
-                runners["HF default"] = _hf_runner(hf_model, best=False)
-                if compile:
-                    runners["HF static+compile"] = _hf_runner(hf_model, best=True)
-            warmup_s: dict[str, float] = {}
-            for name, fn in list(runners.items()):  # warm-up; for the compiled runners the compilation itself
-                try:
-                    warmup_s[name], _ = _time(partial(fn, idx), max_new_tokens, device)  # the timed cache sizes
-                except Exception as err:  # a compiler failure is a result to report, not a crash of the benchmark
-                    failures[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-                    print(
-                        wrap(f"{name} failed ({dtype_name}, batch {batch}), left out: {failures[name]}", width),
-                        flush=True,
-                    )
-                    del runners[name]
-            times: dict[str, dict[int, list[float]]] = {name: {1: [], max_new_tokens: []} for name in runners}
-            outs: dict[str, torch.Tensor] = {}
-            for _ in range(repeats):
-                for name, fn in runners.items():  # interleaved, so that drift hits every runner alike
-                    for k in (1, max_new_tokens):
-                        t, out = _time(partial(fn, idx), k, device)
-                        times[name][k].append(t)
-                        outs[name] = out
-            # Bytes one decode step must read: every weight once, plus each row's cached K/V at the
-            # mean context of the run (the prompt and half the new tokens).
-            mean_context = prompt_len + max_new_tokens / 2
-            step_bytes = model.num_params() * dt.itemsize + batch * mean_context * model.kv_cache_bytes_per_token
-            limit_s = step_bytes / bandwidth
-            row: dict[str, Any] = {
-                "dtype": dtype_name,
-                "batch": batch,
-                "step_bytes": step_bytes,
-                "limit_ms": 1e3 * limit_s,
-            }
-            for name in runners:
-                t1, tn = statistics.median(times[name][1]), statistics.median(times[name][max_new_tokens])
-                per_token = (tn - t1) / (max_new_tokens - 1)
-                row[name] = {
-                    "ms_per_token": 1e3 * per_token,
-                    "tokens_per_s": batch / per_token,  # every row of the batch gains a token per step
-                    "prefill_tokens_per_s": batch * prompt_len / t1,  # t(1): the prefill and one token
-                    "bandwidth_fraction": limit_s / per_token,
-                    "warmup_s": warmup_s[name],
-                }
-            ref = outs["attnlab"]
-            row["same_tokens"] = {name: bool(torch.equal(out, ref)) for name, out in outs.items()}
-            results.append(row)
-            write()
-            print(f"{dtype_name} batch {batch}: done", flush=True)
+    def failed_runner(name: str, err: Exception, when: str) -> None:
+        """A runner that raises is a result to report (a compiler failure, HF refusing a shape), not a crash."""
+        failures[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        print(wrap(f"{name} failed ({when}), left out: {failures[name]}", width), flush=True)
+
+    try:
+        for dt in dtypes:
+            model = base if dt == torch.float32 else copy.deepcopy(base).to(dtype=dt)  # .to keeps the head's layout
+            hf_model = None if hf_base is None else hf_base if dt == torch.float32 else copy.deepcopy(hf_base).to(dt)
+            dtype_name = str(dt).removeprefix("torch.")
+            for batch in batch_sizes:
+                row = _measure_model_row(
+                    model, hf_model, dtype_name, batch, vocab, prompt_len, max_new_tokens, repeats, compile, device,
+                    seed, bandwidth, failed_runner,
+                )  # fmt: skip
+                if row is not None:
+                    results.append(row)
+                    write(partial=f"{len(results)} of {len(dtypes) * len(batch_sizes)} rows measured")
+                print(f"{dtype_name} batch {batch}: {'done' if row is not None else 'every runner failed'}", flush=True)
+    except INTERRUPTS as err:  # the rows measured so far are kept, marked partial
+        how, _ = interrupt_exit(err)
+        if not results:
+            raise
+        write(partial=f"interrupted ({how}) after {len(results)} of {len(dtypes) * len(batch_sizes)} rows")
+        kept = f"{len(results)} measured row(s), marked partial, in {out_dir / 'decode_model.partial.json'}"
+        raise keep(err, kept) from None
+    if not results:
+        raise UsageError(
+            f"bench-decode --model {source}: every runner failed, so nothing was measured ("
+            + "; ".join(f"{n}: {why}" for n, why in failures.items())
+            + "); rerun with ATTNLAB_DEBUG=1 to see the first failure in full."
+        )
 
     title, names, failed = write()
 
@@ -566,9 +573,125 @@ def bench_decode_model(
     return 0
 
 
+def _check_fits(
+    source: str,
+    model: Any,
+    batch_sizes: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    prompt_len: int,
+    max_new_tokens: int,
+    hf: bool,
+    device: torch.device,
+) -> None:
+    """Prompt plus new tokens within the model's context, and the largest batch's cache and logits within this
+    machine's memory: a :class:`LimitError` with the number that fits, before HF loads or anything is timed."""
+    block = int(model.config.block_size)
+    if prompt_len + max_new_tokens > block:
+        raise LimitError(
+            f"--prompt-len {prompt_len} + --max-new-tokens {max_new_tokens} = {prompt_len + max_new_tokens} tokens "
+            f"exceeds the context of {source} ({block} tokens); pass --prompt-len at most "
+            f"{max(block - max_new_tokens, 1)}"
+            + (f" (or --max-new-tokens at most {block - prompt_len})" if block - prompt_len >= 2 else "")
+            + "."
+        )
+    batch, length = max(batch_sizes), prompt_len + max_new_tokens
+    runners = 2 if hf else 1  # HF holds its own weights, cache and logits
+    weights = model.num_params() * (4 + sum(dt.itemsize for dt in dtypes if dt != torch.float32)) * runners
+    per_row = length * (model.kv_cache_bytes_per_token + 4 * model.config.vocab_size)  # fp32 K/V + a logits row
+    need = weights + runners * batch * per_row
+    free = available_bytes(device)
+    if free is not None and need > free:
+        fits = max(0, int((free - weights) // (runners * per_row)))
+        raise LimitError(
+            f"--batch-sizes {batch} at {length} tokens needs about {gib(need)} (weights, K/V cache and logits"
+            f"{', twice for HF' if hf else ''}) but {device} has {gib(free)} available; pass --batch-sizes at most "
+            f"{fits}" + (" or --no-hf" if hf else "") + "."
+        )
+
+
+def _measure_model_row(
+    model: Any,
+    hf_model: Any,
+    dtype_name: str,
+    batch: int,
+    vocab: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    repeats: int,
+    compile: bool,
+    device: torch.device,
+    seed: int,
+    bandwidth: float,
+    failed_runner: Callable[[str, Exception, str], None],
+) -> dict[str, Any] | None:
+    """One (dtype, batch) row: every runner warmed up, then timed interleaved; None when every runner failed."""
+    gen = torch.Generator().manual_seed(seed + batch)
+    idx = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
+    runners: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "attnlab": partial(generate, model, temperature=0)
+    }
+    if compile:
+        runners["attnlab compiled"] = partial(generate, model, temperature=0, compile=True)
+    if hf_model is not None:
+        runners["HF default"] = _hf_runner(hf_model, best=False)
+        if compile:
+            runners["HF static+compile"] = _hf_runner(hf_model, best=True)
+    warmup_s: dict[str, float] = {}
+    for name, fn in list(runners.items()):  # warm-up; for the compiled runners the compilation itself
+        try:
+            warmup_s[name], _ = _time(partial(fn, idx), max_new_tokens, device)  # the timed cache sizes
+        except Exception as err:  # the runner's failure; an interrupt (a BaseException) goes through
+            failed_runner(name, err, f"{dtype_name}, batch {batch}")
+            del runners[name]
+    if not runners:
+        return None
+    times: dict[str, dict[int, list[float]]] = {name: {1: [], max_new_tokens: []} for name in runners}
+    outs: dict[str, torch.Tensor] = {}
+    for _ in range(repeats):
+        for name, fn in list(runners.items()):  # interleaved, so that drift hits every runner alike
+            try:
+                for k in (1, max_new_tokens):
+                    t, out = _time(partial(fn, idx), k, device)
+                    times[name][k].append(t)
+                    outs[name] = out
+            except Exception as err:  # failed after warming up (memory, a recompilation): left out of the row
+                failed_runner(name, err, f"{dtype_name}, batch {batch}, timed run")
+                del runners[name]
+                outs.pop(name, None)
+    if not runners:
+        return None
+    # Bytes one decode step must read: every weight once, plus each row's cached K/V at the
+    # mean context of the run (the prompt and half the new tokens).
+    mean_context = prompt_len + max_new_tokens / 2
+    step_bytes = model.num_params() * getattr(torch, dtype_name).itemsize + batch * mean_context * (
+        model.kv_cache_bytes_per_token
+    )
+    limit_s = step_bytes / bandwidth
+    row: dict[str, Any] = {"dtype": dtype_name, "batch": batch, "step_bytes": step_bytes, "limit_ms": 1e3 * limit_s}
+    for name in runners:
+        t1, tn = statistics.median(times[name][1]), statistics.median(times[name][max_new_tokens])
+        per_token = (tn - t1) / (max_new_tokens - 1)
+        row[name] = {
+            "ms_per_token": 1e3 * per_token,
+            "tokens_per_s": batch / per_token,  # every row of the batch gains a token per step
+            "prefill_tokens_per_s": batch * prompt_len / t1,  # t(1): the prefill and one token
+            "bandwidth_fraction": limit_s / per_token,
+            "warmup_s": warmup_s[name],
+        }
+    ref_name = "attnlab" if "attnlab" in outs else next(iter(outs))  # attnlab's tokens, or the first that ran
+    row["same_tokens"] = {name: bool(torch.equal(out, outs[ref_name])) for name, out in outs.items()}
+    row["same_tokens_reference"] = ref_name
+    return row
+
+
+def _best(row: dict[str, Any]) -> str | None:
+    """Our fastest runner in the row (compiled if it ran), or None when neither of ours ran."""
+    return next((n for n in ("attnlab compiled", "attnlab") if n in row), None)
+
+
 def _ratio(row: dict[str, Any], name: str) -> str:
-    best = "attnlab compiled" if "attnlab compiled" in row else "attnlab"
-    return f"{row[best]['tokens_per_s'] / row[name]['tokens_per_s']:.2f}x" if name in row else "-"
+    best = _best(row)
+    return f"{row[best]['tokens_per_s'] / row[name]['tokens_per_s']:.2f}x" if name in row and best else "-"
 
 
 def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
@@ -577,11 +700,11 @@ def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
     header = ("dtype", "B", *(_MODEL_SHORT[n] for n in names), *(f"/{_MODEL_SHORT[n]}" for n in hf_names), "%BW")
     rows = []
     for row in results:
-        best = "attnlab compiled" if "attnlab compiled" in row else "attnlab"
+        best = _best(row)
         cells = [row["dtype"].replace("bfloat", "bf").replace("float", "fp"), str(row["batch"])]
         cells += [f"{row[n]['tokens_per_s']:.1f}" if n in row else "-" for n in names]
         cells += [_ratio(row, n) for n in hf_names]
-        cells.append(f"{100 * row[best]['bandwidth_fraction']:.0f}%")
+        cells.append(f"{100 * row[best]['bandwidth_fraction']:.0f}%" if best else "-")
         rows.append(cells)
     legend = (
         "decode tokens/s (all rows of the batch); /HF: our best (compiled if run) over HF's; "

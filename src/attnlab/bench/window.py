@@ -48,6 +48,7 @@ from ..core.masks import Masks
 from ..core.variants import Structure, banded_sdpa
 from ..runtime import resolve_device, resolve_dtype
 from .memory import PeakMemory
+from .partial import carried_by_interrupts
 from .table import aligned, wrap
 
 
@@ -100,6 +101,7 @@ class WindowResult:
     auto: dict[str, dict[str, str]] = field(default_factory=dict)  # "T=..." -> mode -> "backend: reason"
     slopes: dict[str, dict[str, float]] = field(default_factory=dict)  # runner -> {"fwd"|"fwd_bwd": slope}
     skipped: dict[str, str] = field(default_factory=dict)
+    partial: str | None = None  # why the run stopped early (the rows are the lengths it finished), or None
 
 
 Runner = Callable[[], Tensor]
@@ -217,78 +219,79 @@ def run_window_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Wi
         f"window={cfg.window}, E={cfg.embed_dim}, H={cfg.num_heads}, B=1; device {device}, {dtype_name}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    for T in cfg.lengths:
-        fwd_runs = {n: fn for n, fn in _runners(cfg, T, device, dtype, mods, False).items() if n not in res.skipped}
-        bwd_runs = {
-            n: fn
-            for n, fn in _runners(cfg, T, device, dtype, mods, True).items()
-            if n not in res.skipped
-            and (backward_ok or n not in ("flex", "attnlab-flex"))
-            and (T <= cfg.math_max_len or n not in DENSE)
-        }
-        rows = {n: WindowRow(T, n) for n in (*KERNELS, *MODULES)}
-        for n in rows.keys() - fwd_runs.keys():
-            rows[n].note = f"skipped: {res.skipped[n]}"
-        for n in fwd_runs.keys() - bwd_runs.keys():
-            too_long = f"fwd+bwd skipped: T > --math-max-len {cfg.math_max_len}"
-            rows[n].note = too_long if n in DENSE else f"no backward: {backward_why}"
-        outs: dict[str, Tensor] = {}
-        for n, fn in fwd_runs.items():  # the first call: compilation for flex, a warm-up for the rest
-            _sync(device)
-            t0 = time.perf_counter()
+    with carried_by_interrupts(res):  # an interrupt hands up the lengths measured so far
+        for T in cfg.lengths:
+            fwd_runs = {n: fn for n, fn in _runners(cfg, T, device, dtype, mods, False).items() if n not in res.skipped}
+            bwd_runs = {
+                n: fn
+                for n, fn in _runners(cfg, T, device, dtype, mods, True).items()
+                if n not in res.skipped
+                and (backward_ok or n not in ("flex", "attnlab-flex"))
+                and (T <= cfg.math_max_len or n not in DENSE)
+            }
+            rows = {n: WindowRow(T, n) for n in (*KERNELS, *MODULES)}
+            for n in rows.keys() - fwd_runs.keys():
+                rows[n].note = f"skipped: {res.skipped[n]}"
+            for n in fwd_runs.keys() - bwd_runs.keys():
+                too_long = f"fwd+bwd skipped: T > --math-max-len {cfg.math_max_len}"
+                rows[n].note = too_long if n in DENSE else f"no backward: {backward_why}"
+            outs: dict[str, Tensor] = {}
+            for n, fn in fwd_runs.items():  # the first call: compilation for flex, a warm-up for the rest
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    outs[n] = fn()
+                _sync(device)
+                rows[n].first_call_s = time.perf_counter() - t0
+            for n, out in outs.items():  # the same function everywhere, or the timings compare nothing
+                ref = outs[REFERENCE[n]]
+                err = (out.float() - ref.float()).abs().max().item()
+                tol = 1e-4 if dtype == torch.float32 else 5e-2
+                if n != "projections" and err > tol:
+                    raise RuntimeError(f"T={T}: {n} disagrees with {REFERENCE[n]} by {err:.2e} (> {tol})")
+            del outs
+            m = cast(MultiHeadAttention, mods["attnlab-auto"])
             with torch.no_grad():
-                outs[n] = fn()
-            _sync(device)
-            rows[n].first_call_s = time.perf_counter() - t0
-        for n, out in outs.items():  # the same function everywhere, or the timings compare nothing
-            ref = outs[REFERENCE[n]]
-            err = (out.float() - ref.float()).abs().max().item()
-            tol = 1e-4 if dtype == torch.float32 else 5e-2
-            if n != "projections" and err > tol:
-                raise RuntimeError(f"T={T}: {n} disagrees with {REFERENCE[n]} by {err:.2e} (> {tol})")
-        del outs
-        m = cast(MultiHeadAttention, mods["attnlab-auto"])
-        with torch.no_grad():
-            fwd_runs["attnlab-auto"]()
-        auto = {"inference": f"{m.last_backend}: {m.last_backend_reason}"}
-        bwd_runs["attnlab-auto"]()
-        auto["training"] = f"{m.last_backend}: {m.last_backend_reason}"
-        res.auto[f"T={T}"] = auto
-        for kind, runs, step in (("fwd", fwd_runs, _forward), ("fwd_bwd", bwd_runs, _forward_backward)):
-            times: dict[str, list[float]] = {n: [] for n in runs}
-            names = list(runs)
-            for rep in range(cfg.warmup + cfg.repeats):
-                for n in names[rep % len(names) :] + names[: rep % len(names)]:  # rotated: no runner always first
-                    t = _timed(partial(step, runs[n]), device)
-                    if rep >= cfg.warmup:
-                        times[n].append(t)
-            for n, ts in times.items():
-                setattr(rows[n], f"{kind}_ms", 1e3 * min(ts))
-        res.rows.extend(rows.values())
-        compiled = rows["flex"].first_call_s
-        log(
-            f"T={T}: forward ms "
-            + ", ".join(f"{n} {r.fwd_ms:.1f}" for n, r in rows.items() if r.fwd_ms is not None)
-            + (f"; flex's first call (compiling) {compiled:.1f} s" if compiled is not None else "")
-        )
-    if cfg.memory:
-        mem = PeakMemory(device)
-        if mem.available:  # after all timings: the allocator setting slows allocation
-            mem.exact_mode()
-            for r in res.rows:
-                for kind, grad, step in (("fwd", False, _forward), ("fwd_bwd", True, _forward_backward)):
-                    if getattr(r, f"{kind}_ms") is None:
-                        continue
-                    fn = _runners(cfg, r.T, device, dtype, mods, grad)[r.runner]
-                    peak = mem.measure(partial(step, fn))
-                    setattr(r, f"{kind}_peak_mib", None if peak is None else peak / 2**20)
-            log("peak memory measured")
-    for n in (*KERNELS, *MODULES):
-        for kind in ("fwd", "fwd_bwd"):
-            pts = [(r.T, getattr(r, f"{kind}_ms")) for r in res.rows if r.runner == n and getattr(r, f"{kind}_ms")]
-            s = slope(pts)
-            if s is not None:
-                res.slopes.setdefault(n, {})[kind] = s
+                fwd_runs["attnlab-auto"]()
+            auto = {"inference": f"{m.last_backend}: {m.last_backend_reason}"}
+            bwd_runs["attnlab-auto"]()
+            auto["training"] = f"{m.last_backend}: {m.last_backend_reason}"
+            res.auto[f"T={T}"] = auto
+            for kind, runs, step in (("fwd", fwd_runs, _forward), ("fwd_bwd", bwd_runs, _forward_backward)):
+                times: dict[str, list[float]] = {n: [] for n in runs}
+                names = list(runs)
+                for rep in range(cfg.warmup + cfg.repeats):
+                    for n in names[rep % len(names) :] + names[: rep % len(names)]:  # rotated: no runner always first
+                        t = _timed(partial(step, runs[n]), device)
+                        if rep >= cfg.warmup:
+                            times[n].append(t)
+                for n, ts in times.items():
+                    setattr(rows[n], f"{kind}_ms", 1e3 * min(ts))
+            res.rows.extend(rows.values())
+            compiled = rows["flex"].first_call_s
+            log(
+                f"T={T}: forward ms "
+                + ", ".join(f"{n} {r.fwd_ms:.1f}" for n, r in rows.items() if r.fwd_ms is not None)
+                + (f"; flex's first call (compiling) {compiled:.1f} s" if compiled is not None else "")
+            )
+        if cfg.memory:
+            mem = PeakMemory(device)
+            if mem.available:  # after all timings: the allocator setting slows allocation
+                mem.exact_mode()
+                for r in res.rows:
+                    for kind, grad, step in (("fwd", False, _forward), ("fwd_bwd", True, _forward_backward)):
+                        if getattr(r, f"{kind}_ms") is None:
+                            continue
+                        fn = _runners(cfg, r.T, device, dtype, mods, grad)[r.runner]
+                        peak = mem.measure(partial(step, fn))
+                        setattr(r, f"{kind}_peak_mib", None if peak is None else peak / 2**20)
+                log("peak memory measured")
+        for n in (*KERNELS, *MODULES):
+            for kind in ("fwd", "fwd_bwd"):
+                pts = [(r.T, getattr(r, f"{kind}_ms")) for r in res.rows if r.runner == n and getattr(r, f"{kind}_ms")]
+                s = slope(pts)
+                if s is not None:
+                    res.slopes.setdefault(n, {})[kind] = s
     return res
 
 

@@ -20,12 +20,12 @@ from torch import nn
 
 from ..core.attention import Backend, MultiHeadAttention
 from ..models import pretrained
-from ..runtime import UsageError, check_range
+from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
 from .adapters import TorchMHAAdapter
 from .diagnose import diagnose
 from .probe import as_adapter
 from .report import print_tables, to_json
-from .result import Report
+from .result import CheckResult, Report
 from .runner import run_checks
 from .suite import CHECKS
 from .target import TargetError, build_target, random_biases
@@ -205,23 +205,37 @@ def _run_all(
     """Every check on every target, one at a time so that progress can be shown: ``on_check(target, check,
     done)`` is called before each, ``done`` counting the checks finished. Each check seeds its own inputs
     (see :class:`attnlab.check.suite.Context`), so the figures equal those of one ``run_checks`` call."""
-    reports, done = [], 0
+    reports: list[Report] = []
+    done = 0
+    total = len(targets) * len(names)
     for t in targets:
         adapter = as_adapter(t)  # once: its name shows in the progress
-        rows, first = [], None
-        for name in names:
-            on_check(adapter.name, name, done)
-            report = run_checks(adapter, checks=[name], seed=seed, batch=batch_size, seq_len=seq_len, diagnose=False)
-            first = first or report
-            rows += report.results
-            done += 1
-        assert first is not None  # names is never empty
-        whole = Report(first.target, rows, first.config)
-        if not whole.ok:
-            on_check(adapter.name, "diagnosis", done)
-            with torch.random.fork_rng(devices=[]):
-                whole.diagnosis = diagnose(adapter, whole, seed=seed, batch=batch_size, seq_len=seq_len)
-            adapter.set_training(False)
+        rows: list[CheckResult] = []
+        first: Report | None = None
+        try:
+            for name in names:
+                on_check(adapter.name, name, done)
+                report = run_checks(
+                    adapter, checks=[name], seed=seed, batch=batch_size, seq_len=seq_len, diagnose=False
+                )
+                first = first or report
+                rows += report.results
+                done += 1
+            assert first is not None  # names is never empty
+            whole = Report(first.target, rows, first.config)
+            if not whole.ok:
+                on_check(adapter.name, "diagnosis", done)
+                with torch.random.fork_rng(devices=[]):
+                    whole.diagnosis = diagnose(adapter, whole, seed=seed, batch=batch_size, seq_len=seq_len)
+                adapter.set_training(False)
+        except INTERRUPTS as err:  # the rows that finished are results: hand them up, marked partial
+            how, _ = interrupt_exit(err)
+            if first is not None:
+                reports.append(Report(first.target, rows, first.config))
+            for r in reports:
+                r.partial = f"interrupted ({how}) after {done} of {total} checks"
+            err.attnlab_reports = reports  # type: ignore[union-attr]
+            raise
         reports.append(whole)
     return reports
 
@@ -295,7 +309,17 @@ def check(
             f"--checks {SLOW_ON_MODELS}",
             file=sys.stderr,
         )
-    reports = _with_progress(targets, names, json=json, seed=seed, batch_size=batch_size, seq_len=seq_len)
+    try:
+        reports = _with_progress(targets, names, json=json, seed=seed, batch_size=batch_size, seq_len=seq_len)
+    except INTERRUPTS as err:  # an interrupt is never the target's failure: the rows done, marked partial
+        partial: list[Report] = getattr(err, "attnlab_reports", [])
+        done = sum(len(r.results) for r in partial)
+        if partial and json:
+            print(to_json(partial))
+        elif partial:
+            print_tables(partial)
+        where = "printed above" if partial else "none had finished"
+        raise keep(err, f"the {done} check(s) done ({where}), marked partial") from None
     if json:
         print(to_json(reports))
     else:

@@ -70,6 +70,8 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
             _print_details(console, shown)
         counts = {s: sum(r.status == s for r in report.results) for s in ("pass", "fail", "skip")}
         verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+        if report.partial:  # the rows that ran are real results; the ones that did not are no verdict
+            verdict = f"[bold yellow]PARTIAL[/] ({escape(report.partial)}), so far"
         console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
         skipped = skip_line(report, console.width)
         if skipped:
@@ -153,5 +155,9 @@ def _print_details(console: object, rows: Sequence[CheckResult]) -> None:
 
 
 def to_json(reports: Sequence[Report]) -> str:
-    """``{"ok": ..., "reports": [...]}``: every row with its figure, tolerance and detail."""
-    return json.dumps({"ok": all(r.ok for r in reports), "reports": [r.to_dict() for r in reports]}, indent=2)
+    """``{"ok": ..., "partial": ..., "reports": [...]}``: every row with its figure, tolerance and detail.
+
+    ``ok`` is false for a run stopped early (``partial`` says why): unchecked rows are no pass."""
+    partial = next((r.partial for r in reports if r.partial), None)
+    ok = all(r.ok for r in reports) and partial is None
+    return json.dumps({"ok": ok, "partial": partial, "reports": [r.to_dict() for r in reports]}, indent=2)

@@ -43,6 +43,7 @@ class Report:
     results: list[CheckResult] = field(default_factory=list)
     config: dict = field(default_factory=dict)  # dims, seed, torch version: what reproduces the run
     diagnosis: list[Cause] = field(default_factory=list)  # most likely cause first; empty when nothing failed
+    partial: str | None = None  # why the run stopped early ("interrupted (SIGTERM) after 5 of 32 checks"), or None
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -72,6 +73,7 @@ class Report:
             "config": self.config,
             "results": rows,
             "diagnosis": [asdict(c) for c in self.diagnosis],
+            "partial": self.partial,
         }
 
     def raise_if_failed(self) -> None:

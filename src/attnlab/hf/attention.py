@@ -34,6 +34,7 @@ from ..core.dispatch import attend
 from ..core.functional import sdpa_compute_dtype
 from ..core.masks import Masks, prepare_masks
 from ..core.variants import Structure
+from ..runtime import import_advice
 
 __all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
 
@@ -369,11 +370,9 @@ def register() -> str:
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError as err:  # transformers is an optional dependency of attnlab
-        raise ImportError(
-            f"attnlab.hf.register() needs transformers 5 (AttentionInterface and AttentionMaskInterface), "
-            f"which could not be imported ({err}); install it with pip install 'transformers>=5'."
-        ) from err
+    except Exception as err:  # optional dependency; a broken package under it raises RuntimeError, OSError...
+        need = "attnlab.hf.register() needs transformers 5 (AttentionInterface and AttentionMaskInterface)"
+        raise ImportError(import_advice("transformers", need, err, min_major=5)) from err
     for interface, ours in (
         (AttentionInterface, attnlab_attention_forward),
         (AttentionMaskInterface, sdpa_mask),

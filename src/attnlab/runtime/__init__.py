@@ -6,6 +6,8 @@ class for a user's mistake. Below every other layer but ``core``'s peers: it imp
 from .devices import DEVICE_HELP, DTYPE_HELP, resolve_device, resolve_dtype
 from .errors import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, check_range
 from .files import atomic_write_bytes, atomic_write_text, check_writable_dir
+from .memory import available_bytes, gib
+from .optional import import_advice
 from .signals import INTERRUPTS, Terminated, interrupt_exit, keep, kept
 
 __all__ = [
@@ -18,9 +20,12 @@ __all__ = [
     "Terminated",
     "UsageError",
     "atomic_write_bytes",
+    "available_bytes",
     "atomic_write_text",
     "check_range",
     "check_writable_dir",
+    "gib",
+    "import_advice",
     "interrupt_exit",
     "keep",
     "kept",
