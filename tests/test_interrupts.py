@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab.check.result import Report
 from attnlab.cli import main
 from attnlab.runtime import INTERRUPTS, Terminated, import_advice, keep, kept
 
@@ -485,3 +486,23 @@ def test_hf_register_raises_the_advice_when_the_import_breaks(monkeypatch):
     with pytest.raises(ImportError, match=r"is installed but failed to import \(OSError: libcudart") as info:
         attnlab.hf.register()
     assert "pip install 'transformers>=5'" not in str(info.value)
+
+
+def test_the_demo_interrupted_in_its_training_says_how_the_run_was_saved(tmp_path, capsys, monkeypatch):
+    """The demo's training obeys the lab's stop (finish the step, save); its line, not a generic one, is printed."""
+    import importlib
+
+    from attnlab.lab.stopping import TrainingInterrupted
+
+    lab_train = importlib.import_module("attnlab.lab.train")  # the module; attnlab.lab.train is also the function
+
+    line = "attnlab: train stopped by SIGTERM at step 3; the checkpoint is saved: resume with attnlab train --resume"
+
+    def stopped(*args, **kwargs):
+        raise TrainingInterrupted(line, signum=signal.SIGTERM, step=3)
+
+    monkeypatch.setattr(lab_train, "train", stopped)
+    monkeypatch.setattr("attnlab.check.run_checks", lambda *a, **k: Report("skipped here", []))  # step 2: 25 s
+    assert main(["demo", "--out-dir", str(tmp_path / "demo")]) == 143
+    err = capsys.readouterr().err
+    assert err == line + "\n"

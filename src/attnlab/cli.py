@@ -97,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except INTERRUPTS as err:
         if os.environ.get("ATTNLAB_DEBUG"):
             raise
+        line, code = getattr(err, "line", None), getattr(err, "exit_code", None)
+        if isinstance(line, str) and isinstance(code, int):  # a training run (the demo's) saved and says how to resume
+            print(line, file=sys.stderr)
+            return code
         how, code = interrupt_exit(err)
         saved = kept(err)
         outcome = f"kept {saved}" if saved else "nothing more was written"
