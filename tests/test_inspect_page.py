@@ -7,7 +7,8 @@ command as the reason. One browser serves the whole module; each test opens its 
 context that refuses every request that is not ``file:`` or ``data:``.
 
 Pages: a TinyGPT (2 layers x 4 heads, 24 tokens), a GQA Llama (4 query heads on 2 K/V heads, 3
-left-padding tokens) and a TinyGPT on 1,000 tokens under a 4 MiB budget (one full pattern fits).
+left-padding tokens), a TinyGPT on 1,000 tokens under a 4 MiB budget (one full pattern fits) and
+one on 5 tokens (every text score but entropy too short to tell).
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ def long(tmp_path_factory: pytest.TempPathFactory) -> tuple[HeadReport, Path]:
     model = TinyGPT(GPTConfig(vocab_size=50, block_size=1024, n_layer=2, n_head=4, n_embd=32))
     report = _report(model, LONG_T, seed=3)
     return report, write_page(report, tmp_path_factory.mktemp("long") / "index.html", budget_mb=LONG_BUDGET_MB)
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory: pytest.TempPathFactory) -> tuple[HeadReport, Path]:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_embd=32))
+    report = _report(model, 5, seed=5)
+    return report, write_page(report, tmp_path_factory.mktemp("short") / "index.html")
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    return json.loads(re.search(r'id="attnlab-meta">(.*?)</script>', text).group(1))  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +196,15 @@ def test_save_writes_the_page(gpt: tuple[HeadReport, Path], tmp_path: Path) -> N
     assert report.save(tmp_path / "no-page", page=False).keys() == {"json", "png"}
 
 
+def test_short_text_scores_are_null_with_their_reason(short: tuple[HeadReport, Path]) -> None:
+    report, path = short
+    meta = _meta(path)
+    assert set(meta["too_short"]) == {"prev_token", "sink", "diagonal", "distance", "uniformity"}
+    assert meta["too_short"] == report.too_short and "at least 8 tokens" in meta["too_short"]["sink"]
+    assert meta["scores"]["prev_token"] == [[None] * 4] * 2 and None not in meta["scores"]["entropy"][0]
+    assert "undecided" in {k for row in meta["kinds"] for k in row}
+
+
 # ---- in the browser ----
 
 
@@ -291,6 +314,27 @@ def test_thousand_tokens_windowed_and_over_budget(open_page: Any, long: tuple[He
     shown = hover(page, 999, 998)  # scrolled there
     assert float(shown["weight"]) == pytest.approx(float(report.weights[layer][head, 999, 998]), rel=1e-6)
     assert hover(page, 500, 900)["masked"] == "future"
+
+
+def test_too_short_scores_read_as_such(open_page: Any, short: tuple[HeadReport, Path]) -> None:
+    report, path = short
+    opened = open_page(path)
+    page = opened.page
+    assert opened.errors == []
+    note = page.inner_text("#short-note")
+    assert note.startswith("Too short to tell on this text: ") and "prev_token" in note and "at least 16 tokens" in note
+    cell = '#scores tbody tr[data-layer="1"][data-head="2"] td[data-key="{}"]'
+    assert page.inner_text(cell.format("prev_token")) == "too short to tell"
+    assert float(page.inner_text(cell.format("entropy"))) == pytest.approx(
+        float(report.scores["entropy"][1, 2]), abs=1e-3
+    )
+    undecided = [(layer, head) for layer in range(2) for head in range(4) if report.kinds[layer][head] == "undecided"]
+    badges = page.eval_on_selector_all('.cell[data-kind="undecided"] .badge', "bs => bs.map(b => b.textContent)")
+    assert undecided and badges == ["?"] * len(undecided)
+    assert "undecided (too short to tell)" in page.inner_text("#kind-legend")
+    page.click('#scores th[data-key="sink"]')  # every value null: sorting keeps layer-head order, no error
+    rows = page.eval_on_selector_all("#scores tbody tr", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head])")
+    assert rows == [[layer, head] for layer in range(2) for head in range(4)] and opened.errors == []
 
 
 def test_keys_outside_a_sliding_window_are_masked(open_page: Any, tmp_path: Path) -> None:

@@ -15,6 +15,8 @@
   const THUMBS = b64bytes(META.thumb.data); // (L, H, S, S) codes
   const EMBEDDED = new Set(META.patterns.embedded.map(([l, h]) => l + "," + h));
   const SCORE_NAMES = Object.keys(META.scores);
+  const TOO_SHORT = META.too_short || {}; // score -> why the text is too short to tell it (its values are null)
+  const SHORT_LABEL = META.too_short_label || "too short to tell";
   const LABEL_W = 96, LABEL_H = 72; // px of the detail canvas given to query (left) and key (top) labels
   const ZOOMS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32]; // px per cell in the detail view
 
@@ -26,6 +28,7 @@
     local: ["L", "#16a085"],
     uniform: ["U", "#7f8c8d"],
     mixed: ["M", "#a0a8b0"],
+    undecided: ["?", "#c3c8cf"], // a rule it had to be tested on is too short to tell
   };
   const kindStyle = (kind) => KIND_STYLE[kind] || [kind.charAt(0).toUpperCase(), "#777"];
 
@@ -91,7 +94,8 @@
     b.style.background = colour;
     return b;
   };
-  const fmt = (v) => (Number.isInteger(v) ? String(v) : v.toFixed(3));
+  const kindText = (kind) => (kind === "undecided" ? `undecided (${SHORT_LABEL})` : kind);
+  const fmt = (v) => (v === null ? SHORT_LABEL : Number.isInteger(v) ? String(v) : v.toFixed(3));
 
   // ---- header ----
   const nPad = PAD ? PAD.filter(Boolean).length : 0;
@@ -116,10 +120,21 @@
       "clicking one shows its thumbnail enlarged.";
   }
 
+  const shortNames = Object.keys(TOO_SHORT);
+  if (shortNames.length) {
+    const shortNote = document.getElementById("short-note");
+    shortNote.hidden = false;
+    shortNote.className = "partial";
+    shortNote.textContent =
+      `${SHORT_LABEL[0].toUpperCase() + SHORT_LABEL.slice(1)} on this text: ${shortNames.join(", ")} ` +
+      `(${shortNames.map((name) => TOO_SHORT[name]).join("; ")}). Heads a rule on them would decide are undecided (?).`;
+  }
+
   // ---- the layer x head grid of thumbnails ----
   const kindLegend = document.getElementById("kind-legend");
   const rules = {};
   for (const r of META.thresholds) rules[r.kind] = `${r.score} ${r.op === ">=" ? "\u2265" : "\u2264"} ${r.value}`;
+  rules.undecided = SHORT_LABEL;
   for (const kind of Object.keys(KIND_STYLE)) {
     kindLegend.append(el("span", { className: "kind" }, badge(kind), `${kind}${rules[kind] ? " (" + rules[kind] + ")" : ""}`));
   }
@@ -154,7 +169,7 @@
             dataset: { layer: l, head: h, kv: g, kind: kind, embedded: embedded ? "true" : "false" },
             tabIndex: 0,
             role: "button",
-            title: `layer ${l}, head ${h} (K/V head ${g}): ${kind}${embedded ? "" : ", thumbnail only"}\n${scoreLines(l, h)}`,
+            title: `layer ${l}, head ${h} (K/V head ${g}): ${kindText(kind)}${embedded ? "" : ", thumbnail only"}\n${scoreLines(l, h)}`,
           },
           canvas,
           el("span", { className: "head-label" }, "h" + h),
@@ -212,8 +227,12 @@
       const tr = el("tr", { dataset: { layer: l, head: h } });
       for (const col of COLUMNS) {
         const v = values[col.key];
-        const td = el("td", { dataset: { key: col.key, value: v } }, col.key === "kind" ? badge(v) : "", col.numeric ? fmt(v) : (col.key === "kind" ? " " : "") + v);
+        const td = el("td", { dataset: { key: col.key, value: v === null ? "" : v } }, col.key === "kind" ? badge(v) : "", col.numeric ? fmt(v) : (col.key === "kind" ? " " : "") + v);
         if (!col.numeric) td.className = "kind";
+        if (v === null) {
+          td.className = "short";
+          td.title = TOO_SHORT[col.key] || SHORT_LABEL;
+        }
         tr.append(td);
       }
       tableRows.push({ tr, values });
@@ -231,9 +250,13 @@
     th.setAttribute("aria-sort", dir);
     const sign = dir === "ascending" ? 1 : -1;
     const cmp = (a, b) => (col.numeric ? a - b : String(a).localeCompare(String(b)));
-    tableRows.sort(
-      (a, b) => sign * cmp(a.values[col.key], b.values[col.key]) || a.values.layer - b.values.layer || a.values.head - b.values.head,
-    );
+    // a score too short to tell (null) sorts last either way
+    const nulls = (a, b) => (a === null) - (b === null);
+    tableRows.sort((a, b) => {
+      const va = a.values[col.key], vb = b.values[col.key];
+      const order = va === null || vb === null ? nulls(va, vb) : sign * cmp(va, vb);
+      return order || a.values.layer - b.values.layer || a.values.head - b.values.head;
+    });
     table.tBodies[0].append(...tableRows.map((r) => r.tr));
   });
   table.tBodies[0].addEventListener("click", (e) => {
@@ -294,7 +317,7 @@
     if (resized || !view.cell) view.cell = fitCell(n);
     const g = Math.floor(h / PER_GROUP);
     document.getElementById("detail-title").textContent =
-      `Layer ${l}, head ${h} (K/V head ${g}): ${META.kinds[l][h]}`;
+      `Layer ${l}, head ${h} (K/V head ${g}): ${kindText(META.kinds[l][h])}`;
     document.getElementById("detail-message").textContent = full
       ? ""
       : `Full pattern not embedded in this page (page budget ${META.patterns.budget_mb} MiB holds ${EMBEDDED.size} of ` +

@@ -14,6 +14,11 @@ keys (the bins of :func:`torch.nn.functional.adaptive_max_pool2d`), stored as on
 ``0..250`` is ``round(250 * sqrt(weight))`` and ``251..253`` a bin with no visible cell (all keys in
 the future, every row fully masked, or the keys padding).
 
+Scores the text is too short to tell (``report.too_short``, :mod:`attnlab.heads.scores`) are
+``null`` in ``#attnlab-meta`` and named with the reason in its ``too_short``; the page shows them as
+"too short to tell" (header note, grid tooltips, table cells) and the heads they leave undecided
+with a ``?`` badge. ``written`` is the id and time the run stamped on every file of its result.
+
 Which heads get their full pattern: all of them when they fit ``budget_mb``; otherwise the heads
 with the strongest sharp score (the highest of induction, duplicate, previous-token, sink and
 diagonal) first, as many as fit: those are the patterns worth reading cell by cell, while a diffuse
@@ -36,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .scores import SCORE_DOCS, THRESHOLDS
+from .scores import SCORE_DOCS, THRESHOLDS, TOO_SHORT, score_grid
 
 __all__ = ["write_page", "THUMB_SIZE", "SHARP_SCORES"]
 
@@ -73,6 +78,7 @@ def write_page(
     *,
     budget_mb: float = 64.0,
     heads: Sequence[tuple[int, int]] | None = None,
+    stamp: dict[str, str] | None = None,
 ) -> Path:
     """Write the interactive page of ``report`` to ``path`` (atomically); returns ``path``.
 
@@ -85,11 +91,14 @@ def write_page(
             page says which heads are thumbnails only.
         heads: ``[(layer, head), ...]``: store the full patterns of exactly these heads, whatever
             their size (the budget is then not applied).
+        stamp: the run's ``{"id", "time"}`` (:func:`attnlab.heads.report.new_stamp`), the same on
+            every file of one result.
     """
     if not budget_mb >= 0:
         raise ValueError(f"budget_mb must be >= 0 (MiB of full patterns in the page), got {budget_mb!r}.")
     L, H, T = report.n_layers, report.n_heads, len(report.tokens)
     meta = _meta(report)
+    meta["written"] = dict(stamp or {})
     meta["patterns"]["budget_mb"] = budget_mb
     if heads is None:
         meta["patterns"]["embedded"] = [[layer, head] for layer in range(L) for head in range(H)]  # its longest form
@@ -129,8 +138,10 @@ def _checked_heads(heads: Sequence[tuple[int, int]], L: int, H: int) -> list[tup
 
 
 def _ranked_heads(report: ReportLike) -> list[tuple[int, int]]:
-    """Every ``(layer, head)``, strongest sharp score first; ties in layer then head order."""
-    sharp = torch.stack([report.scores[name].float() for name in SHARP_SCORES]).amax(dim=0)  # (L, H)
+    """Every ``(layer, head)``, strongest sharp score first (a score too short to tell, NaN, counts as
+    none); ties in layer then head order."""
+    stacked = torch.stack([report.scores[name].float() for name in SHARP_SCORES])  # (5, L, H)
+    sharp = stacked.nan_to_num(nan=-math.inf).amax(dim=0)  # (L, H)
     heads = [(layer, head) for layer in range(report.n_layers) for head in range(report.n_heads)]
     return sorted(heads, key=lambda lh: (-float(sharp[lh]), lh))
 
@@ -201,10 +212,10 @@ def _meta(report: ReportLike) -> dict[str, Any]:
             "key_padding": report.key_padding,
             "fully_masked_rows": [int(i) for i in full_rows.nonzero().flatten()],
         },
-        "scores": {
-            name: [[round(float(v), 6) for v in row] for row in t.tolist()] for name, t in report.scores.items()
-        },
+        "scores": {name: score_grid(t) for name, t in report.scores.items()},  # null: too short to tell
         "score_docs": SCORE_DOCS,
+        "too_short": dict(getattr(report, "too_short", None) or {}),  # {score: why}
+        "too_short_label": TOO_SHORT,
         "kinds": report.kinds,
         "thresholds": [{"kind": k, "score": s, "op": op, "value": v} for k, s, op, v in THRESHOLDS],
         "probe": report.probe,
@@ -255,6 +266,7 @@ _BODY = """\
   <h1 id="title"></h1>
   <p id="summary"></p>
   <p id="embed-note"></p>
+  <p id="short-note" hidden></p>
 </header>
 <main id="main">
   <section id="grid-panel" aria-label="layer by head grid">

@@ -23,9 +23,36 @@ every token of the second copy has occurred exactly ``n`` positions earlier):
 
 Kinds (:func:`classify`, thresholds in :data:`THRESHOLDS`): the first rule that holds names the
 head; a head matching none is ``mixed``.
+
+**Too short to tell.** On a short text a score cannot tell a head apart from one with no
+preference: on a 2-token text the one scored row sees two keys, and the previous token is also
+the first token, so a head that spreads its weight evenly scores ``prev_token = sink = 0.5``, at
+both thresholds. A score is therefore *decided* only from a minimum number of scored rows
+(:data:`MIN_TEXT_ROWS`, derived from :data:`THRESHOLDS` by :func:`min_text_rows`; the probe's own
+length is held to :data:`MIN_PROBE_LEN` the same way). The rule: the threshold must separate a
+head with no preference (each row's weight spread evenly over the keys it sees) from a head with
+a clear one:
+
+* one-key scores (``prev_token``, ``sink``, and ``diagonal`` against the previous-token threshold;
+  ``duplicate`` and ``induction`` on the probe): the head with no preference scores at most *half*
+  the threshold, so a head at the threshold gives that key at least twice the weight chance does:
+  7 scored rows (8 tokens); a probe of ``n >= 4``;
+* ``distance`` (local ``<= 2``): the head with no preference is at least *twice* the threshold
+  away, 4 tokens on average: 15 scored rows (16 tokens);
+* ``uniformity`` (uniform ``>= 0.8``): a head with no preference scores 1 on any text, so the test
+  turns around: a head with a clear preference, half of each row's weight on one key (the sharp
+  rules' 0.5), must score under 0.8; it does from 19 scored rows (20 tokens); on fewer keys half
+  on one key still looks even;
+* ``entropy`` has no threshold: it is a measurement in nats, decided from one scored row.
+
+A score the text (or the probe) is too short for is NaN in :class:`~attnlab.heads.report.HeadReport`
+and ``null`` in ``heads.json`` (:func:`too_short` says why), and :func:`classify` names a head
+``undecided`` when a rule it would have to be tested on first cannot be decided.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -37,6 +64,15 @@ __all__ = [
     "SCORE_DOCS",
     "THRESHOLDS",
     "KINDS",
+    "UNDECIDED",
+    "TOO_SHORT",
+    "MIN_TEXT_ROWS",
+    "MIN_PROBE_LEN",
+    "min_text_rows",
+    "min_probe_len",
+    "too_short",
+    "mark_too_short",
+    "score_grid",
     "text_scores",
     "probe_scores",
     "classify",
@@ -66,7 +102,79 @@ THRESHOLDS: tuple[tuple[str, str, str, float], ...] = (
     ("local", "distance", "<=", 2.0),
     ("uniform", "uniformity", ">=", 0.8),
 )
-KINDS = (*(rule[0] for rule in THRESHOLDS), "mixed")
+UNDECIDED = "undecided"  # the kind of a head whose deciding rule's score the text is too short for
+TOO_SHORT = "too short to tell"  # how every output marks such a score or kind
+KINDS = (*(rule[0] for rule in THRESHOLDS), "mixed", UNDECIDED)
+_RULE = {score: (op, value) for _, score, op, value in THRESHOLDS}
+_ONE_KEY = {"prev_token": "prev_token", "sink": "sink", "diagonal": "prev_token"}  # score -> the rule it answers to
+MARGIN = 2.0  # a head with no preference scores at most threshold / MARGIN on a one-key score
+_SEARCH = 100_000  # rows searched for a minimum; every threshold in (0, 1) is met long before
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _decided(score: str, rows: int) -> bool:
+    """Whether ``rows`` scored rows (row ``i = 1 .. rows`` sees ``i + 1`` keys) tell ``score`` apart (module docstring)."""
+    keys = [float(i + 1) for i in range(1, rows + 1)]
+    if score in _ONE_KEY:
+        return _mean([1 / k for k in keys]) <= _RULE[_ONE_KEY[score]][1] / MARGIN  # no preference: 1/k on each key
+    if score == "distance":
+        return _mean([(k - 1) / 2 for k in keys]) >= _RULE["distance"][1] * MARGIN  # no preference: i / 2 tokens back
+    if score == "uniformity":  # half of each row on one key, the other half spread over the k - 1 others
+        half = [(math.log(2) + 0.5 * math.log(k - 1)) / math.log(k) for k in keys]
+        return _mean(half) < _RULE["uniformity"][1]
+    return rows >= 1  # entropy: a measurement, no threshold
+
+
+def min_text_rows(score: str) -> int:
+    """The fewest scored rows (real tokens minus one) on which ``score`` is decided (module docstring)."""
+    if score not in TEXT_SCORES:
+        raise ValueError(f"{score!r} is not a text score; text scores are {', '.join(TEXT_SCORES)}")
+    return next(rows for rows in range(1, _SEARCH) if _decided(score, rows))
+
+
+def min_probe_len(threshold: float) -> int:
+    """The shortest probe ``n`` on which a head with no preference scores at most ``threshold / MARGIN``.
+
+    The probe's scored rows are the second copy's ``n + k`` for ``k = 0 .. n - 2``, each seeing
+    ``n + k + 1`` keys; a head with no preference gives the earlier copy ``1 / (n + k + 1)``.
+    """
+    return next(n for n in range(2, _SEARCH) if _mean([1 / (n + k + 1) for k in range(n - 1)]) <= threshold / MARGIN)
+
+
+MIN_TEXT_ROWS = {score: min_text_rows(score) for score in TEXT_SCORES}  # prev_token 7, distance 15, uniformity 19
+MIN_PROBE_LEN = max(min_probe_len(_RULE[score][1]) for score in PROBE_SCORES)  # 4
+
+
+def too_short(text_rows: int, probe_n: int) -> dict[str, str]:
+    """``{score: why}`` for each score that ``text_rows`` scored rows (or a probe of ``probe_n``) cannot decide."""
+    why = {
+        score: (
+            f"{score} needs a text of at least {need + 1} tokens ({need} scored rows, padding not counted) for its "
+            f"threshold to tell a head from chance; this one has {text_rows + 1}"
+        )
+        for score, need in MIN_TEXT_ROWS.items()
+        if text_rows < need
+    }
+    if probe_n < MIN_PROBE_LEN:
+        for score in PROBE_SCORES:
+            why[score] = (
+                f"{score} needs a probe of at least {MIN_PROBE_LEN} repeated tokens for its threshold to tell a head "
+                f"from chance; this one repeats {probe_n}"
+            )
+    return why
+
+
+def score_grid(t: Tensor) -> list[list[float | None]]:
+    """``(L, H)`` as JSON: rows of values rounded to 6 places, ``None`` (``null``) where NaN, too short to tell."""
+    return [[None if math.isnan(v) else round(float(v), 6) for v in row] for row in t.tolist()]
+
+
+def mark_too_short(scores: dict[str, Tensor], short: dict[str, str]) -> dict[str, Tensor]:
+    """``scores`` with every score named in ``short`` (see :func:`too_short`) replaced by NaN of the same shape."""
+    return {name: torch.full_like(t, math.nan) if name in short else t for name, t in scores.items()}
 
 
 def _scored_rows(key_padding: Tensor | None, batch: int, t: int) -> tuple[Tensor, Tensor]:
@@ -130,13 +238,21 @@ def probe_scores(weights: Tensor, n: int, offset: int = 0) -> dict[str, Tensor]:
 
 
 def classify(scores: dict[str, Tensor]) -> list[list[str]]:
-    """The kind of every head: ``scores[name]`` is ``(L, H)``; returns ``kinds[l][h]`` (see :data:`THRESHOLDS`)."""
+    """The kind of every head: ``scores[name]`` is ``(L, H)``; returns ``kinds[l][h]`` (see :data:`THRESHOLDS`).
+
+    A NaN score (too short to tell, :func:`mark_too_short`) stops the rules where it is reached: the
+    head is :data:`UNDECIDED`, since whether that rule holds, and so its kind, is unknown. A rule
+    met before it still names the head.
+    """
     L, H = scores["sink"].shape
     kinds = [["mixed"] * H for _ in range(L)]
     for layer in range(L):
         for head in range(H):
             for kind, name, op, threshold in THRESHOLDS:
                 value = float(scores[name][layer, head])
+                if math.isnan(value):
+                    kinds[layer][head] = UNDECIDED
+                    break
                 if (value >= threshold) if op == ">=" else (value <= threshold):
                     kinds[layer][head] = kind
                     break

