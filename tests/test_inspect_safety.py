@@ -292,6 +292,7 @@ def test_a_huge_probe_batch_is_refused_before_loading(
             "holds more than 128 bytes, and --max-tokens 2 fits at most",
         ),
         (["--text-file", "."], "--text-file '.' is a directory"),
+        (["--text", "a" * 129, "--max-tokens", "2"], "--text holds more than 128 bytes"),
     ],
 )
 def test_bad_flags_fail_in_one_line_before_loading(

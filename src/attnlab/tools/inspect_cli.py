@@ -100,6 +100,17 @@ def _check_source(model: str | None, checkpoint: str | None) -> None:
         )
 
 
+def _check_bytes(n_bytes: int, max_tokens: int, what: str) -> None:
+    """Refuse, before tokenizing it, a text of more bytes than ``--max-tokens`` tokens could ever hold."""
+    limit = max_tokens * TEXT_BYTES_PER_TOKEN
+    if n_bytes > limit:
+        raise LimitError(
+            f"{what} holds more than {limit} bytes, and --max-tokens {max_tokens} fits at most {limit} bytes of "
+            f"text ({TEXT_BYTES_PER_TOKEN} a token, more than any tokenizer averages); pass a shorter text, or "
+            f"raise --max-tokens."
+        )
+
+
 def _read_text_file(path: Path, max_tokens: int) -> str:
     """The file's text: UTF-8, no NUL bytes (a binary file), and no longer than ``--max-tokens`` could hold."""
     limit = max_tokens * TEXT_BYTES_PER_TOKEN
@@ -113,12 +124,7 @@ def _read_text_file(path: Path, max_tokens: int) -> str:
         raise UsageError(f"--text-file {name} does not exist; check the path.") from None
     except OSError as err:
         raise UsageError(f"--text-file {name} cannot be read ({err.strerror or err}).") from None
-    if len(data) > limit:
-        raise LimitError(
-            f"--text-file {name} holds more than {limit} bytes, and --max-tokens {max_tokens} fits at most {limit} "
-            f"bytes of text ({TEXT_BYTES_PER_TOKEN} a token, more than any tokenizer averages); pass a shorter "
-            f"file, or raise --max-tokens."
-        )
+    _check_bytes(len(data), max_tokens, f"--text-file {name}")
     if b"\0" in data:
         raise UsageError(f"--text-file {name} holds NUL bytes: a binary file, not text; pass a UTF-8 text file.")
     try:
@@ -263,6 +269,8 @@ def inspect_command(
     check_before_load(left_pad=left_pad, max_tokens=max_tokens, probe_batch=probe_batch, names=CLI_NAMES)
     if text_file is not None:
         text = _read_text_file(Path(text_file), max_tokens)
+    elif text is not None:
+        _check_bytes(len(text.encode("utf-8", "surrogateescape")), max_tokens, "--text")
     created = _missing_dirs(Path(out_dir))
     out = check_writable_dir(Path(out_dir), "--out-dir")
     try:
