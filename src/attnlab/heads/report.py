@@ -40,7 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime import INTERRUPTS, LimitError, UsageError, check_range, check_writable_dir, keep
+from ..runtime import (
+    INTERRUPTS,
+    LimitError,
+    UsageError,
+    available_bytes,
+    check_range,
+    check_writable_dir,
+    keep,
+)
 from .capture import attention_layers, run_and_capture
 from .scores import (
     KINDS,
@@ -397,15 +405,8 @@ def plot_scores(report: HeadReport, path: Path, *, stamp: Mapping[str, str] | No
 
 
 def available_memory() -> int | None:
-    """Bytes this machine can give now (Linux ``MemAvailable``; elsewhere free pages), or None: unknown."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    with contextlib.suppress(AttributeError, ValueError, OSError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return None
+    """Bytes this machine can give now (:func:`attnlab.runtime.available_bytes` of the CPU), or None: unknown."""
+    return available_bytes("cpu")
 
 
 def memory_needed(heads: Sequence[int], vocab: int, t: int, n: int, batch: int) -> int:
