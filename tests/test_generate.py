@@ -127,7 +127,7 @@ def test_generation_errors_name_the_argument_and_the_fix():
         generate(
             model, torch.zeros(2, 3, dtype=torch.long), 2, key_padding_mask=torch.tensor([[False, False, True]] * 2)
         )
-    with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -1"):
+    with pytest.raises(ValueError, match=r"^temperature must be a number >= 0, got -1; 0 is greedy\.$"):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1)
     with pytest.raises(TypeError, match=r"idx must be an int64 tensor \(B, T\).*left_pad"):
         generate(model, torch.zeros(3), 2)

@@ -19,9 +19,15 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from ..runtime import LimitError, UsageError, check_range
+
 __all__ = [
     "CausalLM",
+    "MIN_TEMPERATURE",
+    "check_count",
+    "check_temperature",
     "check_token_ids",
+    "readable_int",
     "left_pad",
     "prefill",
     "decode_step",
@@ -226,17 +232,73 @@ class Step:
     logits: Tensor  # (B, V) float, before temperature/top-k/top-p
 
 
+# The smallest temperature above 0: logits / T is a float32 inf (and its softmax NaN) once a logit passes 3.4e38 * T,
+# which at T = 1e-38 is a logit of 3.4 and at 1e-6 one of 3.4e32, which none is. Below it sampling is greedy but in name.
+MIN_TEMPERATURE = 1e-6
+
+
+def readable_int(value: int) -> str:
+    """``value`` as typed, or its size when it is too long to read (an int of 400 digits)."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:8]}... (a {len(text) - (text[0] == '-')}-digit integer)"
+
+
+def check_count(name: str, value: object, *, low: int, high: int | None = None, hint: str = "") -> None:
+    """Raise :class:`UsageError` unless ``value`` is an int (not a bool), ``low <= value <= high``.
+
+    ``check_range``'s message, without its float conversion: an int past 1e308 (``--top-k`` and
+    400 digits) would be an ``OverflowError`` there, a traceback rather than a sentence.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= low and (high is None or value <= high):
+            return
+        got = readable_int(value)
+    else:
+        got = repr(value)
+    bounds = f">= {low}" + (f" and <= {high}" if high is not None else "")
+    raise UsageError(f"{name} must be an integer {bounds}, got {got}{'; ' + hint if hint else ''}.")
+
+
+def check_temperature(name: str, temperature: float, hint: str) -> None:
+    """Raise :class:`UsageError` unless ``temperature`` is 0 (greedy) or a finite number >= :data:`MIN_TEMPERATURE`.
+
+    NaN, inf and negatives are refused by ``check_range``; a positive temperature below the floor
+    divides the logits into float32 infinities, whose softmax is NaN and whose sampling fails
+    mid-stream (``torch.multinomial``: "probability tensor contains either inf, nan or element < 0").
+    """
+    check_range(name, temperature, low=0, hint=hint)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise UsageError(
+            f"{name} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature!r}: dividing the logits "
+            f"by less overflows float32 and sampling fails; pass 0 for greedy decoding."
+        )
+
+
 def _check_generate_args(
-    model: CausalLM, idx: Tensor, max_new_tokens: int, temperature: float, top_k, top_p, key_padding_mask
+    model: CausalLM,
+    idx: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    key_padding_mask: Tensor | None,
 ) -> None:
+    """Every argument checked once per call, before the first step: the per-token loop checks nothing.
+
+    The messages are those of ``attnlab generate`` for the same mistake, with the Python names.
+    """
     if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(
             f"idx must be an int64 tensor (B, T) of prompt token ids, got "
             f"{getattr(idx, 'dtype', type(idx).__name__)} of shape {tuple(getattr(idx, 'shape', ()))}; "
             f"for one prompt use torch.tensor([ids]), for several use attnlab.left_pad(prompts)."
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+    check_count("max_new_tokens", max_new_tokens, low=0)
+    check_temperature("temperature", temperature, hint="0 is greedy")
+    if top_k is not None:
+        check_count("top_k", top_k, low=1, hint="or None for no limit")
+    if top_p is not None:
+        check_range("top_p", top_p, low=0, high=1, low_inclusive=False, hint="or None for no limit")
     T, block = idx.size(1), model.config.block_size
     if T + max_new_tokens > block:
         fixes = []  # only the fixes that work alone: one that cannot fit is no advice
@@ -248,19 +310,13 @@ def _check_generate_args(
             fixes.append(
                 f"keep the prompt's last {block - block // 2} tokens and ask for at most {block // 2} new tokens"
             )
-        raise ValueError(
-            f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds "
+        raise LimitError(
+            f"prompt length {T} + max_new_tokens {readable_int(max_new_tokens)} = {readable_int(T + max_new_tokens)} exceeds "
             f"block_size={block}, the longest sequence the model has positions for; {' or '.join(fixes)}."
         )
     vocab_size = getattr(model.config, "vocab_size", None)  # part of GPTConfig, not of the CausalLM protocol
     if isinstance(vocab_size, int):
         check_token_ids(idx, vocab_size)  # once per call, on any device; decode steps feed back sampled ids
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
     if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or key_padding_mask.shape != idx.shape):
         raise ValueError(
             f"key_padding_mask must be bool with the prompt's shape (B, T) = {tuple(idx.shape)} (True = padding), "
@@ -400,7 +456,8 @@ def generate(
         idx: ``(B, T)`` int64 prompt ids; rows of different lengths are left-padded
             (:func:`left_pad`) and flagged in ``key_padding_mask``.
         max_new_tokens: tokens to add; ``T + max_new_tokens`` must not exceed ``block_size``.
-        temperature: 0 is greedy decoding; otherwise logits are divided by it before sampling.
+        temperature: 0 is greedy decoding; otherwise (at least :data:`MIN_TEMPERATURE`) logits are divided
+            by it before sampling.
         top_k, top_p: restrict sampling to the k most likely tokens / the nucleus of mass p.
         eos_token_id: a row that emits it keeps emitting it; generation stops early (``n <
             max_new_tokens``) once every row has.
