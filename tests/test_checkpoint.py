@@ -254,7 +254,9 @@ def test_cli_ctrl_c_keeps_the_printed_text_and_exits_130_without_a_traceback(tmp
     monkeypatch.setattr(generate_cli, "generate_steps", interrupted)
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "to be", "--max-new-tokens", "9"]) == 130
     captured = capsys.readouterr()
-    assert captured.out == "to bet\n" and captured.err == "attnlab: interrupted after 1 token\n"
+    assert captured.out == "to bet\n" and captured.err == (
+        "attnlab: generate interrupted (Ctrl-C) before it finished; kept the prompt and 1 new token, printed above.\n"
+    )
 
 
 def test_cli_without_a_tokenizer_and_under_256_ids_reads_and_writes_token_ids(tmp_path, capsys):
