@@ -22,7 +22,7 @@ import torch
 import attnlab
 from attnlab import GPTConfig, TinyGPT, save_checkpoint
 from attnlab.cli import main
-from attnlab.models import generate_cli, pretrained
+from attnlab.models import generate_cli, pretrained, text_stream
 from attnlab.models.generation import MIN_TEMPERATURE, Step
 from attnlab.models.llama import Llama
 from attnlab.models.llama_config import LlamaConfig
@@ -280,13 +280,13 @@ def test_byte_level_text_matches_the_tokenizers_decode_and_holds_back_only_a_cut
     """Random ids, special ones among them: what is printed, then the bytes held back, is ``decode`` of them all."""
     from tokenizers import pre_tokenizers
 
-    assert set(generate_cli._byte_alphabet()) == set(pre_tokenizers.ByteLevel.alphabet())
-    token_bytes = generate_cli._byte_level_bytes(tok)
+    assert set(text_stream.byte_alphabet()) == set(pre_tokenizers.ByteLevel.alphabet())
+    token_bytes = text_stream.byte_level_bytes(tok)
     assert token_bytes is not None
     rng = random.Random(0)
     for _ in range(300):
         ids = [rng.randrange(len(tok) + 3) for _ in range(rng.randrange(1, 12))]  # a few past the vocabulary
-        text = generate_cli._Utf8Text(token_bytes)
+        text = text_stream.Utf8Text(token_bytes)
         printed = "".join(text.push(i) for i in ids)
         whole = tok.decode(ids, skip_special_tokens=True)
         if text.held:
@@ -336,22 +336,22 @@ def test_redecoding_never_prints_text_it_must_take_back_and_never_holds_a_replac
     pieces = [b"a", "é".encode(), "日".encode(), "😀".encode(), b"\xff", b"\xed\xa2"]
     for _ in range(300):
         ids = [b for _ in range(rng.randrange(1, 6)) for b in rng.choice(pieces)]
-        text = generate_cli._Redecode(lossy)
+        text = text_stream.Redecode(lossy)
         printed = ""
         for n, i in enumerate(ids, 1):
             printed += text.push(i)
             so_far = lossy(ids[:n])
             assert so_far.startswith(printed) and set(so_far[len(printed) :]) <= {"\ufffd"}
-            assert len(printed) >= len(lossy(ids[: max(0, n - generate_cli.MAX_PENDING)]))
-            assert text.held <= generate_cli.MAX_PENDING and bool(text.held) == (printed != so_far)
-    text = generate_cli._Redecode(lossy)
+            assert len(printed) >= len(lossy(ids[: max(0, n - text_stream.MAX_PENDING)]))
+            assert text.held <= text_stream.MAX_PENDING and bool(text.held) == (printed != so_far)
+    text = text_stream.Redecode(lossy)
     assert [text.push(b) for b in b"\xff\xff\xff\xffa"] == ["", "", "", "\ufffd", "\ufffd\ufffd\ufffda"]
 
 
 def test_a_tokenizer_that_is_not_byte_level_streams_by_redecoding(served, byte_fallback_tok, capsys, monkeypatch):
     served.tok = byte_fallback_tok
     served.model = tiny_llama(len(byte_fallback_tok))
-    assert generate_cli._byte_level_bytes(byte_fallback_tok) is None
+    assert text_stream.byte_level_bytes(byte_fallback_tok) is None
     H, i = ids_of(byte_fallback_tok, "H"), ids_of(byte_fallback_tok, "i")
     sun = [2 + b for b in "日".encode()]
     ids = [H, *sun, i, 2 + 0xFF, *sun, i, *sun[:2]]  # ff then 日 is 4 x U+FFFD to ByteFallback; the last 日 cut

@@ -7,13 +7,9 @@ that runs as it is, and a request past the model's context is a :class:`~attnlab
 that says how many tokens fit. Text is UTF-8: a ``--prompt`` byte the shell passed undecoded
 (Python's ``'\\udcff'``) or a stdin line that is not UTF-8 is named with the byte and its place.
 
-The text streams as the tokens come and never shows half a character. For byte-level BPE
-(SmolLM2, GPT-2) and attnlab's byte tokenizer, each token's bytes go through an incremental UTF-8
-decoder, which holds back exactly the bytes of a character not yet whole and turns bytes that
-can never be UTF-8 into U+FFFD at once. For other tokenizers the reply so far is decoded again
-at each step, and a trailing U+FFFD is held back only while it may still become a character: a
-character lacks at most 3 bytes, and each token adds at least one. A character cut short at the
-end (by ``--max-new-tokens``) is left out, and a note on stderr says so.
+The text streams as the tokens come and never shows half a character (:mod:`.text_stream`); a
+character cut short at the end (by ``--max-new-tokens``) is left out, and a note on stderr says
+so. Chat turns come from stdin, line by line (:mod:`.terminal`).
 
 An interrupt (Ctrl-C, SIGTERM) in any phase (loading, prefill, streaming, waiting for the next
 chat line) keeps what was printed and ends its line. The one ``attnlab: generate interrupted
@@ -22,20 +18,14 @@ chat line) keeps what was printed and ends its line. The one ``attnlab: generate
 
 from __future__ import annotations
 
-import codecs
-import functools
 import json
-import os
-import select
 import shlex
-import stat
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -43,6 +33,8 @@ from ..runtime import INTERRUPTS, LimitError, UsageError, check_range, keep, res
 from . import pretrained
 from .generation import Step, check_count, check_temperature, generate_steps, readable_int
 from .saved_model import load_checkpoint
+from .terminal import Stdout, Turns, check_text
+from .text_stream import PerToken, TextStream, Utf8Text, hf_text
 from .tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
 
 DEFAULT_NEW_TOKENS = 200  # what --max-new-tokens asks for when it is not given, if the model has room
@@ -152,339 +144,10 @@ def _check_flags(
     check_count("--seed", seed, low=0, high=SEED_MAX, hint="torch.Generator's seeds are 0 .. 2**64 - 1")
 
 
-def _bytes_named(raw: bytes) -> str:
-    return ("byte " if len(raw) == 1 else "bytes ") + " ".join(f"0x{b:02x}" for b in raw)
-
-
-def _not_text(where: str, bad: str, place: str, before: str, encoding: str = "UTF-8") -> UsageError:
-    """The error of text that is not ``encoding``: where, the offending bytes, their place and the fix."""
-    after = f" (after {before[-12:]!r})" if before else ""
-    return UsageError(
-        f"{where} is not {encoding} text: {bad} at {place}{after}; pass it as {encoding} "
-        f"(convert other text with iconv -f ITS-ENCODING -t {encoding})."
-    )
-
-
-def _check_text(text: str, where: str) -> None:
-    """A :class:`UsageError` unless ``text`` encodes to UTF-8, as every tokenizer needs.
-
-    A byte the shell could not decode reaches ``sys.argv`` as a lone surrogate (``'\\udcff'`` for
-    byte 0xff, Python's surrogateescape); tokenizers would fail on it with a ``TextEncodeInput`` error.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        chars = text[e.start : e.end]
-        if all("\udc80" <= c <= "\udcff" for c in chars):  # escaped bytes: name them as the bytes they were
-            bad = _bytes_named(bytes(ord(c) - 0xDC00 for c in chars))
-        else:
-            bad = "unpaired surrogate " + " ".join(f"U+{ord(c):04X}" for c in chars)
-        raise _not_text(where, bad, f"character {e.start}", text[: e.start]) from None
-
-
-# -- stdin, for --chat without --prompt ----------------------------------------------------------------------------
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, OSError, ValueError):  # no such method, or closed
-        return False
-
-
-def _ready(stream: Any) -> bool:
-    """Whether reading ``stream`` returns at once, with data or at its end, rather than waiting for a writer.
-
-    True for a file, /dev/null, a pipe already written to or closed, and text in memory
-    (``io.StringIO``). A pipe still empty is not: its writer may be slow, so its first line is
-    waited for after the model has loaded rather than before.
-    """
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: in memory, all of it there already
-        return True
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) or bool(select.select([fd], [], [], 0)[0])
-    except (OSError, ValueError):  # select cannot watch it (a pipe on Windows): its first line is read later
-        return False
-
-
-class _Turns:
-    """The user turns of ``--chat`` without ``--prompt``: one per line of stdin, until an empty line or its end.
-
-    Lines are read as bytes and decoded here, strictly, so that a line that is not text is named
-    with its number and the byte: a text stream fails on the whole block it decodes (with no line
-    number), or passes lone surrogates on to the tokenizer.
-    """
-
-    def __init__(self, stdin: Any, command: str) -> None:
-        self._stdin = stdin
-        self._command = command  # `attnlab generate --model M`, for the messages
-        self._encoding = (getattr(stdin, "encoding", None) or "utf-8").upper()
-        self.interactive = _isatty(stdin)  # a person typing: a "> " prompt, and a turn that does not fit is skipped
-        self.number = 0  # lines read
-        self._ended = False  # the last read found the end of input
-        self._ahead: list[str | None] = []
-
-    @classmethod
-    def from_stdin(cls, stdin: Any, model: str) -> _Turns:
-        """The turns on ``stdin``; a :class:`UsageError` now, before the model loads, when stdin is closed, or
-        when it can tell without waiting that there is no turn to answer."""
-        turns = cls(stdin, _command(model, None, source="--model"))
-        if stdin is None:  # started with stdin closed (`0<&-`)
-            raise turns.missing("is closed")
-        if not turns.interactive and _ready(stdin):  # its first line is there, or its end: look now
-            first = turns._read()
-            if first is None:
-                raise turns.missing()
-            turns._ahead.append(first)
-        return turns
-
-    def missing(self, why: str | None = None) -> UsageError:
-        """The error of a conversation with no turn: stdin closed, empty, or starting with an empty line."""
-        why = why or ("has no lines" if self._ended else "starts with an empty line, which ends the conversation")
-        return UsageError(
-            f"--chat without --prompt answers one user turn per line of stdin, and stdin {why}; pipe the turns "
-            f"in ({EXAMPLE_TURNS} | {self._command} --chat), or pass --prompt TEXT for one turn."
-        )
-
-    def next(self, out: _Stdout) -> str | None:
-        """The next user turn; None at the end of input or at an empty line."""
-        if self._ahead:
-            return self._ahead.pop()
-        if not self.interactive:
-            return self._read()
-        out.write("> ")
-        line = self._read()
-        if self._ended:
-            out.end_line()  # Ctrl-D: the terminal echoed no newline
-        else:
-            out.line_open = False  # the person's Enter ended the line
-        return line
-
-    def _read(self) -> str | None:
-        self.number += 1
-        where = f"stdin line {self.number}"
-        binary = getattr(self._stdin, "buffer", None)
-        try:
-            raw = binary.readline() if binary is not None else self._stdin.readline()
-        except UnicodeDecodeError as e:  # a text stream without .buffer, decoding a block around this line
-            bad = _bytes_named(e.object[e.start : e.end])
-            raise _not_text(where, bad, f"byte {e.start} of the block read", "", self._encoding) from None
-        except (OSError, ValueError) as e:  # closed, or not readable at all
-            raise self.missing(f"cannot be read ({e})") from None
-        self._ended = not raw
-        if isinstance(raw, bytes):
-            try:
-                line = raw.decode(self._encoding)
-            except UnicodeDecodeError as e:
-                before = raw[: e.start].decode(self._encoding, errors="replace")
-                raise _not_text(
-                    where, _bytes_named(raw[e.start : e.end]), f"byte {e.start}", before, self._encoding
-                ) from None
-        else:
-            line = raw
-            _check_text(line, where)
-        line = line.rstrip("\r\n")
-        return line if line.strip() else None
-
-
-# -- stdout --------------------------------------------------------------------------------------------------------
-
-
-class _Stdout:
-    """Everything ``attnlab generate`` prints on stdout goes through here, so that an interrupt can end
-    the line left open and name what was kept."""
-
-    def __init__(self) -> None:
-        self.line_open = False  # the last text printed did not end its line
-        self.prompt = False  # the prompt was printed: a continuation, not a chat
-        self.answers = 0  # --chat answers printed whole
-        self.tokens = 0  # new tokens of the text now streaming, printed
-        self.held = 0  # new tokens after those, half a character, not printed
-
-    def write(self, text: str) -> None:
-        if text:
-            print(text, end="", flush=True)
-            self.line_open = not text.endswith("\n")
-
-    def end_line(self) -> None:
-        if self.line_open:
-            self.write("\n")
-
-    def kept(self) -> str | None:
-        """What an interrupt keeps, as ``attnlab.cli`` words it (``kept <this>.``); None: nothing was printed."""
-        if self.prompt:
-            kept = f"the prompt and {_new(self.tokens)}"
-        else:
-            parts = [f"{self.answers} answer{'s' if self.answers != 1 else ''}"] if self.answers else []
-            if self.tokens:
-                parts.append(f"{_tokens(self.tokens)} of the {'next ' if self.answers else ''}answer")
-            if not parts:
-                return None
-            kept = " and ".join(parts)
-        left = f" ({_tokens(self.held)} more, half a UTF-8 character, left out)" if self.held else ""
-        return f"{kept}, printed above{left}"
-
-
-# -- token ids to text, never half a character ---------------------------------------------------------------------
-
-
-class _Text(Protocol):
-    """Streamed text: ``push`` a token, print what it returns; ``held`` tokens are half a character, not printed."""
-
-    held: int
-
-    def push(self, token: int) -> str: ...
-
-    def held_what(self) -> str: ...
-
-
-class _Utf8Text:
-    """The text of tokens whose bytes are known, as ``bytes.decode(errors="replace")`` of them all gives it.
-
-    The incremental decoder returns every character as soon as it is whole and holds back exactly
-    the bytes of one that is not; bytes that can never start a character are U+FFFD at once.
-    """
-
-    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
-        self._bytes = token_bytes
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._sizes: deque[int] = deque(maxlen=MAX_PENDING)  # bytes of each of the last tokens that had any
-        self.held = 0  # the last tokens, whose bytes the decoder holds
-
-    def push(self, token: int) -> str:
-        raw = self._bytes(token)
-        if raw:
-            self._sizes.append(len(raw))
-        text = self._decoder.decode(raw)
-        if not _can_complete(self._decoder.getstate()[0]):  # CPython holds ED A0..BF (a surrogate) a byte too long
-            text += self._decoder.decode(b"", final=True)  # U+FFFD for each, as decoding them all gives
-        pending = len(self._decoder.getstate()[0])  # at most 3 bytes, from at most the last 3 tokens
-        self.held = 0
-        while pending > 0:
-            pending -= self._sizes[-1 - self.held]
-            self.held += 1
-        return text
-
-    def held_what(self) -> str:
-        return _bytes_named(self._decoder.getstate()[0])
-
-
-def _can_complete(pending: bytes) -> bool:
-    """Whether ``pending``, the bytes an incremental UTF-8 decoder holds, can still become a character.
-
-    One byte always can (the decoder turns a byte that cannot start one into U+FFFD at once); two
-    or three can when the first continuation byte is in the lead byte's range, which completing
-    them with the lowest continuation bytes (0x80) tests.
-    """
-    if len(pending) <= 1:
-        return True
-    length = 2 if pending[0] < 0xE0 else 3 if pending[0] < 0xF0 else 4
-    try:
-        (pending + b"\x80" * (length - len(pending))).decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-class _Redecode:
-    """The text of any tokenizer: the new tokens so far decoded again at each step, and what the text gained.
-
-    A tokenizer that hides its bytes (SentencePiece's byte fallback, a decoder that cleans spaces)
-    shows half a character as U+FFFD. A trailing U+FFFD is held back while it may still become a
-    character, that is while it lies past the text's length of 3 tokens ago; one older than that
-    is the model's own and is printed, so nothing is held back for ever.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-        self._ids: list[int] = []
-        self._ends: deque[int] = deque([0], maxlen=MAX_PENDING + 1)  # text length 3 tokens ago .. now
-        self._printed = 0  # characters of the text printed
-        self.held = 0
-
-    def push(self, token: int) -> str:
-        self._ids.append(token)
-        text = self._decode(self._ids)
-        self._ends.append(len(text))
-        whole = len(text.rstrip("\ufffd"))
-        if whole < len(text):  # U+FFFD the text had 3 tokens ago is final: a character lacks at most 3 bytes
-            whole = max(whole, min(len(text), self._ends[0]))
-        piece = text[self._printed : whole]
-        self._printed = max(self._printed, whole)
-        self.held = sum(1 for end in list(self._ends)[1:] if end > whole)
-        return piece
-
-    def held_what(self) -> str:
-        return "decoded as U+FFFD"
-
-
-class _PerToken:
-    """One token is whole characters (attnlab's character tokenizer, token ids as numbers): nothing is held back."""
-
-    held = 0
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-
-    def push(self, token: int) -> str:
-        return self._decode([token])
-
-    def held_what(self) -> str:
-        return ""
-
-
-@functools.cache
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for themselves,
-    the other 68 for the characters from U+0100 on, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    others = (b for b in range(256) if chr(b) not in table)
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
-
-
-def _byte_level_bytes(tok: Any) -> Callable[[int], bytes] | None:
-    """The bytes of each token id of a byte-level BPE tokenizer, as its ``decode(skip_special_tokens=True)``
-    reads them (special tokens: none); None when the tokenizer is not plain byte-level BPE."""
-    try:
-        from tokenizers import decoders
-    except ImportError:
-        return None
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
-        return None
-    if getattr(tok, "clean_up_tokenization_spaces", False):  # decode edits the text after the bytes
-        return None
-    special = {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
-    alphabet = _byte_alphabet()
-
-    @functools.cache
-    def token_bytes(i: int) -> bytes:
-        piece = None if i in special else backend.id_to_token(i)
-        if piece is None:  # special, or an id the vocabulary lacks: decode leaves both out
-            return b""
-        try:
-            return bytes(alphabet[c] for c in piece)
-        except KeyError:  # not in the byte alphabet (an added token's own text): as is, as tokenizers decodes it
-            return piece.encode("utf-8")
-
-    return token_bytes
-
-
-def _hf_text(tok: Any) -> _Text:
-    token_bytes = _byte_level_bytes(tok)
-    if token_bytes is not None:
-        return _Utf8Text(token_bytes)
-    return _Redecode(lambda ids: tok.decode(ids, skip_special_tokens=True))
-
-
-def _checkpoint_text(tokenizer: Tokenizer | _IdText) -> _Text:
+def _checkpoint_text(tokenizer: Tokenizer | _IdText) -> TextStream:
     if isinstance(tokenizer, ByteTokenizer):  # its ids are the bytes; ids past 255 decode to nothing
-        return _Utf8Text(lambda i: bytes((i,)) if 0 <= i < 256 else b"")
-    return _PerToken(tokenizer.decode)
+        return Utf8Text(lambda i: bytes((i,)) if 0 <= i < 256 else b"")
+    return PerToken(tokenizer.decode)
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
@@ -551,7 +214,7 @@ def generate_command(
         compile: compile the decode step with torch.compile(fullgraph=True) (slow to start, faster per token; with --chat, compiled once per cache size and reused by later turns).
     """
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed)
-    _check_text(prompt, "--prompt")
+    check_text(prompt, "--prompt")
     if checkpoint is not None and model is not None:
         raise UsageError(
             f"--checkpoint {str(checkpoint)!r} and --model {model!r} both name the model to run; pass one of them: "
@@ -574,8 +237,12 @@ def generate_command(
         raise _no_chat_template(ask)
     if kind and not prompt and not chat:
         raise _nothing_to_answer(ask.where)
-    turns = _Turns.from_stdin(sys.stdin, ask.where) if kind and chat and not prompt else None
-    out = _Stdout()
+    turns = (
+        Turns.from_stdin(sys.stdin, _command(ask.where, None, source="--model"))
+        if kind and chat and not prompt
+        else None
+    )
+    out = Stdout()
     try:
         return _load_and_generate(ask, checkpoint, turns, out)
     except INTERRUPTS as err:  # Ctrl-C or SIGTERM: what was printed stays, on lines of its own
@@ -615,7 +282,7 @@ def _nothing_to_answer(model: str) -> UsageError:
     )
 
 
-def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: _Turns | None, out: _Stdout) -> int:
+def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, out: Stdout) -> int:
     lm: Any  # TinyGPT or Llama: each has config.block_size and config.vocab_size
     if ask.source == "--model":
         lm, loaded = pretrained.from_pretrained(ask.where, device=ask.device)  # UsageError naming what is wrong
@@ -636,7 +303,7 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: _Turns | None,
     return _generate_checkpoint(lm, saved_tokenizer, checkpoint, ask, out)
 
 
-def _generate_checkpoint(lm: Any, saved: Tokenizer | None, checkpoint: Path, ask: _Ask, out: _Stdout) -> int:
+def _generate_checkpoint(lm: Any, saved: Tokenizer | None, checkpoint: Path, ask: _Ask, out: Stdout) -> int:
     """``attnlab generate --checkpoint``: the prompt, then its continuation in the checkpoint's alphabet."""
     tokenizer: Tokenizer | _IdText
     if saved is not None:
@@ -728,7 +395,7 @@ def _is_hf_tokenizer(tokenizer: object) -> bool:
     return hasattr(tokenizer, "apply_chat_template") and hasattr(tokenizer, "convert_ids_to_tokens")
 
 
-def _generate_hf(lm: Any, tok: Any, ask: _Ask, turns: _Turns | None, out: _Stdout) -> int:
+def _generate_hf(lm: Any, tok: Any, ask: _Ask, turns: Turns | None, out: Stdout) -> int:
     """``attnlab generate --model``: one continuation, one chat turn, or a conversation read from stdin."""
     model = ask.where
     if ask.chat and not getattr(tok, "chat_template", None):
@@ -739,7 +406,9 @@ def _generate_hf(lm: Any, tok: Any, ask: _Ask, turns: _Turns | None, out: _Stdou
     if not ask.prompt and not ask.chat:
         raise _nothing_to_answer(model)
     if ask.chat and not ask.prompt:
-        return _chat_loop(lm, tok, ask, turns or _Turns.from_stdin(sys.stdin, model), out)
+        return _chat_loop(
+            lm, tok, ask, turns or Turns.from_stdin(sys.stdin, _command(model, None, source="--model")), out
+        )
     block = lm.config.block_size
     if ask.chat:
         ids, what = _chat_ids(tok, [{"role": "user", "content": ask.prompt}]), "--prompt in the chat template"
@@ -780,7 +449,7 @@ def _chat_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(enc["input_ids"])
 
 
-def _chat_loop(lm: Any, tok: Any, ask: _Ask, turns: _Turns, out: _Stdout) -> int:
+def _chat_loop(lm: Any, tok: Any, ask: _Ask, turns: Turns, out: Stdout) -> int:
     """One user turn per line of stdin (until an empty line or end of input); every answer sees the whole history.
 
     A turn that does not fit in the context with its answer is a :class:`LimitError` that names
@@ -850,7 +519,7 @@ class _Streamed:
     end: float = 0.0
 
 
-def _print_steps(steps: Iterator[Step], text: _Text, out: _Stdout) -> _Streamed:
+def _print_steps(steps: Iterator[Step], text: TextStream, out: Stdout) -> _Streamed:
     """Print each step's text as it becomes whole characters; what was generated and printed, and when."""
     run = _Streamed(start=time.perf_counter())
     run.first = run.second = run.start
@@ -870,7 +539,7 @@ def _print_steps(steps: Iterator[Step], text: _Text, out: _Stdout) -> _Streamed:
     return run
 
 
-def _note_cut(text: _Text, limit: int, cut: bool) -> None:
+def _note_cut(text: TextStream, limit: int, cut: bool) -> None:
     """One line on stderr when the text ends in half a character, left out rather than printed as U+FFFD.
 
     ``cut``: generation stopped at ``--max-new-tokens``, not at the end-of-sequence token.
@@ -889,10 +558,10 @@ def _note_cut(text: _Text, limit: int, cut: bool) -> None:
     )
 
 
-def _stream(lm: Any, tok: Any, ids: list[int], n: int, ask: _Ask, out: _Stdout) -> str:
+def _stream(lm: Any, tok: Any, ids: list[int], n: int, ask: _Ask, out: Stdout) -> str:
     """Generate after ``ids``, printing the text as it grows, then a newline; returns the text printed
     (special tokens left out, and a character cut at the end)."""
-    text = _hf_text(tok)
+    text = hf_text(tok)
     run = _print_steps(ask.steps(lm, ids, n, tok.eos_token_id), text, out)
     out.write("\n")
     _note_cut(text, n, cut=not run.tokens or run.tokens[-1] != tok.eos_token_id)
