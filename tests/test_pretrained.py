@@ -8,7 +8,9 @@ The real SmolLM2 is tested in ``test_smollm2.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,11 +124,18 @@ SPM_PIECES = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "â–
 
 
 def write_llama_gguf(
-    path: Path, *, tied: bool, pre: str = "smollm", add_bos: bool = False, sentencepiece: bool = False
+    path: Path,
+    *,
+    tied: bool,
+    pre: str = "smollm",
+    add_bos: bool = False,
+    sentencepiece: bool = False,
+    metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF (GQA 4/2, E=64), quantized as real files are (Q8_0, Q4_1, F32), Q/K rows
     permuted as llama.cpp writes them, with a byte-level BPE vocabulary (or a SentencePiece one).
-    Returns the Q/K weights in HF's order."""
+    ``metadata`` replaces fields (key -> ``gguf.GGUFValue``) or drops them (key -> None), to write the
+    damaged and inconsistent files a loader must refuse. Returns the Q/K weights in HF's order."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
 
@@ -162,6 +171,11 @@ def write_llama_gguf(
         w.add_chat_template(
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         )
+    for key, value in (metadata or {}).items():
+        if value is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            w.kv_data[0][key] = value
     rng = np.random.default_rng(0)
     hf_order: dict[str, np.ndarray] = {}
 

@@ -24,9 +24,12 @@ ffn_norm, ffn_gate, ffn_up, ffn_down}``, ``output_norm``, ``output`` (absent whe
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,17 +37,20 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..runtime import UsageError
+from ..runtime import ModelFileError, ModelFileNotFoundError
+from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
 from .llama_config import LlamaConfig
 
 if TYPE_CHECKING:  # annotations only: gguf and transformers are imported when a file is read
-    from gguf import GGUFReader
+    from gguf import GGUFReader, ReaderField, ReaderTensor
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "GGUFError",
+    "GGUFNotFoundError",
     "open_gguf",
     "llama_config_from_gguf",
+    "check_gguf_tensors",
     "unpermute_qk",
     "load_gguf_weights",
     "tokenizer_from_gguf",
@@ -66,26 +72,46 @@ _BLOCK_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 _ROWS_PER_SLICE_BYTES = 4 << 20  # float32 bytes dequantized at a time: bounds the loader's working memory
+# The fix for metadata that is absent, mistyped or inconsistent: damage, or a converter's bug.
+_FIX_METADATA = (
+    "the file is damaged or was written by a faulty converter: copy it again, or convert the model again with "
+    "llama.cpp's convert_hf_to_gguf.py"
+)
+_FIX_DATA = "copy it again (or download it again)"
 
 
-class GGUFError(UsageError):
-    """A GGUF file attnlab cannot read: missing, damaged, or of an architecture it does not have."""
+class GGUFError(ModelFileError):
+    """A GGUF file attnlab cannot read: damaged, inconsistent, or of an architecture it does not have."""
+
+
+class GGUFNotFoundError(GGUFError, ModelFileNotFoundError):
+    """A GGUF path where no file is."""
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
-    """A :class:`gguf.GGUFReader` on ``path`` (memory-mapped: tensor data is read when touched)."""
+    """A :class:`gguf.GGUFReader` on ``path`` (memory-mapped: tensor data is read when touched).
+
+    The header is walked first (:func:`~.file_checks.check_gguf_layout`): the reader trusts every
+    length and count in it, and a damaged one would make it fail on a raw ``IndexError`` or loop
+    over an array of 2^60 entries.
+    """
     path = Path(path)
     if not path.is_file():
-        raise GGUFError(f"GGUF file {str(path)!r} does not exist or is not a file; pass the path of a .gguf file.")
+        state = "is a directory" if path.is_dir() else "does not exist"
+        raise GGUFNotFoundError(
+            f"GGUF file {str(path)!r} {state}, expected a .gguf file; pass the path of a .gguf file "
+            f"(or 'smollm2', or a Hugging Face directory)."
+        )
     try:
         from gguf import GGUFReader
     except ImportError:
         raise GGUFError(
             f"reading {str(path)!r} needs the gguf package, which is not installed; run `{_INSTALL}`."
         ) from None
+    check_gguf_layout(path, GGUFError)
     try:
         return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:  # the reader checks the magic, version and sizes
+    except (ValueError, OSError, IndexError, KeyError) as e:  # what the walk above does not foresee
         raise GGUFError(
             f"{str(path)!r} is not a readable GGUF file ({e}); it is damaged or was cut short: copy it again."
         ) from None
@@ -107,62 +133,200 @@ def release_vocabulary(reader: GGUFReader) -> None:
         del reader.fields[key]
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+# -- metadata, each field checked for its type before its value is used ----------------------------
+
+# What a field must hold -> (does a GGUF type list match, the words for it)
+_INTS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})  # GGUFValueType: UINT8 .. INT64
+_FLOATS = _INTS | {6, 12}  # FLOAT32, FLOAT64 (an integer is a fine float)
+_BOOL, _STRING, _ARRAY = 7, 8, 9
+_KINDS: dict[str, tuple[Callable[[list[int]], bool], str]] = {
+    "int": (lambda t: len(t) == 1 and t[0] in _INTS, "an integer"),
+    "float": (lambda t: len(t) == 1 and t[0] in _FLOATS, "a number"),
+    "bool": (lambda t: t == [_BOOL], "a bool"),
+    "str": (lambda t: t == [_STRING], "a string"),
+    "str[]": (lambda t: t[:1] == [_ARRAY] and t[1:] in ([], [_STRING]), "an array of strings"),
+    "int[]": (lambda t: t[:1] == [_ARRAY] and (len(t) == 1 or (len(t) == 2 and t[1] in _INTS)), "an array of integers"),
+    "float[]": (
+        lambda t: t[:1] == [_ARRAY] and (len(t) == 1 or (len(t) == 2 and t[1] in _FLOATS)),
+        "an array of numbers",
+    ),
+}
+
+
+def _describe(field: ReaderField) -> str:
+    """A field's type and (short) value in words, for a message about a field of the wrong type."""
+    from gguf.constants import GGUFValueType
+
+    types = [GGUFValueType(t).name.lower() for t in field.types]
+    if types[0] == "array":
+        return f"an array of {len(field.data)} {types[-1] if len(types) > 1 else 'value'}s"
+    try:
+        value = field.contents()
+    except UnicodeDecodeError:
+        value = "(not UTF-8)"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"the {types[0]} {shown}"
+
+
+def _field(reader: GGUFReader, key: str, kind: str, default: Any = None) -> Any:
+    """The value of metadata ``key`` if it holds ``kind`` ("int", "str[]", ...), ``default`` if absent."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    matches, words = _KINDS[kind]
+    if not matches([int(t) for t in field.types]):
+        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
+    try:
+        return field.contents()
+    except UnicodeDecodeError as e:
+        raise field_error(
+            _path(reader), key, f"text that is not UTF-8 ({e.reason})", f"{words} in UTF-8", _FIX_METADATA, GGUFError
+        ) from None
 
 
-def llama_config_from_gguf(reader: GGUFReader) -> LlamaConfig:
-    """The :class:`LlamaConfig` a llama-architecture GGUF describes; refuses what :class:`Llama` cannot express."""
+def _array_length(reader: GGUFReader, key: str, kind: str) -> int | None:
+    """The length of array field ``key`` if it holds ``kind``, without decoding its values; None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    matches, words = _KINDS[kind]
+    if not matches([int(t) for t in field.types]):
+        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
+    return len(field.data)
+
+
+def _positive(reader: GGUFReader, key: str, why: str, default: int | None = None) -> int:
+    """A positive integer field; absent is an error unless there is a ``default``."""
+    value = _field(reader, key, "int", default)
+    if value is None or value <= 0:
+        found = "missing" if value is None else str(value)
+        raise field_error(_path(reader), key, found, f"a positive integer ({why})", _FIX_METADATA, GGUFError)
+    return int(value)
+
+
+def _number(reader: GGUFReader, key: str, default: float, low: float, why: str) -> float:
+    """A finite number field above ``low``; ``default`` when absent."""
+    value = float(_field(reader, key, "float", default))
+    if not (math.isfinite(value) and value > low):
+        raise field_error(
+            _path(reader), key, f"{value!r}", f"a finite number > {low:g} ({why})", _FIX_METADATA, GGUFError
+        )
+    return value
+
+
+def _vocab_rows(reader: GGUFReader) -> int:
+    """The vocabulary size: ``llama.vocab_size``, or in older files the rows of ``token_embd.weight``."""
+    rows = next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight" and len(t.shape) == 2), None)
+    if reader.fields.get("llama.vocab_size") is not None or rows is None:
+        return _positive(reader, "llama.vocab_size", "the rows of token_embd.weight, which this file lacks")
+    return rows
+
+
+def _check_refusals(reader: GGUFReader, names: set[str]) -> None:
+    """Refuse what attnlab's Llama cannot express, by name (the file is fine; attnlab lacks the feature)."""
     path = _path(reader)
-    arch = _field(reader, "general.architecture")
+    arch = _field(reader, "general.architecture", "str")
+    if arch is None:
+        raise field_error(path, "general.architecture", "missing", "'llama'", _FIX_METADATA, GGUFError)
     if arch != "llama":
         raise GGUFError(
             f"{path!r} holds a model of architecture {arch!r}; attnlab reads llama-architecture GGUF files only "
             f"(Llama, SmolLM2, TinyLlama, Mistral-7B as llama, ...): load this one with Hugging Face transformers "
             f"(AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)) or llama.cpp."
         )
-    names = {t.name for t in reader.tensors}
+    scaling = _field(reader, "llama.rope.scaling.type", "str", "none")
     refusals = [
         ("rope_freqs.weight" in names, "per-frequency RoPE factors (rope_freqs: Llama 3.1-style RoPE scaling)"),
-        (
-            _field(reader, "llama.rope.scaling.type", "none") not in ("none", None),
-            f"RoPE scaling {_field(reader, 'llama.rope.scaling.type')!r}",
-        ),
-        (_field(reader, "llama.expert_count", 0) > 0, "mixture-of-experts layers (llama.expert_count)"),
+        (scaling != "none", f"RoPE scaling {scaling!r}"),
+        (_field(reader, "llama.expert_count", "int", 0) > 0, "mixture-of-experts layers (llama.expert_count)"),
     ]
     for refused, what in refusals:
         if refused:
             raise GGUFError(
                 f"{path!r} uses {what}, which attnlab's Llama does not implement; use a GGUF of a Llama model without it."
             )
-    n_embd = int(_field(reader, "llama.embedding_length"))
-    n_head = int(_field(reader, "llama.attention.head_count"))
-    head_dim = n_embd // n_head
+
+
+def _check_heads(reader: GGUFReader, n_embd: int, n_head: int, n_kv_head: int) -> int:
+    """The head dim ``n_embd // n_head``, refused unless heads split the width evenly, as RoPE and GQA need."""
+    path, head_dim = _path(reader), n_embd // n_head
+    if n_embd % n_head or head_dim % 2:
+        raise field_error(
+            path,
+            "llama.attention.head_count",
+            str(n_head),
+            f"a divisor of llama.embedding_length = {n_embd} leaving an even head dim (got {n_embd / n_head:g}; RoPE "
+            f"rotates channel pairs)",
+            _FIX_METADATA,
+            GGUFError,
+        )
+    if n_head % n_kv_head:
+        raise field_error(
+            path,
+            "llama.attention.head_count_kv",
+            str(n_kv_head),
+            f"a divisor of llama.attention.head_count = {n_head} (each K/V head serves n_head / n_kv_head query heads)",
+            _FIX_METADATA,
+            GGUFError,
+        )
     for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
-        value = _field(reader, key)
-        if value is not None and int(value) != head_dim:
+        value = _field(reader, key, "int")
+        if value is not None and value != head_dim:
             raise GGUFError(
                 f"{path!r} has {key}={value} but embedding_length / head_count = {n_embd} // {n_head} = {head_dim}; "
-                f"attnlab's Llama rotates and attends over whole heads of n_embd // n_head channels."
+                f"attnlab's Llama rotates and attends over whole heads of n_embd // n_head channels, so it cannot run "
+                f"this model: load it with llama.cpp or transformers."
             )
-    vocab_size = _field(reader, "llama.vocab_size")
-    if vocab_size is None:  # older files: the embedding's rows (ggml shapes are (E, V), fastest dim first)
-        vocab_size = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
-    return LlamaConfig(
-        vocab_size=int(vocab_size),
-        block_size=int(_field(reader, "llama.context_length")),
-        n_layer=int(_field(reader, "llama.block_count")),
-        n_head=n_head,
-        n_kv_head=int(_field(reader, "llama.attention.head_count_kv", n_head)),
-        n_embd=n_embd,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        mlp_bias="blk.0.ffn_up.bias" in names,
-    )
+    return head_dim
+
+
+def _check_block_count(reader: GGUFReader, n_layer: int) -> None:
+    """``llama.block_count`` against the blocks the file holds tensors for (before a model of that depth is built)."""
+    blocks = {int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    held = 1 + max(blocks, default=-1)
+    if held != n_layer:
+        raise field_error(
+            _path(reader),
+            "llama.block_count",
+            str(n_layer),
+            f"{held}, the blocks the file holds tensors for (blk.0 .. blk.{held - 1})",
+            _FIX_METADATA,
+            GGUFError,
+        )
+
+
+def llama_config_from_gguf(reader: GGUFReader) -> LlamaConfig:
+    """The :class:`LlamaConfig` a llama-architecture GGUF describes; refuses what :class:`Llama` cannot express.
+
+    Every field read is checked for its type, presence and range (sizes positive, heads dividing
+    the width, K/V heads dividing the heads, RoPE base > 1), and ``llama.block_count`` against the
+    tensors, so that a damaged header is a :class:`GGUFError` naming the field, not a raw error.
+    """
+    names = {t.name for t in reader.tensors}
+    _check_refusals(reader, names)
+    n_embd = _positive(reader, "llama.embedding_length", "the residual width")
+    n_head = _positive(reader, "llama.attention.head_count", "the query heads")
+    n_kv_head = _positive(reader, "llama.attention.head_count_kv", "the key/value heads", default=n_head)
+    _check_heads(reader, n_embd, n_head, n_kv_head)
+    n_layer = _positive(reader, "llama.block_count", "the decoder blocks")
+    _check_block_count(reader, n_layer)
+    try:
+        return LlamaConfig(
+            vocab_size=_vocab_rows(reader),
+            block_size=_positive(reader, "llama.context_length", "the longest sequence the model was trained on"),
+            n_layer=n_layer,
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            n_embd=n_embd,
+            intermediate_size=_positive(reader, "llama.feed_forward_length", "the MLP's hidden width"),
+            rope_base=_number(reader, "llama.rope.freq_base", 10000.0, 1.0, "RoPE's theta, 10000 to 500000 in Llamas"),
+            norm_eps=_number(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5, 0.0, "RMSNorm's epsilon"),
+            tie_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            mlp_bias="blk.0.ffn_up.bias" in names,
+        )
+    except ValueError as e:  # LlamaConfig's own checks, should a future field escape the ones above
+        raise GGUFError(f"{_path(reader)!r}: its metadata makes no valid LlamaConfig ({e}); {_FIX_METADATA}.") from None
 
 
 def unpermute_qk(w: Tensor, heads: int) -> Tensor:
@@ -185,19 +349,23 @@ def _attnlab_name(gguf_name: str) -> str | None:
     return None
 
 
-def _dequantized(data: np.ndarray, qtype: Any) -> Tensor:
-    """float32 tensor of a slice of a GGUF tensor's rows (a copy: the file's pages stay read-only)."""
+def _dequantized(data: np.ndarray, tensor: ReaderTensor, path: str) -> Tensor:
+    """float32 tensor of a slice of a GGUF tensor's rows (a copy: the file's pages stay read-only), checked for
+    the NaN, inf and impossible magnitudes that damaged bytes put there (:func:`~.file_checks.check_values`)."""
     from gguf.quants import dequantize
 
     try:
-        values = dequantize(data, qtype)
+        with np.errstate(all="ignore"):  # damaged scales overflow; check_values names the tensor instead of a warning
+            values = dequantize(data, tensor.tensor_type)
     except NotImplementedError as e:
         raise GGUFError(
             f"{e}: this GGUF's quantization cannot be unpacked by the installed gguf package; run `pip install -U gguf`."
         ) from None
     if not values.flags.writeable:  # F32 tensors come back as views of the read-only map
         values = np.array(values)
-    return torch.from_numpy(values)
+    result = torch.from_numpy(values)
+    check_values(result, tensor.name, path, _FIX_DATA, FP16_MAX, GGUFError)
+    return result
 
 
 def _drop_pages(reader: GGUFReader, offset: int, nbytes: int) -> None:
@@ -217,48 +385,69 @@ def _drop_pages(reader: GGUFReader, offset: int, nbytes: int) -> None:
         raw.madvise(advice, start, end - start)
 
 
-@torch.no_grad()
-def load_gguf_weights(reader: GGUFReader, model: nn.Module) -> None:
-    """Copy every tensor of ``reader`` into ``model`` (a :class:`Llama` of the matching config), in place.
+def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[ReaderTensor, nn.Parameter]]:
+    """Pair every tensor of ``reader`` with the parameter of ``model`` it loads into; refuse any mismatch.
 
-    Each tensor is dequantized a slice of rows at a time and cast on the copy into the model's dtype
-    and device; Q/K rows are put back into Hugging Face's rotary order (:func:`unpermute_qk`).
+    ``model`` may live on the meta device: :func:`~attnlab.models.pretrained.from_pretrained` calls
+    this before the model's memory exists, so that a file whose tensors disagree with its metadata
+    costs no allocation. Every parameter must receive exactly one tensor of its shape.
     """
-    config: LlamaConfig = model.config  # type: ignore[assignment]
+    path = _path(reader)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    plan, loaded = [], set()
     for tensor in reader.tensors:
         name = _attnlab_name(tensor.name)
         if name is None or name not in params:
             raise GGUFError(
-                f"the GGUF tensor {tensor.name!r} has no place in attnlab's Llama (expected token_embd, output_norm, "
-                f"output, blk.N.{{{', '.join(_BLOCK_NAMES)}}}); the file is not a plain Llama model."
+                f"{path!r}: the GGUF tensor {tensor.name!r} has no place in attnlab's Llama (expected token_embd, "
+                f"output_norm, output, blk.N.{{{', '.join(_BLOCK_NAMES)}}}); the file is not a plain Llama model: "
+                f"load it with llama.cpp or transformers."
             )
-        param = params[name]
         shape = tuple(int(s) for s in reversed(tensor.shape))  # ggml lists dims fastest first; torch slowest first
-        if shape != tuple(param.shape):
-            raise GGUFError(
-                f"the GGUF tensor {tensor.name!r} has shape {shape} but its metadata implies {tuple(param.shape)} for "
-                f"{name}; the file's metadata and tensors disagree: it is damaged or was written by a buggy converter."
+        if shape != tuple(params[name].shape):
+            raise field_error(
+                path,
+                f"the shape of tensor {tensor.name!r}",
+                str(shape),
+                f"{tuple(params[name].shape)}, what the metadata (llama.*) implies for {name}",
+                _FIX_METADATA,
+                GGUFError,
             )
+        plan.append((tensor, params[name]))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise GGUFError(
+            f"{path!r} lacks {len(missing)} tensor(s) its metadata implies, e.g. {missing[:3]}; it is incomplete: "
+            f"copy it again, or convert the model again with llama.cpp's convert_hf_to_gguf.py."
+        )
+    return plan
+
+
+@torch.no_grad()
+def load_gguf_weights(reader: GGUFReader, model: nn.Module) -> None:
+    """Copy every tensor of ``reader`` into ``model`` (a :class:`Llama` of the matching config), in place.
+
+    Each tensor is dequantized a slice of rows at a time, checked for damaged values while the slice
+    is in cache, and cast on the copy into the model's dtype and device; Q/K rows are put back into
+    Hugging Face's rotary order (:func:`unpermute_qk`).
+    """
+    config: LlamaConfig = model.config  # type: ignore[assignment]
+    path = _path(reader)
+    for tensor, param in check_gguf_tensors(reader, model):
+        shape = tuple(param.shape)
         data = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data  # (rows, bytes or values per row)
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:  # small: unpermuted whole
             heads = config.n_head if ".attn_q." in tensor.name else config.n_kv_head
-            param.copy_(unpermute_qk(_dequantized(data, tensor.tensor_type).reshape(shape), heads))
+            param.copy_(unpermute_qk(_dequantized(data, tensor, path).reshape(shape), heads))
         else:
             row_bytes = 4 * (shape[1] if len(shape) > 1 else shape[0])
             step = max(1, _ROWS_PER_SLICE_BYTES // row_bytes)
             for start in range(0, shape[0], step):
                 param[start : start + step].copy_(
-                    _dequantized(data[start : start + step], tensor.tensor_type).reshape(-1, *shape[1:])
+                    _dequantized(data[start : start + step], tensor, path).reshape(-1, *shape[1:])
                 )
-        loaded.add(name)
         _drop_pages(reader, tensor.data_offset, tensor.n_bytes)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise GGUFError(
-            f"the GGUF file lacks {len(missing)} tensor(s) its metadata implies, e.g. {missing[:3]}; it is incomplete."
-        )
 
 
 # llama.cpp's pre-tokenizers (llama-vocab.cpp, by their `tokenizer.ggml.pre` name), as Hugging Face
@@ -289,43 +478,139 @@ def _pre_tokenizer(pre: str) -> Any:
     return pre_tokenizers.Sequence(steps)
 
 
+@dataclass
+class _Vocabulary:
+    """A GGUF file's tokenizer metadata, checked: what :func:`tokenizer_from_gguf` builds from."""
+
+    kind: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    tokens: list[str]  # one per row of token_embd.weight
+    types: list[int]  # empty, or one per token (3 = CONTROL)
+    merges: list[str]  # "a b" pairs, in merge order
+    specials: dict[str, int]  # "bos", "eos", "unknown", "padding" -> an id of the vocabulary
+    add_bos: bool  # tokenizer.ggml.add_bos_token: llama.cpp starts every encoded text with BOS
+    add_eos: bool  # tokenizer.ggml.add_eos_token: and ends it with EOS
+
+
+def _read_vocabulary(reader: GGUFReader) -> _Vocabulary:
+    """Every tokenizer field :func:`tokenizer_from_gguf` reads, checked before the tokenizer is built: types,
+    one token per embedding row, token types and scores one per token, merges as pairs, special ids in range."""
+    path = _path(reader)
+    kind = _field(reader, "tokenizer.ggml.model", "str")
+    if kind is None:
+        expected = "the tokenizer's kind, 'gpt2' (byte-level BPE) or 'llama' (SentencePiece)"
+        raise field_error(path, "tokenizer.ggml.model", "missing", expected, _FIX_METADATA, GGUFError)
+    if kind not in ("gpt2", "llama"):
+        raise GGUFError(
+            f"{path!r} has a tokenizer of kind {kind!r} (tokenizer.ggml.model); attnlab builds 'gpt2' (byte-level BPE) "
+            f"and 'llama' (SentencePiece) tokenizers; load this one with transformers' AutoTokenizer(gguf_file=...)."
+        )
+    rows = _vocab_rows(reader)
+    tokens = _field(reader, "tokenizer.ggml.tokens", "str[]")
+    if tokens is None or len(tokens) != rows:
+        found = "missing" if tokens is None else f"an array of {len(tokens)} strings"
+        expected = f"the vocabulary, one token per row of token_embd.weight ({rows})"
+        raise field_error(path, "tokenizer.ggml.tokens", found, expected, _FIX_METADATA, GGUFError)
+    for key, kind_of in (("tokenizer.ggml.token_type", "int[]"), ("tokenizer.ggml.scores", "float[]")):
+        count = _array_length(reader, key, kind_of)
+        if count is not None and count != len(tokens):
+            raise field_error(
+                path,
+                key,
+                f"an array of {count} values",
+                f"one per token ({len(tokens)})",
+                _FIX_METADATA,
+                GGUFError,
+            )
+    merges: list[str] = _field(reader, "tokenizer.ggml.merges", "str[]", [])
+    bad = next((i for i, m in enumerate(merges) if not 0 < m.find(" ") < len(m) - 1), None)
+    if bad is not None:
+        raise field_error(
+            path,
+            f"entry {bad} of tokenizer.ggml.merges",
+            repr(merges[bad]),
+            "two tokens joined by one space (e.g. 'Ġ t')",
+            _FIX_METADATA,
+            GGUFError,
+        )
+    specials = {}
+    for key in ("bos", "eos", "unknown", "padding"):
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id", "int")
+        if i is not None and not 0 <= i < len(tokens):
+            raise field_error(
+                path,
+                f"tokenizer.ggml.{key}_token_id",
+                str(i),
+                f"an id of the vocabulary, 0 .. {len(tokens) - 1} (tokenizer.ggml.tokens)",
+                _FIX_METADATA,
+                GGUFError,
+            )
+        if i is not None:
+            specials[key] = int(i)
+    types = _field(reader, "tokenizer.ggml.token_type", "int[]", [])
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", "bool", False)
+    add_eos = _field(reader, "tokenizer.ggml.add_eos_token", "bool", False)
+    return _Vocabulary(kind, tokens, types, merges, specials, add_bos, add_eos)
+
+
 def tokenizer_from_gguf(reader: GGUFReader) -> PreTrainedTokenizerBase:
     """The tokenizer a GGUF file describes, as a ``transformers`` fast tokenizer.
 
     Byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen2, ...) is built here
     from the file's vocabulary, merges, control tokens and chat template. SentencePiece
     vocabularies (``"llama"``: Llama 2, TinyLlama) go to transformers' own GGUF conversion, which
-    rebuilds their merges from the token scores.
+    rebuilds their merges from the token scores. Every field is checked first, so that a damaged
+    one is a :class:`GGUFError` naming it rather than an ``IndexError`` from deep in the build.
     """
     path = _path(reader)
     try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # and its dependency, tokenizers
     except ImportError:
         raise GGUFError(
             f"building the tokenizer of {path!r} needs transformers and tokenizers; run `pip install transformers`."
         ) from None
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind == "llama":
-        return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
-    if kind != "gpt2":
-        raise GGUFError(
-            f"{path!r} has a tokenizer of kind {kind!r} (tokenizer.ggml.model); attnlab builds 'gpt2' (byte-level BPE) "
-            f"and 'llama' (SentencePiece) tokenizers; load this one with transformers' AutoTokenizer(gguf_file=...)."
-        )
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")  # files from before the field: GPT-2's split, as transformers
+    vocab = _read_vocabulary(reader)
+    if vocab.kind == "llama":
+        try:
+            return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+        except Exception as e:  # transformers' GGUF conversion raises many kinds; the file is what is wrong
+            raise GGUFError(
+                f"{path!r}: transformers could not build its SentencePiece tokenizer ({type(e).__name__}: {e}); "
+                f"{_FIX_METADATA}."
+            ) from None
+    pre = _field(reader, "tokenizer.ggml.pre", "str", "gpt-2")  # files from before the field: GPT-2's split
     if pre not in _PRE_TOKENIZERS:
         raise GGUFError(
             f"{path!r} names the pre-tokenizer {pre!r} (tokenizer.ggml.pre), which attnlab does not know; known: "
             f"{sorted(_PRE_TOKENIZERS)}. A guessed one would split text differently from the model's training: "
             f"load this tokenizer with transformers (AutoTokenizer.from_pretrained(dir, gguf_file=name))."
         )
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    try:
+        bpe = _byte_level_bpe(vocab, pre)
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of tokens outside the vocabulary
+        raise GGUFError(
+            f"{path!r}: its vocabulary and merges (tokenizer.ggml.tokens, tokenizer.ggml.merges) make no BPE "
+            f"tokenizer ({e}); {_FIX_METADATA}."
+        ) from None
+    token = {key: vocab.tokens[i] for key, i in vocab.specials.items()}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=token.get("bos"),
+        eos_token=token.get("eos"),
+        unk_token=token.get("unknown"),
+        pad_token=token.get("padding"),
+        chat_template=_field(reader, "tokenizer.chat_template", "str"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _byte_level_bpe(vocab: _Vocabulary, pre: str) -> Any:
+    """A ``tokenizers.Tokenizer`` of a checked byte-level BPE vocabulary, with llama.cpp's BOS/EOS habits."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
     bpe = Tokenizer(
         models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)},
-            merges=merges,
+            vocab={t: i for i, t in enumerate(vocab.tokens)},
+            merges=[(a, b) for a, _, b in (m.partition(" ") for m in vocab.merges)],
             fuse_unk=False,
             ignore_merges=_PRE_TOKENIZERS[pre][2],
         )
@@ -334,32 +619,19 @@ def tokenizer_from_gguf(reader: GGUFReader) -> PreTrainedTokenizerBase:
     bpe.decoder = decoders.ByteLevel()
     # token_type 3 = CONTROL (<|im_start|>, <|endoftext|>): matched whole in text, dropped by decode(skip_special_tokens=True).
     # A file without token types has no control tokens (strict=False: zip stops at the empty list).
-    types = _field(reader, "tokenizer.ggml.token_type", [])
     bpe.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=False) if k == 3]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(vocab.tokens, vocab.types, strict=False)
+            if k == 3
+        ]
     )
-
-    def special(key: str) -> tuple[str, int] | None:
-        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None else (tokens[int(i)], int(i))
-
-    bos, eos = special("bos"), special("eos")
+    ends = {key: (vocab.tokens[i], i) for key, i in vocab.specials.items() if key in ("bos", "eos")}
     template = "$A:0"  # llama.cpp adds BOS/EOS to every encoded text when the file says so; so does this
-    if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", False):
-        template = f"{bos[0]}:0 {template}"
-    if eos is not None and _field(reader, "tokenizer.ggml.add_eos_token", False):
-        template = f"{template} {eos[0]}:0"
+    if "bos" in ends and vocab.add_bos:
+        template = f"{ends['bos'][0]}:0 {template}"
+    if "eos" in ends and vocab.add_eos:
+        template = f"{template} {ends['eos'][0]}:0"
     if template != "$A:0":
-        bpe.post_processor = processors.TemplateProcessing(
-            single=template, special_tokens=[t for t in (bos, eos) if t is not None]
-        )
-    unk, pad = special("unknown"), special("padding")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=None if bos is None else bos[0],
-        eos_token=None if eos is None else eos[0],
-        unk_token=None if unk is None else unk[0],
-        pad_token=None if pad is None else pad[0],
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
+        bpe.post_processor = processors.TemplateProcessing(single=template, special_tokens=list(ends.values()))
+    return bpe

