@@ -30,7 +30,7 @@ from attnlab.models.llama import Llama
 from attnlab.models.llama_config import LlamaConfig
 from attnlab.models.pretrained import from_pretrained
 from attnlab.models.saved_model import CheckpointError
-from attnlab.runtime import LimitError, ModelFileError, ModelFileNotFoundError, UsageError
+from attnlab.runtime import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, gib
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -882,9 +882,10 @@ def test_the_limit_gives_the_figures_and_a_dtype_that_fits(hf_dir, monkeypatch):
             tie_embeddings=False,
         )
     )
-    monkeypatch.setattr(file_checks, "available_memory", lambda device: (3 * weights, "a test's figure"))
+    monkeypatch.setattr(file_checks, "available_bytes", lambda device: 3 * weights)
+    need, free = gib(4 * weights), gib(3 * weights)
     message = refused(
-        LimitError, lambda: from_pretrained(hf_dir), f"{weights:.4g} weights", "in float32", "a test's figure"
+        LimitError, lambda: from_pretrained(hf_dir), f"{weights:.4g} weights", f"{need} in float32", f"has {free}"
     )
     assert "pass dtype=torch.bfloat16" in message
     model, _ = from_pretrained(hf_dir, dtype=torch.bfloat16)  # 2 bytes a weight: it fits
@@ -957,8 +958,11 @@ def test_a_damaged_attnlab_checkpoint_keeps_its_own_fix(tmp_path):
         "tensor 'transformer.ln_f.weight' holds an infinite value",
         "save_checkpoint",
     )
-    (tmp_path / "config.json").write_text('{"format": "attnlab.TinyGPT", "conf')
-    refused(CheckpointError, lambda: from_pretrained(tmp_path), "config.json' is not valid JSON (", "save_checkpoint")
+    for damaged in ('{"format": "attnlab.TinyGPT", "conf', '{"form'):  # the weights' header says who wrote it too
+        (tmp_path / "config.json").write_text(damaged)
+        refused(
+            CheckpointError, lambda: from_pretrained(tmp_path), "config.json' is not valid JSON (", "save_checkpoint"
+        )
 
 
 def test_a_directory_of_nobody_gets_both_fixes(tmp_path):

@@ -38,14 +38,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..runtime import LimitError, ModelFileError, ModelFileNotFoundError
+from ..runtime import LimitError, ModelFileError, available_bytes, gib
 from .config import GPTConfig
 from .llama_config import LlamaConfig
 
 __all__ = [
     "FP16_MAX",
     "field_error",
-    "require_file",
     "read_json_object",
     "check_gguf_layout",
     "SafetensorsEntry",
@@ -54,7 +53,6 @@ __all__ = [
     "SAFETENSORS_TORCH_DTYPES",
     "llama_weight_count",
     "gpt_weight_count",
-    "available_memory",
     "check_fits_in_memory",
     "check_values",
     "json_field",
@@ -72,14 +70,6 @@ def field_error(
 ) -> ModelFileError:
     """The one sentence of every field problem: ``'FILE': WHERE is FOUND, expected EXPECTED; FIX.``"""
     return error(f"{str(file)!r}: {where} is {found}, expected {expected}; {fix}.")
-
-
-def require_file(path: Path, what: str, fix: str, error: type[ModelFileError] = ModelFileNotFoundError) -> None:
-    """A :class:`ModelFileNotFoundError` (or ``error``, one of its subclasses) unless ``path`` is a file."""
-    if path.is_file():
-        return
-    state = "is a directory" if path.is_dir() else "does not exist"
-    raise error(f"{what} {str(path)!r} {state}, expected a file; {fix}.")
 
 
 def read_json_object(path: Path, fix: str, error: type[ModelFileError] = ModelFileError) -> dict[str, Any]:
@@ -469,28 +459,11 @@ def gpt_weight_count(c: GPTConfig) -> int:
     return c.vocab_size * E + positions + c.n_layer * (attention + mlp + 2 * norms) + norms
 
 
-def available_memory(device: torch.device) -> tuple[int, str] | None:
-    """``(bytes, where the figure comes from)`` that ``device`` can still allocate; None where unknown (mps)."""
+def _memory_source(device: torch.device) -> str:
+    """Where :func:`attnlab.runtime.available_bytes` reads ``device``'s free memory, for messages."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free), "torch.cuda.mem_get_info"
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical memory"
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.3g} GB"
+        return "torch.cuda.mem_get_info"
+    return "MemAvailable in /proc/meminfo" if os.path.exists("/proc/meminfo") else "free physical pages"
 
 
 def check_fits_in_memory(weights: int, dtype: torch.dtype, device: torch.device, source: str, sizes: str) -> None:
@@ -499,16 +472,16 @@ def check_fits_in_memory(weights: int, dtype: torch.dtype, device: torch.device,
     ``sizes`` names the config's fields that give the count (``"hidden_size=..., ..."``), so that
     the user sees which number is absurd, or which model is too large for this machine.
     """
-    free = available_memory(device)
+    free = available_bytes(device)
     need = weights * dtype.itemsize
-    if free is None or need <= free[0]:
+    if free is None or need <= free:
         return
     fix = "load a smaller model, or use a machine with more memory"
-    if dtype.itemsize > 2 and weights * 2 <= free[0]:
-        fix = f"pass dtype=torch.bfloat16 ({_gb(weights * 2)}), {fix}"
+    if dtype.itemsize > 2 and weights * 2 <= free:
+        fix = f"pass dtype=torch.bfloat16 ({gib(weights * 2)}), {fix}"
     raise LimitError(
-        f"{source} describes a model of {weights:.4g} weights ({sizes}), {_gb(need)} in {str(dtype).removeprefix('torch.')}, "
-        f"but {device} has {_gb(free[0])} ({free[1]}); it does not fit: {fix}."
+        f"{source} describes a model of {weights:.4g} weights ({sizes}), {gib(need)} in {str(dtype).removeprefix('torch.')}, "
+        f"but {device} has {gib(free)} available ({_memory_source(device)}); it does not fit: {fix}."
     )
 
 

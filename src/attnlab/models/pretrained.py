@@ -350,18 +350,19 @@ def _config_text(directory: Path) -> str:
         return ""
 
 
-def _is_hf_dir(directory: Path) -> bool:
-    """Whether ``directory`` is a Hugging Face one, judged from all it holds, so that a damaged ``config.json``
-    still gets a Hugging Face fix: its text names a ``model_type``, or files only HF writes are there, or the
-    weights' header says ``{"format": "pt"}`` (``save_pretrained``'s)."""
+def _written_by(directory: Path) -> str | None:
+    """Who wrote ``directory``, judged from all it holds so that a damaged ``config.json`` still gets the right
+    fix: ``"attnlab"`` (save_checkpoint's format name in config.json or in the weights' header), ``"hf"`` (a
+    ``model_type``, files only Hugging Face writes, or save_pretrained's ``{"format": "pt"}`` header), or None."""
     text = _config_text(directory)
-    if FORMAT in text:
-        return False
+    weights_format = (safetensors_metadata(directory / "model.safetensors") or {}).get("format")
+    if FORMAT in text or weights_format == FORMAT:
+        return "attnlab"
     if '"model_type"' in text or any((directory / name).is_file() for name in _HF_ONLY):
-        return True
-    if any(directory.glob("*-of-*.safetensors")):
-        return True
-    return (safetensors_metadata(directory / "model.safetensors") or {}).get("format") == "pt"
+        return "hf"
+    if any(directory.glob("*-of-*.safetensors")) or weights_format == "pt":
+        return "hf"
+    return None
 
 
 def _source_path(source: object) -> Path:
@@ -431,9 +432,10 @@ def from_pretrained(
                 f"source {str(path)!r} is a file of a checkpoint; pass its directory, {str(path.parent)!r}."
             )
         return _from_gguf(path, dtype, device)
-    if _is_hf_dir(path):
+    writer = _written_by(path)
+    if writer == "hf":
         return _from_hf_dir(path, dtype, device)
-    if (path / "config.json").is_file() and FORMAT not in _config_text(path):  # nobody's: no fix names one writer
+    if writer is None and (path / "config.json").is_file():  # nobody's we know: the fix names both writers
         read_json_object(path / "config.json", _FIX_EITHER)
     model, tokenizer = load_checkpoint(path, device=device)
     return model.to(dtype=dtype), tokenizer
