@@ -506,3 +506,34 @@ def test_the_demo_interrupted_in_its_training_says_how_the_run_was_saved(tmp_pat
     assert main(["demo", "--out-dir", str(tmp_path / "demo")]) == 143
     err = capsys.readouterr().err
     assert err == line + "\n"
+
+
+def test_loaders_give_the_same_import_advice(tmp_path, monkeypatch):
+    """A missing gguf package: install it; transformers present but broken under a GGUF or HF load: not reinstall."""
+    import builtins
+    from importlib import metadata
+
+    from attnlab.models.pretrained import from_pretrained
+    from attnlab.runtime import ModelFileError
+
+    real_import, real_version = builtins.__import__, metadata.version
+
+    def fake_import(name, *args, **kwargs):
+        if name == "gguf":
+            raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
+        return real_import(name, *args, **kwargs)
+
+    def fake_version(name):
+        if name == "gguf":
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(metadata, "version", fake_version)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelFileError) as info:
+        from_pretrained(tmp_path / "m.gguf")
+    assert str(info.value) == (
+        f"reading {str(tmp_path / 'm.gguf')!r} needs the gguf package, and gguf is not installed; install it with "
+        "pip install gguf."
+    )

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..runtime import ModelFileError, ModelFileNotFoundError
+from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
 from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
 from .llama_config import LlamaConfig
 
@@ -57,7 +57,6 @@ __all__ = [
     "release_vocabulary",
 ]
 
-_INSTALL = "pip install gguf"
 # GGUF name after "blk.N." -> attnlab name after "layers.N."
 _BLOCK_NAMES = {
     "attn_norm": "attn_norm",
@@ -104,10 +103,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         )
     try:
         from gguf import GGUFReader
-    except ImportError:
-        raise GGUFError(
-            f"reading {str(path)!r} needs the gguf package, which is not installed; run `{_INSTALL}`."
-        ) from None
+    except Exception as err:  # not installed, or broken: the advice tells which
+        raise GGUFError(import_advice("gguf", f"reading {str(path)!r} needs the gguf package", err)) from None
     check_gguf_layout(path, GGUFError)
     try:
         return GGUFReader(path)
@@ -564,10 +561,9 @@ def tokenizer_from_gguf(reader: GGUFReader) -> PreTrainedTokenizerBase:
     path = _path(reader)
     try:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast  # and its dependency, tokenizers
-    except ImportError:
-        raise GGUFError(
-            f"building the tokenizer of {path!r} needs transformers and tokenizers; run `pip install transformers`."
-        ) from None
+    except Exception as err:  # not installed, or broken by a package it imports: the advice tells which
+        need = f"building the tokenizer of {path!r} needs transformers and tokenizers"
+        raise GGUFError(import_advice("transformers", need, err)) from None
     vocab = _read_vocabulary(reader)
     if vocab.kind == "llama":
         try:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from ..runtime import ModelFileError, ModelFileNotFoundError, UsageError, resolve_device
+from ..runtime import ModelFileError, ModelFileNotFoundError, UsageError, import_advice, resolve_device
 from . import gguf, hf_gpt2, hf_llama
 from .config import GPTConfig
 from .file_checks import (
@@ -315,10 +315,9 @@ def _hf_tokenizer(directory: Path) -> Any:
 def _from_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
     try:
         import transformers  # noqa: F401  (AutoConfig and AutoTokenizer come from it)
-    except ImportError:
-        raise UsageError(
-            f"{str(directory)!r} is a Hugging Face directory; reading its config.json needs transformers: run `pip install transformers`."
-        ) from None
+    except Exception as err:  # not installed, or broken by a package it imports: the advice tells which
+        need = f"{str(directory)!r} is a Hugging Face directory; reading its config.json needs transformers"
+        raise UsageError(import_advice("transformers", need, err)) from None
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ModelFileNotFoundError(
