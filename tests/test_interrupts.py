@@ -8,6 +8,7 @@ Signals are sent to this very process (``os.kill(os.getpid(), ...)``) from insid
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -83,16 +84,33 @@ def test_the_interrupt_types_are_not_exceptions_so_no_broad_except_can_swallow_t
     assert kept(err) == "3 rows in x.json" and kept(KeyboardInterrupt()) is None
 
 
-def test_no_source_catches_base_exception_or_everything():
-    """The audit, kept: ``except Exception`` lets interrupts through; these forms would not."""
+def _swallows_interrupts(handler: ast.ExceptHandler) -> bool:
+    """A bare ``except:`` or ``except BaseException`` (alone or in a tuple) whose body does not re-raise."""
+    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    broad = handler.type is None or any(isinstance(n, ast.Name) and n.id == "BaseException" for n in names)
+    reraises = any(isinstance(node, ast.Raise) and node.exc is None for node in ast.walk(handler))
+    return broad and not reraises
+
+
+def test_no_source_swallows_an_interrupt():
+    """The audit, kept: ``except Exception`` lets interrupts through; a bare ``except:`` or ``except BaseException``
+    that does not re-raise, or ``suppress(BaseException/KeyboardInterrupt)``, would not."""
     offenders = []
     for path in (ROOT / "src" / "attnlab").rglob("*.py"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if re.search(r"except\s*:|except\s+BaseException\b|except\s*\(.*BaseException", line):
-                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ExceptHandler) and _swallows_interrupts(node):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        for n, line in enumerate(source.splitlines(), 1):
             if re.search(r"suppress\((BaseException|KeyboardInterrupt)", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_the_audit_finds_a_handler_that_swallows():
+    tree = ast.parse("try:\n    f()\nexcept BaseException:\n    pass\ntry:\n    f()\nexcept:\n    g()\n    raise\n")
+    handlers = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler)]
+    assert [_swallows_interrupts(h) for h in handlers] == [True, False]
 
 
 # -- check ------------------------------------------------------------------------------------
