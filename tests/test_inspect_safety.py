@@ -269,6 +269,25 @@ def test_a_huge_probe_batch_is_refused_before_loading(
     assert "the probe alone does not fit: --probe-batch" in err and "Traceback" not in err
 
 
+def test_a_probe_too_long_for_memory_suggests_a_shorter_probe_not_a_batch_of_zero(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_run: None
+) -> None:
+    """--probe-len capped at half the context can alone be too much: the fix is a shorter probe."""
+    avail = 300_000
+    monkeypatch.setattr(attnlab.heads.report, "available_memory", lambda: avail)
+    rc, _, err = run(capsys, ckpt, tmp_path / "o", "--text", "abcdefgh", "--probe-len", "32", "--probe-batch", "1")
+    assert rc == 2 and "the probe alone does not fit: --probe-len " in err and "--probe-batch 0" not in err
+    fits = int(re.search(r"--probe-len (\d+) at most could \(with --probe-batch 1\)", err).group(1))  # type: ignore[union-attr]
+    assert memory_needed([4, 4], 40, 2, fits, 1) <= avail < memory_needed([4, 4], 40, 2, fits + 1, 1)
+
+
+def test_a_text_the_shell_could_not_decode_is_named_by_its_byte(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None
+) -> None:
+    rc, _, err = run(capsys, ckpt, tmp_path / "o", "--text", "caf\udce9!")  # argv's surrogateescape of b"caf\xe9!"
+    assert rc == 2 and "the text is not UTF-8 text: byte 0xe9 at character 3 (after 'caf'); pass it as UTF-8" in err
+
+
 # ---- flags at and past their bounds ----
 
 

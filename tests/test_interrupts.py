@@ -336,6 +336,12 @@ def test_bench_decode_refuses_a_prompt_past_the_context_before_hf_loads(tiny_lla
     )
     assert "(64 tokens); pass --prompt-len at most 61." in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+    args[args.index("--prompt-len") + 1], args[args.index("--max-new-tokens") + 1] = "4", "90"  # new tokens alone
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith("(64 tokens); pass --max-new-tokens at most 60.\n")
+    args[args.index("--prompt-len") + 1] = "70"  # neither alone: both
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith("(64 tokens); pass e.g. --prompt-len 32 --max-new-tokens 32.\n")
 
 
 def test_bench_decode_refuses_a_batch_past_this_machines_memory(tiny_llama, tmp_path, capsys, monkeypatch):

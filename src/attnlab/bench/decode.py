@@ -589,10 +589,7 @@ def _check_fits(
     if prompt_len + max_new_tokens > block:
         raise LimitError(
             f"--prompt-len {prompt_len} + --max-new-tokens {max_new_tokens} = {prompt_len + max_new_tokens} tokens "
-            f"exceeds the context of {source} ({block} tokens); pass --prompt-len at most "
-            f"{max(block - max_new_tokens, 1)}"
-            + (f" (or --max-new-tokens at most {block - prompt_len})" if block - prompt_len >= 2 else "")
-            + "."
+            f"exceeds the context of {source} ({block} tokens); {_context_fix(block, prompt_len, max_new_tokens)}."
         )
     batch, length = max(batch_sizes), prompt_len + max_new_tokens
     runners = 2 if hf else 1  # HF holds its own weights, cache and logits
@@ -607,6 +604,16 @@ def _check_fits(
             f"{', twice for HF' if hf else ''}) but {device} has {gib(free)} available; pass --batch-sizes at most "
             f"{fits}" + (" or --no-hf" if hf else "") + "."
         )
+
+
+def _context_fix(block: int, prompt_len: int, max_new_tokens: int) -> str:
+    """The flags that bring prompt plus new tokens within ``block``: each one that works alone, else both."""
+    fixes = []
+    if block - max_new_tokens >= 1:
+        fixes.append(f"pass --prompt-len at most {block - max_new_tokens}")
+    if block - prompt_len >= 2:  # the latency needs two new tokens
+        fixes.append(f"pass --max-new-tokens at most {block - prompt_len}")
+    return " or ".join(fixes) or f"pass e.g. --prompt-len {block // 2} --max-new-tokens {block - block // 2}"
 
 
 def _measure_model_row(

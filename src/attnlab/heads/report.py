@@ -49,6 +49,7 @@ from ..runtime import (
     check_writable_dir,
     keep,
 )
+from ..runtime.text import check_text
 from .capture import attention_layers, run_and_capture
 from .scores import (
     KINDS,
@@ -449,11 +450,18 @@ def _check_memory(
         return
     t_fit = _largest(lambda x: memory_needed(heads, vocab, x, n, batch) <= avail, 2, t)
     b_fit = _largest(lambda x: memory_needed(heads, vocab, min(t, 2), n, x) <= avail, 1, batch)
+    n_fit = _largest(lambda x: memory_needed(heads, vocab, min(t, 2), x, batch) <= avail, 2, n)
+    if b_fit >= 1:
+        probe_fix = f"{names['probe_batch']} {b_fit} at most could"
+    elif n_fit >= 2:
+        probe_fix = f"{names['probe_len']} {n_fit} at most could (with {names['probe_batch']} {batch})"
+    else:
+        probe_fix = f"not even {names['probe_len']} 2 with {names['probe_batch']} 1 could: this machine is too full"
     fix = (
         f"at most {t_fit} tokens (text and {names['left_pad']} together) fit with this probe: shorten the text "
         f"or the padding"
         if t_fit >= 2
-        else f"the probe alone does not fit: {names['probe_batch']} {b_fit} at most could"
+        else f"the probe alone does not fit: {probe_fix}"
     )
     what = (
         f"even a model of one layer and one head would keep about {_gb(need)} in memory ({t}^2 x 4 bytes of "
@@ -524,11 +532,9 @@ def encode_text(text: str | Sequence[int] | Tensor, tokenizer: Any, names: Mappi
             raise UsageError(
                 f"{names['text']} is a string but there is no tokenizer to encode it; pass tokenizer=... or token ids."
             )
+        check_text(text, names["text"])  # a byte the shell could not decode, named, not a tokenizer's error
         try:
-            text.encode("utf-8")
             ids = list(tokenizer.encode(text))
-        except UnicodeEncodeError as err:
-            raise UsageError(f"{names['text']} is not valid UTF-8 text ({err.reason} at {err.start}).") from None
         except Exception as err:  # a tokenizer's own complaint, of whatever type: one line, not a traceback
             raise UsageError(f"the tokenizer cannot encode {names['text']}: {err}") from None
     elif isinstance(text, Tensor):

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .terminal import bytes_named
+from ..runtime.text import bytes_named
 
 __all__ = [
     "MAX_PENDING",
