@@ -561,3 +561,27 @@ def test_loaders_give_the_same_import_advice(tmp_path, monkeypatch):
         f"reading {str(tmp_path / 'm.gguf')!r} needs the gguf package, and gguf is not installed; install it with "
         "pip install gguf."
     )
+
+
+@pytest.mark.parametrize("signum, code, how", SIGNALS, ids=["sigterm", "sigint"])
+def test_a_signal_while_the_console_script_starts_is_one_line_not_a_traceback(signum, code, how):
+    """The seconds of `import attnlab` (torch, its compiler) are a phase too: the launcher holds them."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from attnlab_launch import main; sys.exit(main())", "check"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    subprocess.run(["sleep", "0.7"])  # torch alone takes longer than this to import
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code
+    assert err == f"attnlab: interrupted ({how}) while starting, before any work; nothing was written.\n"
+    assert out == ""
+
+
+def test_the_console_script_is_the_launcher():
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "attnlab"]
+    assert script.value == "attnlab_launch:main"
