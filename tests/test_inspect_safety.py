@@ -531,3 +531,55 @@ def test_a_full_disk_while_writing_replaces_nothing(
     rc, _, err = run(capsys, ckpt, out, "--text", TEXT, "--overwrite")
     assert rc == 2 and "(No space left on device); nothing there was replaced" in err and "Traceback" not in err
     assert snapshot(out) == before
+
+
+# ---- a damaged lab run ----
+
+
+@pytest.fixture(scope="module")
+def lab_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("lab") / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["train", "--out-dir", str(run_dir), "--steps", "2"]) == 0
+    return run_dir
+
+
+def _edited_width(run_dir: Path) -> None:
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"]["embed_dim"] *= 2
+    (run_dir / "config.json").write_text(json.dumps(config))
+
+
+def _truncated(run_dir: Path) -> None:
+    ckpt = run_dir / "checkpoint.safetensors"
+    with open(ckpt, "r+b") as f:
+        f.truncate(ckpt.stat().st_size // 2)
+
+
+def _header_garbage(run_dir: Path) -> None:
+    with open(run_dir / "checkpoint.safetensors", "r+b") as f:
+        f.write(b"\xff" * 8)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_edited_width, "checkpoint.safetensors does not load into the model its config.json describes ("),
+        (_truncated, "is not a readable safetensors file (Error while deserializing header: incomplete metadata"),
+        (_header_garbage, "is not a readable safetensors file (Error while deserializing header: header too large"),
+    ],
+    ids=["config-edited", "truncated", "header"],
+)
+def test_a_damaged_lab_run_is_one_sentence_with_the_fix(
+    lab_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, message: str
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(lab_run, run_dir)
+    damage(run_dir)
+    rc = main(["inspect", "--checkpoint", str(run_dir), "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("attnlab: error: ") and message in err, err
+    assert err.endswith(
+        "it cannot be inspected: pass another --checkpoint, or train the run again into a new --out-dir.\n"
+    )
+    assert not (tmp_path / "o").exists()

@@ -56,22 +56,25 @@ def save_train_state(
     return path
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """The JSON metadata of a checkpoint (step, config, ...), without reading its tensors."""
+_RESUME_FIX = "it cannot be resumed: start a new run in another --out-dir"
+
+
+def read_meta(path: Path, fix: str = _RESUME_FIX) -> dict[str, Any]:
+    """The JSON metadata of a checkpoint (step, config, ...), without reading its tensors.
+
+    ``fix``: the end of the error for a file that is not one, as the caller can mend it (resume: a new run).
+    """
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("attnlab", "null"))
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise UsageError(
-            f"checkpoint {str(path)!r} is not a readable safetensors file ({e}); it cannot be resumed: "
-            f"start a new run in another --out-dir."
-        ) from None
+        raise UsageError(f"checkpoint {str(path)!r} is not a readable safetensors file ({e}); {fix}.") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UsageError(
             f"checkpoint {str(path)!r} has no {FORMAT!r} metadata, so attnlab train did not write it; "
-            f"start a new run in another --out-dir."
+            f"{fix.removeprefix('it cannot be resumed: ')}."
         )
     return meta
 

@@ -26,7 +26,7 @@ from ..heads.report import (
     save_result,
 )
 from ..heads.scores import KINDS, MIN_TEXT_ROWS, THRESHOLDS, TOO_SHORT, UNDECIDED
-from ..runtime import INTERRUPTS, LimitError, UsageError, check_range, check_writable_dir, keep, kept
+from ..runtime import INTERRUPTS, LimitError, ModelFileError, UsageError, check_range, check_writable_dir, keep, kept
 
 __all__ = ["inspect_command", "load_for_inspect", "DEFAULT_TEXT", "CLI_NAMES"]
 
@@ -63,9 +63,16 @@ def _load_lab_run(run: Path) -> tuple[nn.Module, Any, str | list[int]]:
     cfg = load_config(run / "config.json", "--checkpoint")
     task = build_task(cfg.data)
     model = build_model(cfg.model, task.vocab_size, task.block_size + 1)  # as attnlab train builds it
-    read_meta(run / CKPT_NAME)  # a clear error for a file attnlab train did not write
-    state = {k[len("model.") :]: v for k, v in load_file(str(run / CKPT_NAME)).items() if k.startswith("model.")}
-    model.load_state_dict(state)
+    fix = "it cannot be inspected: pass another --checkpoint, or train the run again into a new --out-dir"
+    read_meta(run / CKPT_NAME, fix=fix)  # a clear error for a file attnlab train did not write, or a damaged one
+    try:
+        state = {k[len("model.") :]: v for k, v in load_file(str(run / CKPT_NAME)).items() if k.startswith("model.")}
+        model.load_state_dict(state)
+    except Exception as e:  # damaged after its header, or a config.json edited or copied from another run
+        raise ModelFileError(
+            f"--checkpoint {str(run)!r}: {CKPT_NAME} does not load into the model its config.json describes "
+            f"({str(e).splitlines()[0]} ...); the two files come from different runs, or one was edited; {fix}."
+        ) from None
     x, _ = task.batch(0, split="val")
     tokenizer = task.tokenizer
     example = tokenizer.decode(x[0].tolist()) if tokenizer is not None else [int(i) for i in x[0].tolist()]
