@@ -24,6 +24,7 @@ from .bench.attention import bench
 from .bench.decode import bench_decode
 from .check.cli import check
 from .lab.cli import ablate_command, lab_main, train_command
+from .lab.stopping import TrainingInterrupted
 from .models.generate_cli import generate_command
 from .runtime import INTERRUPTS, Terminated, UsageError, interrupt_exit, kept
 from .tools.demo import demo
@@ -97,10 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except INTERRUPTS as err:
         if os.environ.get("ATTNLAB_DEBUG"):
             raise
-        line, code = getattr(err, "line", None), getattr(err, "exit_code", None)
-        if isinstance(line, str) and isinstance(code, int):  # a training run (the demo's) saved and says how to resume
-            print(line, file=sys.stderr)
-            return code
+        if isinstance(err, TrainingInterrupted):  # a training run (the demo's) saved and says how to resume
+            print(err.line, file=sys.stderr)
+            return err.exit_code
         how, code = interrupt_exit(err)
         saved = kept(err)
         outcome = f"kept {saved}" if saved else "nothing more was written"

@@ -536,7 +536,7 @@ def bench_decode_model(
             dtype_name = str(dt).removeprefix("torch.")
             for batch in batch_sizes:
                 row = _measure_model_row(
-                    model, hf_model, dtype_name, batch, vocab, prompt_len, max_new_tokens, repeats, compile, device,
+                    model, hf_model, dt, batch, vocab, prompt_len, max_new_tokens, repeats, compile, device,
                     seed, bandwidth, failed_runner,
                 )  # fmt: skip
                 if row is not None:
@@ -619,7 +619,7 @@ def _context_fix(block: int, prompt_len: int, max_new_tokens: int) -> str:
 def _measure_model_row(
     model: Any,
     hf_model: Any,
-    dtype_name: str,
+    dt: torch.dtype,
     batch: int,
     vocab: int,
     prompt_len: int,
@@ -632,6 +632,7 @@ def _measure_model_row(
     failed_runner: Callable[[str, Exception, str], None],
 ) -> dict[str, Any] | None:
     """One (dtype, batch) row: every runner warmed up, then timed interleaved; None when every runner failed."""
+    dtype_name = str(dt).removeprefix("torch.")
     gen = torch.Generator().manual_seed(seed + batch)
     idx = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
     runners: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
@@ -670,9 +671,7 @@ def _measure_model_row(
     # Bytes one decode step must read: every weight once, plus each row's cached K/V at the
     # mean context of the run (the prompt and half the new tokens).
     mean_context = prompt_len + max_new_tokens / 2
-    step_bytes = model.num_params() * getattr(torch, dtype_name).itemsize + batch * mean_context * (
-        model.kv_cache_bytes_per_token
-    )
+    step_bytes = model.num_params() * dt.itemsize + batch * mean_context * model.kv_cache_bytes_per_token
     limit_s = step_bytes / bandwidth
     row: dict[str, Any] = {"dtype": dtype_name, "batch": batch, "step_bytes": step_bytes, "limit_ms": 1e3 * limit_s}
     for name in runners:
