@@ -1,5 +1,6 @@
 """attnlab: multi-head attention for PyTorch, readable, verified and fast."""
 
+from .compat.swap import SwapReport, swap
 from .core.attention import MultiHeadAttention
 from .core.functional import math_attention, sdpa_attention
 from .core.kv_cache import KVCache
@@ -28,6 +29,8 @@ __all__ = [
     "save_checkpoint",
     "KVCache",
     "MultiHeadAttention",
+    "swap",
+    "SwapReport",
     "math_attention",
     "sdpa_attention",
 ]

@@ -1,0 +1,593 @@
+"""``attnlab.swap(model)``: attnlab's attention in a model somebody else wrote, in one call.
+
+It walks ``model`` and replaces, in place, every attention module it recognises:
+
+==========================================================  ================================================
+found                                                       replaced by
+==========================================================  ================================================
+``torch.nn.MultiheadAttention`` (also inside                ``attnlab.compat.MultiheadAttention``, holding
+``nn.TransformerEncoderLayer``/``DecoderLayer``/            the same Parameter objects (same state dict)
+``nn.Transformer``, torchvision's ViT, open_clip's blocks)
+timm's ``Attention`` (``timm.layers.Attention``, ViT)       ``attnlab.compat.FusedQKVAttention``
+open_clip's ``transformer.Attention``                       ``attnlab.compat.FusedQKVAttention``
+a Hugging Face ``PreTrainedModel``                          not module-swapped: ``attnlab.hf.register()`` and
+                                                            ``model.set_attn_implementation("attnlab")``
+==========================================================  ================================================
+
+and returns a :class:`SwapReport`: what was replaced (path, from class, to class) and what was
+left and why (an attention-like module it does not know, options attnlab cannot express exactly,
+hooks it could not keep, modules already attnlab's). ``verify=sample`` runs the model before and
+after and raises :class:`SwapVerificationError` (restoring the original modules) when the outputs
+differ past flash-attention's rule (see :func:`swap`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core.attention import MultiHeadAttention
+from ..core.validation import BACKEND_NAMES, Backend
+from .fused import FusedQKVAttention
+from .multihead import MultiheadAttention
+
+__all__ = ["ATOL", "Left", "SwapReport", "SwapVerificationError", "Swapped", "Verified", "swap"]
+
+# verify's floor per output dtype, times max(1, max |float64 reference|): the slack beyond 2x the original's
+# own error against the float64 reference (flash-attention's test rule), for outputs whose original error is ~0.
+ATOL: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+}
+
+# Child names that mark a module as computing attention even when its class name does not say so.
+_PROJECTION_NAMES = ("qkv", "in_proj_weight", "q_proj", "k_proj", "v_proj", "to_q", "to_k", "to_v", "c_attn")
+
+# Module hook dicts moved, as the same dict objects (so that the user's RemovableHandles still remove them),
+# from a replaced module to its replacement; forward and backward hooks see the same arguments and outputs.
+_CALL_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_STATE_HOOKS = (
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+@dataclass(frozen=True)
+class Swapped:
+    """One replaced module: where, what it was, what it is now, and anything else that moved with it."""
+
+    path: str
+    from_class: str
+    to_class: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Left:
+    """One module left as it was, and why."""
+
+    path: str
+    class_name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One floating output compared by ``verify=``: errors against the float64 reference."""
+
+    output: str  # e.g. "output", "output[0]", "output['logits']"
+    dtype: torch.dtype
+    max_error: float  # max |swapped - reference|
+    original_error: float  # max |original - reference|
+    allowed: float  # 2 * original_error + atol
+    not_compared: int = 0  # values where the reference is not finite (NaN of fully masked rows)
+
+
+@dataclass
+class SwapReport:
+    """What :func:`swap` did. ``str(report)`` is a small table; the fields are for programs."""
+
+    swapped: list[Swapped] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # model-level changes, e.g. an encoder's nested-tensor flag
+    verified: list[Verified] | None = None  # None unless verify= was given
+
+    @property
+    def swapped_paths(self) -> list[str]:
+        return [s.path for s in self.swapped]
+
+    def __str__(self) -> str:
+        lines = [f"attnlab.swap: {len(self.swapped)} replaced, {len(self.left)} left"]
+        if self.swapped:
+            lines += _table(
+                ("replaced", "from", "to"), [(s.path, s.from_class, s.to_class + _suffix(s.note)) for s in self.swapped]
+            )
+        if self.left:
+            lines += _table(("left", "class", "why"), [(x.path, x.class_name, x.reason) for x in self.left])
+        lines += [f"  note: {n}" for n in self.notes]
+        for v in self.verified or []:
+            extra = f" ({v.not_compared} non-finite reference values not compared)" if v.not_compared else ""
+            lines.append(
+                f"  verified {v.output} ({str(v.dtype).removeprefix('torch.')}): max error {v.max_error:.2e} "
+                f"<= allowed {v.allowed:.2e}{extra}"
+            )
+        return "\n".join(lines)
+
+
+class SwapVerificationError(RuntimeError):
+    """``swap(verify=...)`` found an output past the allowed error; the model was restored."""
+
+    def __init__(self, message: str, report: SwapReport, failed: Verified) -> None:
+        super().__init__(message)
+        self.report = report  # what the swap did before it was undone
+        self.failed = failed
+
+
+def _suffix(note: str) -> str:
+    return f" ({note})" if note else ""
+
+
+def _table(header: tuple[str, str, str], rows: list[tuple[str, str, str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(2)]
+    return [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in [header, *rows]]
+
+
+def _class_name(obj: object) -> str:
+    """The shortest import path of ``obj``'s class: ``torch.nn.MultiheadAttention``, ``timm.layers.Attention``,
+    ``attnlab.compat.MultiheadAttention`` (not the defining file's ``torch.nn.modules.activation...``)."""
+    cls = type(obj)
+    parts = cls.__module__.split(".")
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if getattr(sys.modules.get(prefix), cls.__qualname__, None) is cls:
+            return f"{prefix}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# -- recognising modules ----------------------------------------------------------------------
+def _is_class(obj: object, module: str, name: str) -> bool:
+    """``type(obj)`` is exactly ``module.name``, read only if the user's program imported ``module``
+    (attnlab never imports timm or open_clip itself)."""
+    mod = sys.modules.get(module)
+    return mod is not None and type(obj) is getattr(mod, name, None)
+
+
+def _is_hf_model(obj: object) -> bool:
+    mod = sys.modules.get("transformers.modeling_utils")
+    return mod is not None and isinstance(obj, mod.PreTrainedModel)
+
+
+def _looks_like_attention(m: nn.Module) -> bool:
+    names = set(m._modules) | set(m._parameters)
+    return "Attention" in type(m).__name__ or any(n in names for n in _PROJECTION_NAMES)
+
+
+def _hooks_on(m: nn.Module, names: Iterable[str]) -> int:
+    return sum(len(getattr(m, n, {})) for n in names if n != "_forward_hooks_always_called")
+
+
+@functools.cache
+def compat_takes_nested() -> bool:
+    """Whether ``attnlab.compat.MultiheadAttention`` accepts the NestedTensors ``nn.TransformerEncoder``
+    builds from a padded batch in eval + no_grad (tried once on a 2-wide module)."""
+    m = MultiheadAttention(2, 1, batch_first=True).eval()
+    x = torch._nested_tensor_from_mask(torch.ones(2, 2, 2), torch.tensor([[True, True], [True, False]]))
+    try:
+        with torch.no_grad():
+            out = m(x, x, x, need_weights=False)[0]
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return False
+    return bool(out.is_nested)
+
+
+# -- replacing modules -----------------------------------------------------------------------
+def _compat_from_torch(old: nn.MultiheadAttention, backend: Backend) -> MultiheadAttention:
+    """``compat.MultiheadAttention`` holding ``old``'s own Parameter objects and ``out_proj`` module."""
+    new = MultiheadAttention(
+        old.embed_dim,
+        old.num_heads,
+        dropout=old.dropout,
+        bias=old.in_proj_bias is not None,
+        add_bias_kv=old.bias_k is not None,
+        add_zero_attn=old.add_zero_attn,
+        kdim=old.kdim,
+        vdim=old.vdim,
+        batch_first=old.batch_first,
+        device="meta",  # every tensor is replaced by old's below: nothing is allocated
+        backend=backend,
+    )
+    for name, param in old._parameters.items():
+        setattr(new, name, param)  # the same Parameter: optimizers, tied weights and grads keep working
+    new.out_proj = old.out_proj
+    new.training = old.training
+    return new
+
+
+def _replacement(m: nn.Module, backend: Backend) -> tuple[nn.Module | None, str]:
+    """``(replacement, "")`` for a module swap recognises, ``(None, why not)`` for one it recognises but
+    cannot replace exactly, ``(None, "")`` for one it does not recognise."""
+    if type(m) is nn.MultiheadAttention:
+        return _compat_from_torch(m, backend), ""
+    if isinstance(m, nn.MultiheadAttention):
+        return None, (
+            f"a subclass of nn.MultiheadAttention ({type(m).__name__}: parametrized, quantized or with its own "
+            f"forward), whose computation attnlab cannot know"
+        )
+    timm = _is_class(m, "timm.layers.attention", "Attention")
+    open_clip = _is_class(m, "open_clip.transformer", "Attention")
+    if not (timm or open_clip):
+        return None, ""
+    if _hooks_on(m, _STATE_HOOKS):
+        return None, "it has state_dict hooks, written for its fused keys, which its replacement does not have"
+    fused = getattr(m, "qkv", None)
+    if isinstance(fused, nn.Module) and _hooks_on(fused, _CALL_HOOKS):
+        return None, "a hook is registered on its qkv Linear, which the swap would split into q/k/v_proj"
+    try:
+        new = (
+            FusedQKVAttention.from_timm(m, backend=backend)
+            if timm
+            else FusedQKVAttention.from_open_clip(m, backend=backend)
+        )
+    except ValueError as e:
+        return None, str(e).rstrip(".")
+    return new, ""
+
+
+def _move_hooks(old: nn.Module, new: nn.Module, names: Iterable[str]) -> int:
+    """Give ``new`` ``old``'s hook dicts (the same objects); returns how many hooks moved."""
+    moved = 0
+    for name in names:
+        hooks = getattr(old, name)
+        if hooks:
+            moved += len(hooks) if name != "_forward_hooks_always_called" else 0
+            setattr(new, name, hooks)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook
+    return moved
+
+
+@dataclass
+class _Walk:
+    report: SwapReport
+    undo: list[Callable[[], None]]
+    backend: Backend
+    exclude: frozenset[str]
+    seen: set[str] = field(default_factory=set)  # exclude= paths that exist
+    new: set[int] = field(default_factory=set)  # id() of the modules this call installed
+
+
+def _visit(walk: _Walk, module: nn.Module, path: str) -> bool:
+    """Swap what is recognised under ``module`` (at ``path``); True if anything there is attnlab's now."""
+    found = False
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        p = f"{path}.{name}" if path else name
+        if p in walk.exclude:
+            walk.seen.add(p)
+            walk.report.left.append(Left(p, _class_name(child), "excluded by exclude="))
+            continue
+        if isinstance(child, (MultiheadAttention, MultiHeadAttention)):
+            walk.report.left.append(Left(p, _class_name(child), "already attnlab"))
+            found = True
+            continue
+        if _is_hf_model(child):
+            found |= _swap_hf(walk, child, p)
+            continue
+        new, why = _replacement(child, walk.backend)
+        if new is not None:
+            _install(walk, module, name, child, new, p)
+            found = True
+        elif why:
+            walk.report.left.append(Left(p, _class_name(child), why))
+        elif _visit(walk, child, p):
+            found = True
+        elif _looks_like_attention(child):
+            walk.report.left.append(
+                Left(
+                    p,
+                    _class_name(child),
+                    "an attention-like module attnlab.swap does not know (by its class name or q/k/v projections)",
+                )
+            )
+    return found
+
+
+def _install(walk: _Walk, parent: nn.Module, name: str, old: nn.Module, new: nn.Module, path: str) -> None:
+    hook_names = _CALL_HOOKS + (_STATE_HOOKS if isinstance(new, MultiheadAttention) else ())
+    saved = {n: getattr(new, n) for n in hook_names}
+    moved = _move_hooks(old, new, hook_names)
+    setattr(parent, name, new)
+    walk.new.add(id(new))
+
+    def restore() -> None:
+        setattr(parent, name, old)
+        for n, hooks in saved.items():
+            setattr(new, n, hooks)
+
+    walk.undo.append(restore)
+    note = f"{moved} hook{'s' if moved != 1 else ''} moved" if moved else ""
+    walk.report.swapped.append(Swapped(path, _class_name(old), _class_name(new), note))
+
+
+def _swap_hf(walk: _Walk, model: nn.Module, path: str) -> bool:
+    """A Hugging Face model: its attention is chosen by name, so set the name rather than swap modules."""
+    config = getattr(model, "config", None)
+    before = getattr(config, "_attn_implementation", None)
+    shown = path or "(model)"
+    if before == "attnlab":
+        walk.report.left.append(Left(shown, _class_name(model), "already attnlab (attn_implementation='attnlab')"))
+        return True
+    from ..hf import register  # transformers is imported only for a model that is already an HF one
+
+    register()
+    try:
+        model.set_attn_implementation("attnlab")  # type: ignore[operator]
+    except (ValueError, TypeError) as e:
+        walk.report.left.append(Left(shown, _class_name(model), f"set_attn_implementation('attnlab') refused: {e}"))
+        return False
+    if getattr(config, "_attn_implementation", None) != "attnlab":
+        walk.report.left.append(
+            Left(
+                shown,
+                _class_name(model),
+                "its attention does not go through transformers' AttentionInterface, so it cannot be set by name",
+            )
+        )
+        return False
+
+    def restore() -> None:
+        model.set_attn_implementation(before)  # type: ignore[operator]
+
+    walk.undo.append(restore)
+    walk.report.swapped.append(
+        Swapped(shown, f"{_class_name(model)} (attn_implementation={before!r})", "attn_implementation='attnlab'")
+    )
+    return True
+
+
+def _fix_nested_encoders(walk: _Walk, model: nn.Module) -> None:
+    """An ``nn.TransformerEncoder`` built around torch's layers with ``enable_nested_tensor=True`` passes
+    NestedTensors to its layers in eval + no_grad with a padding mask; keep that only if ours take them."""
+    for path, m in model.named_modules():
+        if not isinstance(m, nn.TransformerEncoder) or not getattr(m, "use_nested_tensor", False):
+            continue
+        if id(getattr(m.layers[0], "self_attn", None)) not in walk.new:
+            continue
+        shown = f"{path}.use_nested_tensor" if path else "use_nested_tensor"
+        if compat_takes_nested():
+            walk.report.notes.append(
+                f"{shown} kept True: attnlab.compat.MultiheadAttention takes the NestedTensors "
+                f"it builds from a padded batch in eval + no_grad"
+            )
+            continue
+        m.use_nested_tensor = False
+        walk.undo.append(functools.partial(setattr, m, "use_nested_tensor", True))
+        walk.report.notes.append(
+            f"{shown} set to False: attnlab.compat.MultiheadAttention does not take NestedTensors; "
+            f"with a padding mask in eval + no_grad, padded positions of its output now hold the layers' values "
+            f"instead of torch's zeros"
+        )
+
+
+# -- verify ----------------------------------------------------------------------------------
+def _check_sample(sample: object) -> None:
+    if not isinstance(sample, (Tensor, tuple, dict)):
+        raise TypeError(
+            f"verify must be a sample input: a tensor (model(x)), a tuple of positional arguments (model(*args)) "
+            f"or a dict of keyword arguments (model(**kwargs)), got {type(sample).__name__}."
+        )
+    if isinstance(sample, dict) and not all(isinstance(k, str) for k in sample):
+        raise TypeError("verify is a dict, read as keyword arguments (model(**verify)); its keys must be str.")
+
+
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(x, fn) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _to_float64(t: Tensor) -> Tensor:
+    return t.to(torch.float64) if t.is_floating_point() else t
+
+
+def _run(model: nn.Module, sample: Any) -> Any:
+    """``model`` on ``sample`` in eval mode under no_grad, every module's training flag restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(sample, dict):
+                return model(**sample)
+            if isinstance(sample, tuple):
+                return model(*sample)
+            return model(sample)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _leaves(obj: Any, name: str = "output") -> Iterator[tuple[str, Tensor]]:
+    """Every floating tensor in an output (tensors, tuples, lists, dicts, HF ModelOutput), by name."""
+    if isinstance(obj, Tensor):
+        if obj.is_nested:
+            obj = obj.to_padded_tensor(0.0)
+        if obj.is_floating_point():
+            yield name, obj
+    elif isinstance(obj, Mapping):  # HF's ModelOutput is an OrderedDict
+        for k, v in obj.items():
+            yield from _leaves(v, f"{name}[{k!r}]")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{name}[{i}]")
+
+
+def _compare(name: str, original: Tensor, reference: Tensor, swapped: Tensor) -> Verified:
+    if swapped.shape != original.shape:
+        inf = math.inf
+        return Verified(name, original.dtype, inf, 0.0, 0.0)
+    ref = reference.to(torch.float64)
+    finite = torch.isfinite(ref)
+    zero = torch.zeros((), dtype=torch.float64, device=ref.device)
+
+    def max_err(x: Tensor) -> float:
+        diff = torch.where(finite, (x.to(torch.float64) - ref).abs(), zero)
+        diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)  # NaN where ref is finite
+        return float(diff.max()) if diff.numel() else 0.0
+
+    original_error, max_error = max_err(original), max_err(swapped)
+    scale = max(1.0, float(ref[finite].abs().max())) if bool(finite.any()) else 1.0
+    allowed = 2 * original_error + ATOL.get(original.dtype, 1e-5) * scale
+    return Verified(name, original.dtype, max_error, original_error, allowed, int((~finite).sum()))
+
+
+def _verify(model: nn.Module, sample: Any, original: Any, reference: Any) -> list[Verified]:
+    got = dict(_leaves(_run(model, sample)))
+    results = []
+    ref = dict(_leaves(reference))
+    for name, out in _leaves(original):
+        if name not in got or name not in ref:
+            results.append(Verified(name, out.dtype, math.inf, 0.0, 0.0))
+            continue
+        results.append(_compare(name, out, ref[name], got[name]))
+    return results
+
+
+# -- the one call ----------------------------------------------------------------------------
+def swap(
+    model: nn.Module,
+    *,
+    verify: Tensor | tuple[Any, ...] | dict[str, Any] | None = None,
+    backend: Backend = "auto",
+    exclude: Iterable[str] = (),
+) -> SwapReport:
+    """Replace every attention module attnlab recognises in ``model``, in place; return what was done.
+
+    Args:
+        model: any ``nn.Module`` (a torch Transformer, a torchvision/timm/open_clip model, an HF model,
+            or a model containing them). Replacements keep each module's device, dtype, training mode
+            and ``requires_grad`` flags; ``nn.MultiheadAttention``'s Parameters are moved as the same
+            objects, timm's/open_clip's fused QKV weights are split into new ones (so build an
+            optimizer after the swap). Forward/backward hooks on a replaced module are moved to its
+            replacement (the report says how many).
+        verify: a sample input: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
+            (``model(**kwargs)``). The model runs in eval mode under no_grad (training flags restored
+            after) before and after the swap, and a float64 deep copy of the original runs on the
+            sample cast to float64. Every floating output ``o`` must satisfy flash-attention's rule
+            ``max|o_swapped - o_64| <= 2 * max|o_original - o_64| + atol * max(1, max|o_64|)``, with
+            ``atol`` from :data:`ATOL` for ``o``'s dtype. Values where the float64 reference is not
+            finite (NaN of fully masked rows, which attnlab returns as finite) are not compared.
+            On failure every original module is put back and :class:`SwapVerificationError` is raised.
+        backend: the ``backend`` of every new module: ``"auto"``, ``"math"`` or ``"sdpa"``.
+        exclude: module paths (as in ``model.named_modules()``) to leave alone.
+
+    Returns:
+        a :class:`SwapReport`. Swapping an already swapped model replaces nothing and reports
+        "already attnlab".
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model object itself "
+            f"(attnlab.swap(model)), not its state_dict or output."
+        )
+    if backend not in BACKEND_NAMES or backend == "flex":
+        raise ValueError(
+            f"backend must be one of 'auto', 'math' or 'sdpa', got {backend!r}; 'auto' runs SDPA and the math "
+            f"path where the call needs it."
+        )
+    if isinstance(exclude, str):
+        raise TypeError(f"exclude must be a collection of module paths, got the str {exclude!r}; pass [{exclude!r}].")
+    excluded = frozenset(exclude)
+    if verify is not None:
+        _check_sample(verify)
+    if not _is_hf_model(model) and _is_swappable_itself(model):
+        raise ValueError(
+            f"model is itself a {_class_name(model)}; swap replaces modules inside a model, in place, and cannot "
+            f"replace the object you hold: wrap it (attnlab.swap(nn.Sequential(module))) or build the attnlab "
+            f"module directly (attnlab.compat.MultiheadAttention / FusedQKVAttention.from_timm)."
+        )
+
+    original = reference = None
+    if verify is not None:
+        original = _run(model, verify)
+        try:
+            twin = copy.deepcopy(model).to(torch.float64)
+        except Exception as e:  # a model deepcopy cannot copy: say so rather than guess a reference
+            raise TypeError(
+                f"verify= compares against a float64 copy of the model, but copy.deepcopy(model) failed "
+                f"({type(e).__name__}: {e}); call swap without verify= and compare outputs yourself."
+            ) from e
+        reference = _run(twin, _map_tensors(verify, _to_float64))
+        del twin
+
+    walk = _Walk(SwapReport(), [], backend, excluded)
+    if _is_hf_model(model):
+        _swap_hf(walk, model, "")
+    else:
+        _visit(walk, model, "")
+        _fix_nested_encoders(walk, model)
+    unknown = sorted(excluded - walk.seen)
+    if unknown:
+        _undo(walk)
+        raise ValueError(
+            f"exclude names {unknown}, which are not module paths of this model; the paths look like "
+            f"{[p for p, _ in model.named_modules()][1:4]} (model.named_modules())."
+        )
+    if verify is None:
+        return walk.report
+
+    results = _verify(model, verify, original, reference)
+    walk.report.verified = results
+    for v in results:
+        if not v.max_error <= v.allowed:
+            _undo(walk)
+            paths = ", ".join(walk.report.swapped_paths) or "none"
+            raise SwapVerificationError(
+                f"attnlab.swap(verify=...): {v.output} ({str(v.dtype).removeprefix('torch.')}) differs after the swap "
+                f"by {v.max_error:.3e} from a float64 copy of the original model; allowed {v.allowed:.3e} (2 x the "
+                f"original's own error {v.original_error:.3e} + atol {ATOL.get(v.dtype, 1e-5):.0e} x max(1, "
+                f"max |reference|)). Swapped: {paths}. The model was restored: every original module is back in "
+                f"place and nothing else was changed.",
+                walk.report,
+                v,
+            )
+    return walk.report
+
+
+def _is_swappable_itself(m: nn.Module) -> bool:
+    """Whether ``m`` is itself an attention module swap would replace (the caller holds it: no parent to swap in)."""
+    return isinstance(m, nn.MultiheadAttention) or any(
+        _is_class(m, module, "Attention") for module in ("timm.layers.attention", "open_clip.transformer")
+    )
+
+
+def _undo(walk: _Walk) -> None:
+    for restore in reversed(walk.undo):
+        restore()
+    walk.undo.clear()
