@@ -350,20 +350,6 @@ def test_no_mask_with_more_keys_than_queries_is_top_left_causal():
     torch.testing.assert_close(out, reference(q, k[:, :, :3], v[:, :, :3], keep, 0.25)[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize(
-    ("kwarg", "value", "message"),
-    [
-        # softcap (Gemma 2) and s_aux (gpt-oss's sinks) are supported: tests/test_hf_variants.py
-        ("position_bias", torch.zeros(1, 4, 5, 5), r"passed position_bias=<tensor \(1, 4, 5, 5\)> .* position bias"),
-    ],
-)
-def test_unsupported_features_are_refused(kwarg, value, message):
-    q, k, v = qkv()
-    with pytest.raises(ValueError, match=message + r".*load this model with attn_implementation='eager' instead"):
-        attnlab_attention_forward(FakeLayer(), q, k, v, None, **{kwarg: value})
-    attnlab_attention_forward(FakeLayer(), q, k, v, None, **{kwarg: None})  # None means the feature is off
-
-
 def test_a_sliding_window_without_its_mask_is_refused():
     q, k, v = qkv(T_q=1, T_k=6)
     with pytest.raises(ValueError, match=r"sliding_window=4 but got no attention mask for 6 keys"):

@@ -17,7 +17,10 @@ At this edge HF's conventions hold, inside attnlab's: HF hands ``query (B, H, T_
 from the mask function registered under the same name, HF's own ``sdpa_mask``: bool,
 ``(B, 1, T_q, T_k)``, **True = may attend** (attnlab's convention already), or ``None`` when
 plain causal masking (or none) suffices. A 4-D float mask passed by a user (HF's eager form:
-``0`` keeps, the dtype's minimum or ``-inf`` blocks) is converted to keep + bias.
+``0`` keeps, the dtype's minimum or ``-inf`` blocks) is converted to keep + bias. A layer's
+``position_bias`` kwarg (T5, mT5, UMT5, LongT5, Switch Transformers, Pix2Struct, UDOP: the
+relative position bias, ``(1, H, T_q, T_k)``, passed beside the mask rather than folded into it)
+joins that bias, broadcast over the batch.
 """
 
 from __future__ import annotations
@@ -39,11 +42,6 @@ from ..runtime import import_advice
 __all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
 
 ATTENTION_NAME = "attnlab"
-
-# Keyword arguments some HF models pass that attnlab's attention cannot honour: refused, never ignored.
-_UNSUPPORTED = {
-    "position_bias": "an additive position bias computed per layer (T5-style relative attention)",
-}
 
 
 def hf_mask_to_keep(mask: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -76,23 +74,39 @@ def hf_mask_to_keep(mask: Tensor) -> tuple[Tensor, Tensor | None]:
             f"attention_mask has dtype {mask.dtype}; expected torch.bool (True = may attend) or a float "
             f"dtype added to the scores (0 keeps, the dtype's minimum or -inf blocks)."
         )
-    # HF blocks with finfo.min rather than -inf; adding small scores leaves it near the minimum.
-    blocked = mask <= torch.finfo(mask.dtype).min / 2  # (B, 1, T_q, T_k)
-    return ~blocked, mask.masked_fill(blocked, 0.0)
+    return _split_blocked(mask)
 
 
-def _refuse_unsupported(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{type(module).__name__} passed {name}={_describe(kwargs[name])} to attention, i.e. {what}, which "
-                f"attn_implementation={ATTENTION_NAME!r} does not support; load this model with "
-                f"attn_implementation='eager' instead."
-            )
+def _split_blocked(additive: Tensor) -> tuple[Tensor, Tensor]:
+    """A float mask or bias as ``(keep, bias)``: entries at or below half the dtype's minimum block
+    (HF blocks with ``finfo.min`` rather than ``-inf``; small scores added leave it near the minimum)."""
+    blocked = additive <= torch.finfo(additive.dtype).min / 2  # same shape as `additive`; -inf included
+    return ~blocked, additive.masked_fill(blocked, 0.0)
 
 
-def _describe(value: object) -> str:
-    return f"<tensor {tuple(value.shape)}>" if isinstance(value, Tensor) else repr(value)
+def _check_position_bias(module: nn.Module, bias: object, query: Tensor, T_k: int) -> Tensor:
+    """The ``position_bias`` a layer passed (T5's relative attention), checked: float, 4-D,
+    broadcastable to the scores ``(B, H, T_q, T_k)``, on the query's device."""
+    B, H, T_q, _ = query.shape
+    target = (B, H, T_q, T_k)
+    who = f"{type(module).__name__} passed position_bias"
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        got = f"a {bias.dtype} tensor" if isinstance(bias, Tensor) else f"a {type(bias).__name__}"
+        raise TypeError(
+            f"{who} as {got}; an additive position bias is a float tensor added to the scores, broadcastable "
+            f"to (B, H, T_q, T_k) = {target}."
+        )
+    if bias.dim() != 4 or any(b not in (1, t) for b, t in zip(bias.shape, target, strict=True)):
+        raise ValueError(
+            f"{who} of shape {tuple(bias.shape)}, which does not broadcast to the scores' (B, H, T_q, T_k) = "
+            f"{target}; expected a 4-D float tensor whose every dim is 1 or the one in {target}, e.g. "
+            f"(1, {H}, {T_q}, {T_k}) as T5's compute_bias makes."
+        )
+    if bias.device != query.device:
+        raise ValueError(
+            f"{who} on {bias.device} but the query is on {query.device}; compute it on the query's device."
+        )
+    return bias
 
 
 def _wants_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
@@ -146,14 +160,16 @@ def attnlab_attention_forward(
         kwargs: ``softcap`` (Gemma 2: scores ``C * tanh(s / C)``) and ``s_aux`` (gpt-oss: ``(H,)``
             sink logits) select attnlab's variants (:mod:`attnlab.core.variants`);
             ``output_attentions`` picks the math backend; ``sliding_window`` is checked against a
-            missing mask; ``position_bias`` is refused (ValueError); the rest (``position_ids``,
-            ``use_cache``, ...) is not for attention.
+            missing mask; ``position_bias`` (T5 and its kin: a float ``(B or 1, H or 1, T_q, T_k)``
+            relative position bias, learned, so gradients flow into it) is added to the scores
+            after ``scaling`` (T5 passes 1.0), together with the mask and causality, as in HF's
+            eager and SDPA functions; the rest (``position_ids``, ``use_cache``, ...) is not for
+            attention.
 
     Returns:
         ``(output (B, T_q, H, D), weights (B, H, T_q, T_k) or None)``. A query that may attend
         to no key (a left-padding position) gets an output of zeros and weights of zeros.
     """
-    _refuse_unsupported(module, kwargs)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             f"query, key and value must be 4-D (B, heads, T, D) as transformers hands them, got shapes "
@@ -174,12 +190,17 @@ def attnlab_attention_forward(
         )
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     scale = scaling if scaling is not None else D**-0.5
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        position_bias = _check_position_bias(module, position_bias, query, key.size(2))
 
     if attention_mask is None:
         if causal and 1 < T_q < key.size(2):
             # HF's SDPA convention for a missing mask is SDPA's top-left is_causal: the keys past the
             # first T_q are a static cache's empty slots (prefill). attnlab's causal is bottom-right.
             key, value = key[:, :, :T_q], value[:, :, :T_q]  # (B, G, T_q, D) each
+            if position_bias is not None and position_bias.size(-1) > 1:
+                position_bias = position_bias[..., :T_q]  # (B|1, H|1, T_q|1, T_q): the keys kept
         sliding_window = kwargs.get("sliding_window")
         if causal and sliding_window is not None and key.size(2) > sliding_window:
             raise ValueError(
@@ -191,6 +212,12 @@ def attnlab_attention_forward(
         keep, bias = None, None
     else:
         keep, bias = hf_mask_to_keep(attention_mask)
+    if position_bias is not None:
+        # Added to the scores beside the mask, as HF's eager and SDPA functions do; entries at the
+        # dtype's minimum (a mask folded into the bias) block like the mask's own.
+        bias_keep, position_bias = _split_blocked(position_bias)  # (B|1, H|1, T_q|1, T_k) each
+        keep = bias_keep if keep is None else keep & bias_keep  # broadcast: (B|1, H|1, T_q, T_k)
+        bias = position_bias if bias is None else bias + position_bias  # (B|1, H|1, T_q, T_k)
     masks = prepare_masks(
         keep,
         None,
