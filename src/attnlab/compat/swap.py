@@ -27,6 +27,7 @@ import copy
 import functools
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,7 +192,9 @@ def compat_takes_nested() -> bool:
     """Whether ``attnlab.compat.MultiheadAttention`` accepts the NestedTensors ``nn.TransformerEncoder``
     builds from a padded batch in eval + no_grad (tried once on a 2-wide module)."""
     m = MultiheadAttention(2, 1, batch_first=True).eval()
-    x = torch._nested_tensor_from_mask(torch.ones(2, 2, 2), torch.tensor([[True, True], [True, False]]))
+    with warnings.catch_warnings():  # torch's "nested tensors are a prototype" warning, about our own probe
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch._nested_tensor_from_mask(torch.ones(2, 2, 2), torch.tensor([[True, True], [True, False]]))
     try:
         with torch.no_grad():
             out = m(x, x, x, need_weights=False)[0]
