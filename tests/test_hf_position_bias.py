@@ -178,6 +178,39 @@ def test_t5_gradients_match_eager():
         torch.testing.assert_close(grad, theirs[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+KIN = {  # model class name -> config class name, extra config
+    "MT5ForConditionalGeneration": ("MT5Config", {}),
+    "UMT5ForConditionalGeneration": ("UMT5Config", {}),  # a relative bias in every layer, not only the first
+    "LongT5ForConditionalGeneration": ("LongT5Config", {"encoder_attention_type": "local", "local_radius": 2}),
+    "SwitchTransformersForConditionalGeneration": (
+        "SwitchTransformersConfig",
+        {"num_experts": 2, "expert_capacity": 8, "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("model_class", sorted(KIN))
+def test_t5s_kin_match_eager(bias_spy, model_class):
+    """T5's kin pass position_bias alike. LongT5 (its decoder; the encoder's local attention is its own)
+    and Switch Transformers have no sdpa in transformers: attnlab gives them a fused path."""
+    import transformers
+
+    config_class, extra = KIN[model_class]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        d_model=32, d_kv=8, num_heads=HEADS, d_ff=64, num_layers=LAYERS, num_decoder_layers=LAYERS,
+        vocab_size=VOCAB, relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
+        pad_token_id=0, **extra,
+    )  # fmt: skip
+    model = getattr(transformers, model_class)(config).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    inputs = t5_inputs()
+    ours = logits_as(model, ATTENTION_NAME, **inputs)
+    assert len(bias_spy) >= 2 * LAYERS and all(has_bias for _, has_bias in bias_spy)
+    real = inputs["decoder_attention_mask"].bool()
+    torch.testing.assert_close(ours[real], logits_as(model, "eager", **inputs)[real], atol=1e-5, rtol=0)
+
+
 # --- the function itself, with biases T5 does not make ----------------------------------------------
 
 
