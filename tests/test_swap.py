@@ -13,7 +13,7 @@ from torch import nn
 
 import attnlab
 from attnlab.compat import FusedQKVAttention, MultiheadAttention, SwapReport, SwapVerificationError, swap
-from attnlab.compat.swap import Left, Swapped, compat_takes_nested
+from attnlab.compat.swap import Left, Swapped, _compare, compat_takes_nested
 
 timm_attention = pytest.importorskip("timm.layers.attention")
 open_clip_transformer = pytest.importorskip("open_clip.transformer")
@@ -305,3 +305,90 @@ def test_nested_encoder_flag_follows_what_compat_takes() -> None:
     else:
         assert not enc.use_nested_tensor
         assert report.notes[0].startswith("0.use_nested_tensor set to False: attnlab.compat.MultiheadAttention does")
+
+
+def test_a_shared_module_gets_one_shared_replacement() -> None:
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True)
+    timm_attn = timm_attention.Attention(E, H)
+    model = nn.ModuleDict({"a": layer, "b": layer, "c": nn.Sequential(timm_attn), "d": nn.Sequential(timm_attn)})
+    report = swap(model)
+    assert model["a"].self_attn is model["b"].self_attn and model["c"][0] is model["d"][0]
+    assert [(s.path, s.note) for s in report.swapped] == [
+        ("a.self_attn", ""),
+        ("c.0", ""),
+        ("d.0", "the same module as c.0"),
+    ]
+    assert report.left == []  # b, the same layer as a, is walked once
+
+
+@pytest.mark.parametrize("source", ["timm", "open_clip"])
+def test_the_source_checkpoint_loads_after_the_swap(source: str) -> None:
+    torch.manual_seed(0)
+    if source == "timm":
+        m = timm_attention.Attention(E, H, qkv_bias=True, qk_norm=True, scale_norm=True, norm_layer=nn.LayerNorm)
+    else:
+        m = open_clip_transformer.Attention(E, H, qk_norm=True, scale_heads=True, inner_norm=True)
+    model = nn.Sequential(m).eval()
+    checkpoint = {k: torch.randn_like(v) for k, v in model.state_dict().items()}  # not the weights it holds
+    model.load_state_dict(checkpoint)
+    x = torch.randn(2, 5, E)
+    expected = model(x)
+    swap(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert model.load_state_dict(checkpoint).missing_keys == []
+    assert (model(x) - expected).abs().max() <= 1e-6
+
+
+def test_a_changed_scale_is_left_with_reason() -> None:
+    m = timm_attention.Attention(E, H)
+    m.scale = 0.5
+    report = swap(nn.Sequential(m))
+    assert report.left == [
+        Left(
+            "0",
+            "timm.layers.Attention",
+            "Attention.scale is 0.5, not head_dim ** -0.5 = 0.353553; its SDPA path ignores scale and its manual "
+            "path uses it, so the module has no one output to match",
+        )
+    ]
+
+
+class _Masked(nn.Module):
+    """A model whose forward takes the mask on to its attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = timm_attention.Attention(E, H, qkv_bias=True)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.attn(x, attn_mask=attn_mask)
+        return out
+
+
+def test_verify_on_fully_masked_rows() -> None:
+    """torch's fused float32 kernel gives a fully masked query a finite output, its float64 math path NaN:
+    the original stands in for the reference there, and attnlab's output (the bias alone) must match it."""
+    torch.manual_seed(0)
+    model = _Masked()
+    x = torch.randn(1, 4, E)
+    keep = torch.ones(4, 4, dtype=torch.bool)
+    keep[2] = False  # query 2 may attend to nothing
+    with torch.no_grad():
+        before = model(x, keep)
+    report = swap(model, verify=(x, keep))
+    v = report.verified[0] if report.verified else None
+    assert v is not None and v.not_compared == 0 and v.max_error <= v.allowed
+    with torch.no_grad():
+        after = model(x, keep)
+    assert torch.equal(after[0, 2], model.attn.out_proj.bias)  # zero context: the bias alone
+    assert (after - before).abs().max() <= 1e-6
+
+
+def test_verify_does_not_compare_where_the_original_is_nan() -> None:
+    original = torch.tensor([1.0, float("nan")])
+    v = _compare("output", original, original.double(), torch.tensor([1.0, 0.0]))
+    assert (v.not_compared, v.max_error) == (1, 0.0)
+    v = _compare("output", original, original.double(), torch.tensor([float("nan"), 0.0]))
+    assert v.max_error == float("inf") and not v.max_error <= v.allowed  # NaN where the reference is finite

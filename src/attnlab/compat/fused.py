@@ -27,6 +27,7 @@ The forward is ``forward(x, attn_mask=None, is_causal=False) -> (B, T, C')``, ti
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, cast
 
 import torch
@@ -70,6 +71,11 @@ class FusedQKVAttention(MultiHeadAttention):
     ``scale`` is ``D ** -0.5`` as in both sources.
 
     ``embed_dim`` (inherited) is A, the attention width; ``dim`` and ``dim_out`` are the widths in and out.
+
+    State dicts: its own keys are ``q_proj``/``k_proj``/``v_proj``/``out_proj``/``q_norm``/``k_norm``/
+    ``inner_norm``/``gate_proj``/``head_scale``; a state dict in the source's keys (a timm or open_clip
+    checkpoint: ``qkv.*``, ``proj.*``, ``norm.*``, ``gate.*`` / ``in_proj_weight``, ``ln_q.*``, ...) also
+    loads, its fused rows split on load, so a swapped model still loads the checkpoints of the original.
     """
 
     q_norm: nn.Module  # type: ignore[assignment]  # the source's per-head norm (any module), not attnlab's RMSNorm
@@ -117,6 +123,7 @@ class FusedQKVAttention(MultiHeadAttention):
             nn.Parameter(torch.ones(num_heads, 1, 1, **factory)) if scale_heads else None  # (H, 1, 1)
         )
         self.proj_drop: nn.Module = nn.Dropout(proj_drop)
+        self.register_load_state_dict_pre_hook(_load_source_keys)  # a timm / open_clip checkpoint loads too
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
@@ -138,6 +145,7 @@ class FusedQKVAttention(MultiHeadAttention):
         """
         qkv, proj = _plain_linear(m, "qkv"), _plain_linear(m, "proj")
         num_heads, head_dim = int(cast(int, m.num_heads)), int(cast(int, m.head_dim))
+        _check_default_scale(m, head_dim)
         gate = getattr(m, "gate", None)
         ours = cls(
             qkv.in_features,
@@ -175,6 +183,7 @@ class FusedQKVAttention(MultiHeadAttention):
                 "open_clip Attention with scaled_cosine=True: its own forward calls torch.bmm on 4-D "
                 "(B, H, T, D) tensors and fails on every input (open_clip 3.3.0), so there is no output to match."
             )
+        _check_default_scale(m, int(cast(int, m.head_dim)))
         weight = cast(nn.Parameter, m.in_proj_weight)  # (3A, C)
         bias = cast("nn.Parameter | None", m.in_proj_bias)  # (3A,) or None
         out = _plain_linear(m, "out_proj")
@@ -312,6 +321,52 @@ class FusedQKVAttention(MultiHeadAttention):
             keep = mask4 if self.mask_convention == "keep" else ~mask4  # True = may attend
             return Masks(keep=keep, empty_rows=True)
         return Masks(keep=mask4 != float("-inf"), bias=mask4.to(dtype), empty_rows=True)  # -inf rows: fully masked
+
+
+# The source's state-dict names (timm's, open_clip's) -> ours; the fused QKV rows are split separately.
+_SOURCE_NAMES = {
+    "proj.": "out_proj.",
+    "norm.": "inner_norm.",
+    "gate.": "gate_proj.",
+    "ln_q.": "q_norm.",
+    "ln_k.": "k_norm.",
+    "ln_inner.": "inner_norm.",
+}
+
+
+def _load_source_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    """Load-time hook: a timm / open_clip state dict (``qkv.weight`` or ``in_proj_weight``, rows Q, K, V;
+    ``proj.*``, ``ln_q.*``, ...) in this module's own keys."""
+    fused = {"qkv.weight": "weight", "qkv.bias": "bias", "in_proj_weight": "weight", "in_proj_bias": "bias"}
+    for key, kind in fused.items():
+        rows = state_dict.pop(prefix + key, None)  # (3A, C) or (3A,)
+        if rows is None:
+            continue
+        A = cast(int, getattr(module, "embed_dim"))  # noqa: B009
+        if rows.size(0) != 3 * A:
+            raise ValueError(
+                f"{prefix}{key} has {rows.size(0)} rows; this module expects 3 * H * D = {3 * A} (Q, K, V rows): the "
+                f"checkpoint was written by a module of another shape."
+            )
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), rows.split(A), strict=True):
+            state_dict[f"{prefix}{name}.{kind}"] = part
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        for theirs, ours in _SOURCE_NAMES.items():
+            if rest.startswith(theirs):
+                state_dict[prefix + ours + rest[len(theirs) :]] = state_dict.pop(key)
+                break
+
+
+def _check_default_scale(m: nn.Module, head_dim: int) -> None:
+    """Both sources' SDPA paths scale by ``D ** -0.5`` whatever ``m.scale`` says; their manual paths read
+    ``m.scale``. A changed ``m.scale`` makes the two disagree: there is no one answer to reproduce."""
+    scale = getattr(m, "scale", None)
+    if scale is not None and not math.isclose(float(scale), head_dim**-0.5, rel_tol=1e-12):
+        raise ValueError(
+            f"{type(m).__name__}.scale is {scale}, not head_dim ** -0.5 = {head_dim**-0.5:.6g}; its SDPA path ignores "
+            f"scale and its manual path uses it, so the module has no one output to match"
+        )
 
 
 def _plain_linear(m: nn.Module, name: str) -> nn.Linear:

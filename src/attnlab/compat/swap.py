@@ -101,7 +101,7 @@ class Verified:
     max_error: float  # max |swapped - reference|
     original_error: float  # max |original - reference|
     allowed: float  # 2 * original_error + atol
-    not_compared: int = 0  # values where the reference is not finite (NaN of fully masked rows)
+    not_compared: int = 0  # values where neither the reference nor the original is finite (NaN of fully masked rows)
 
 
 @dataclass
@@ -127,7 +127,7 @@ class SwapReport:
             lines += _table(("left", "class", "why"), [(x.path, x.class_name, x.reason) for x in self.left])
         lines += [f"  note: {n}" for n in self.notes]
         for v in self.verified or []:
-            extra = f" ({v.not_compared} non-finite reference values not compared)" if v.not_compared else ""
+            extra = f" ({v.not_compared} values NaN in the original not compared)" if v.not_compared else ""
             lines.append(
                 f"  verified {v.output} ({str(v.dtype).removeprefix('torch.')}): max error {v.max_error:.2e} "
                 f"<= allowed {v.allowed:.2e}{extra}"
@@ -260,9 +260,13 @@ def _move_hooks(old: nn.Module, new: nn.Module, names: Iterable[str]) -> int:
     """Give ``new`` ``old``'s hook dicts (the same objects); returns how many hooks moved."""
     moved = 0
     for name in names:
-        hooks = getattr(old, name)
-        if hooks:
-            moved += len(hooks) if name != "_forward_hooks_always_called" else 0
+        hooks, own = getattr(old, name), getattr(new, name)
+        if not hooks:
+            continue
+        moved += len(hooks) if name != "_forward_hooks_always_called" else 0
+        if own:  # the replacement has hooks of its own there: keep them, add the user's after
+            setattr(new, name, type(own)({**own, **hooks}))
+        else:
             setattr(new, name, hooks)
     if getattr(old, "_is_full_backward_hook", None) is not None:
         new._is_full_backward_hook = old._is_full_backward_hook
@@ -277,6 +281,10 @@ class _Walk:
     exclude: frozenset[str]
     seen: set[str] = field(default_factory=set)  # exclude= paths that exist
     new: set[int] = field(default_factory=set)  # id() of the modules this call installed
+    # id(old) -> (its replacement, its first path): a module shared by two parents (tied layers) gets one
+    # replacement, so that it stays shared
+    made: dict[int, tuple[nn.Module, str]] = field(default_factory=dict)
+    visited: set[int] = field(default_factory=set)  # id() of the containers walked
 
 
 def _visit(walk: _Walk, module: nn.Module, path: str) -> bool:
@@ -297,13 +305,22 @@ def _visit(walk: _Walk, module: nn.Module, path: str) -> bool:
         if _is_hf_model(child):
             found |= _swap_hf(walk, child, p)
             continue
-        new, why = _replacement(child, walk.backend)
+        if id(child) in walk.visited:  # a container shared by two parents: walked once, at its first path
+            continue
+        new: nn.Module | None
+        if id(child) in walk.made:  # the second parent of a shared module
+            new, why = walk.made[id(child)][0], ""
+        else:
+            new, why = _replacement(child, walk.backend)
         if new is not None:
             _install(walk, module, name, child, new, p)
             found = True
-        elif why:
+            continue
+        if why:
             walk.report.left.append(Left(p, _class_name(child), why))
-        elif _visit(walk, child, p):
+            continue
+        walk.visited.add(id(child))
+        if _visit(walk, child, p):
             found = True
         elif _looks_like_attention(child):
             walk.report.left.append(
@@ -317,11 +334,20 @@ def _visit(walk: _Walk, module: nn.Module, path: str) -> bool:
 
 
 def _install(walk: _Walk, parent: nn.Module, name: str, old: nn.Module, new: nn.Module, path: str) -> None:
+    """Put ``new`` in ``old``'s place under ``parent``, moving ``old``'s hooks; record how to undo it."""
+    if id(old) in walk.made:  # already built and given old's hooks at its first path
+        setattr(parent, name, new)
+        walk.undo.append(functools.partial(setattr, parent, name, old))
+        first = walk.made[id(old)][1]
+        walk.report.swapped.append(Swapped(path, _class_name(old), _class_name(new), f"the same module as {first}"))
+        return
+    # compat's state dict is torch's, so state-dict hooks move too; FusedQKVAttention's keys differ (refused before)
     hook_names = _CALL_HOOKS + (_STATE_HOOKS if isinstance(new, MultiheadAttention) else ())
     saved = {n: getattr(new, n) for n in hook_names}
     moved = _move_hooks(old, new, hook_names)
     setattr(parent, name, new)
     walk.new.add(id(new))
+    walk.made[id(old)] = (new, path)
 
     def restore() -> None:
         setattr(parent, name, old)
@@ -452,10 +478,14 @@ def _leaves(obj: Any, name: str = "output") -> Iterator[tuple[str, Tensor]]:
 
 
 def _compare(name: str, original: Tensor, reference: Tensor, swapped: Tensor) -> Verified:
+    """Errors of ``original`` and ``swapped`` against ``reference`` (float64). Where the reference is not
+    finite (a fully masked row, NaN in the math path) but the original is (torch's fused kernels give
+    zeros there), the original stands in; where neither is, nothing is compared."""
     if swapped.shape != original.shape:
-        inf = math.inf
-        return Verified(name, original.dtype, inf, 0.0, 0.0)
+        return Verified(name, original.dtype, math.inf, 0.0, 0.0)
+    orig64 = original.to(torch.float64)
     ref = reference.to(torch.float64)
+    ref = torch.where(torch.isfinite(ref), ref, orig64)
     finite = torch.isfinite(ref)
     zero = torch.zeros((), dtype=torch.float64, device=ref.device)
 
@@ -504,8 +534,9 @@ def swap(
             after) before and after the swap, and a float64 deep copy of the original runs on the
             sample cast to float64. Every floating output ``o`` must satisfy flash-attention's rule
             ``max|o_swapped - o_64| <= 2 * max|o_original - o_64| + atol * max(1, max|o_64|)``, with
-            ``atol`` from :data:`ATOL` for ``o``'s dtype. Values where the float64 reference is not
-            finite (NaN of fully masked rows, which attnlab returns as finite) are not compared.
+            ``atol`` from :data:`ATOL` for ``o``'s dtype. Where the float64 reference is not finite
+            (a fully masked row) the original's value stands in for it; where the original is not
+            finite either (NaN, where attnlab returns a finite value) nothing is compared.
             On failure every original module is put back and :class:`SwapVerificationError` is raised.
         backend: the ``backend`` of every new module: ``"auto"``, ``"math"`` or ``"sdpa"``.
         exclude: module paths (as in ``model.named_modules()``) to leave alone.
