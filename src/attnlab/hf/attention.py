@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from ..core.dispatch import attend
 from ..core.functional import sdpa_compute_dtype
 from ..core.masks import Masks, prepare_masks
 from ..core.variants import Structure
-from ..runtime import import_advice
+from ..runtime.optional import import_failure
 
 __all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
 
@@ -381,13 +382,24 @@ def _same_function(registered: object, ours: object) -> bool:
     )
 
 
+def _transformers_version() -> str:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def register() -> str:
     """Register attnlab's attention with transformers under :data:`ATTENTION_NAME`; returns the name.
 
     Registers :func:`attnlab_attention_forward` with ``AttentionInterface`` and transformers'
     ``sdpa_mask`` with ``AttentionMaskInterface`` (without a mask function registered under the
     name, transformers hands a custom attention no mask at all: padding and sliding windows would
-    be lost). Idempotent; raises if another function already holds the name.
+    be lost). Idempotent; raises if another function already holds the name. When transformers does
+    not import, the ImportError says why, from :func:`attnlab.runtime.optional.import_failure`: not
+    installed, too old (its version named), lacking the names, or broken by another package (named,
+    with its version, the module that raised and the error; a torchvision that does not match torch
+    is told apart), the original error chained as ``__cause__``.
 
     Usage::
 
@@ -398,13 +410,21 @@ def register() -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except Exception as err:  # optional dependency; a broken package under it raises RuntimeError, OSError...
+        # not installed, too old, lacking the names, or broken by a package it imports (torchvision...)
         need = "attnlab.hf.register() needs transformers 5 (AttentionInterface and AttentionMaskInterface)"
-        raise ImportError(import_advice("transformers", need, err, min_major=5)) from err
+        raise ImportError(import_failure("transformers", need, err, min_major=5)) from err
     for interface, ours in (
         (AttentionInterface, attnlab_attention_forward),
         (AttentionMaskInterface, sdpa_mask),
     ):
-        registered = interface._global_mapping.get(ATTENTION_NAME)
+        mapping = getattr(interface, "_global_mapping", None)  # transformers 5's registry: {name: function}
+        if not isinstance(mapping, dict) or not callable(getattr(interface, "register", None)):
+            raise ImportError(
+                f"attnlab.hf.register() needs transformers 5's {interface.__name__} with register() and its "
+                f"_global_mapping, which this transformers {_transformers_version()} lacks; install a 5.x release "
+                f"with pip install -U 'transformers>=5,<6'."
+            )
+        registered = mapping.get(ATTENTION_NAME)
         if registered is not None and not _same_function(registered, ours):
             raise ValueError(
                 f"{interface.__name__} already maps {ATTENTION_NAME!r} to {registered!r}, not attnlab's "
