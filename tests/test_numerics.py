@@ -8,28 +8,50 @@ low precision, plus a small floor so that two near-zero errors do not fail on no
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 
 import pytest
 import torch
+from torch import Tensor
 
+import attnlab
 from attnlab import MultiHeadAttention
 from attnlab.core import functional as fn
+from attnlab.core import variants
+from attnlab.core.flex import flex_available
+from attnlab.core.masks import Masks
+from attnlab.core.variants import Structure, alibi_slopes
 from conftest import assert_low_precision_close
 
 LOW = [torch.bfloat16, torch.float16]
 FLOOR = 1e-4  # absolute, on outputs and gradients of order 1
 
 
-def plain_attention(q, k, v, keep, scale):
+def plain_attention(q, k, v, keep, scale, *, bias=None, softcap=None, sinks=None):
     """Plain PyTorch in the inputs' precision, as flash-attention's reference: scale q, softmax,
-    cast the probabilities to V's dtype, multiply."""
+    cast the probabilities to V's dtype, multiply. GQA by repeating K/V in that precision, so that
+    autograd sums the query heads' K/V gradients as plain PyTorch does.
+
+    The variants' terms, in that precision too: ``softcap`` C (``C tanh(s / C)``), ``bias`` (float,
+    broadcastable to the scores: ALiBi), ``sinks`` ``(H,)`` (one more logit in each row's softmax).
+    Masked scores are the dtype's minimum, not -inf, and a row with no visible key is zero-filled:
+    finite in both directions (flash-attention zero-fills such rows in its reference too)."""
     rep = q.size(1) // k.size(1)
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = (q * scale) @ k.transpose(-2, -1)
+    scores = (q * scale) @ k.transpose(-2, -1)  # (B, H, T_q, T_k)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(v.dtype)
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    if sinks is not None:  # the sink joins the softmax as one more column, dropped after it
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, H, T_q, 1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    else:
+        p = torch.softmax(scores, dim=-1).to(v.dtype)
     if keep is not None:
         p = p.masked_fill(~keep.any(-1, keepdim=True), 0.0)
     return p @ v
@@ -42,6 +64,7 @@ def _grads(run, q0, k0, v0, dout, dtype):
     return [t.detach().double() for t in (out, q.grad, k.grad, v.grad)]
 
 
+@pytest.mark.usefixtures("one_thread")  # 10x faster on a shared 2-core CPU (conftest)
 @pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("G", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("mask", ["none", "causal", "padding"])
@@ -165,3 +188,341 @@ def test_key_and_value_defaults_refuse_other_widths():
         mha(torch.randn(2, 5, 64))
     ok = MultiHeadAttention(64, 8, kdim=32, vdim=32)
     assert ok(torch.randn(2, 5, 64), torch.randn(2, 7, 32)).shape == (2, 5, 64)
+
+
+# -- every path's gradients in fp16/bf16, GQA and MQA included (issue 23) -------------------------------------------
+#
+# A K/V head's gradient sums the gradients of the R = H/G query heads that read it. Plain PyTorch rounds each head's
+# gradient to the low precision once and sums them in a float32 accumulator; torch's CPU flash kernel, run in bf16 or
+# fp16 with enable_gqa, accumulates them in the low precision itself and missed the rule (dV 5.3e-2 against a rule of
+# 5.2e-2 below, MQA 256x128 causal; up to 3x plain's error with R = 16). Notation: B batch, H = 8 query heads, G K/V
+# heads, T_q queries (i), T_k keys (j), D head dim; a query's position is i' = i + T_k - T_q (bottom-right aligned).
+
+HEADS = 8
+KV_HEADS = {"mha": 8, "gqa": 2, "mqa": 1}  # G: 1, 4 and 8 query heads per K/V head
+WINDOW = 12
+FUNCTIONAL_MASKS = ["causal", "padding", "varlen", "documents", "window+padding"]
+
+
+def _runs(total: int, g: torch.Generator) -> list[int]:
+    """3 random lengths (a few may be 0 by chance: equal cuts) summing to ``total``."""
+    cuts = sorted(torch.randint(1, total, (2,), generator=g).tolist())
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+
+
+def _lengths(total: int, zero_at: int, g: torch.Generator) -> list[int]:
+    """4 lengths summing to ``total``: 3 random ones, and a 0 at ``zero_at`` (a document of no tokens on that side)."""
+    lengths = _runs(total, g)
+    return [*lengths[:zero_at], 0, *lengths[zero_at:]]
+
+
+def _doc_ids(lengths: list[int], device: torch.device) -> Tensor:
+    """``(T,)`` int64: the index of each token's document, for documents of these ``lengths``."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+
+
+def functional_mask(kind: str, B: int, T_q: int, T_k: int, device: torch.device) -> tuple[Tensor | None, bool, Tensor]:
+    """``(keep, causal, allowed)``: what the attnlab call takes, and the bool ``(B|1, 1, T_q, T_k)`` it means.
+
+    * ``padding``: key lengths ``T_k``, random, 0 (a row with no key at all);
+    * ``varlen``: flash-attention's varlen cases: sequence b has ``L_q[b]`` queries and ``L_k[b]`` keys (random,
+      some 0), causal within it (key ``c`` <= query ``a + L_k - L_q``);
+    * ``documents``: packed sequences (cu_seqlens on both sides), 4 documents, causal within each; one has keys but
+      no query, one queries but no key;
+    * ``window+padding``: sliding window ``i' - W < j <= i'`` and the padding above.
+    """
+    g = torch.Generator().manual_seed(23)
+    i = torch.arange(T_q, device=device)[:, None]  # (T_q, 1)
+    j = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
+    lengths_k = torch.tensor([T_k, int(torch.randint(1, T_k, (1,), generator=g)), 0][:B], device=device)
+    key_keep = (j < lengths_k[:, None])[:, None, None, :]  # (B, 1, 1, T_k)
+    if kind == "causal":
+        return None, True, fn.causal_keep(T_q, T_k, device)
+    if kind == "padding":
+        return key_keep, False, key_keep
+    if kind == "window+padding":
+        near = (j <= i + T_k - T_q) & (i + T_k - T_q - j < WINDOW)  # (T_q, T_k)
+        keep = near & key_keep  # (B, 1, T_q, T_k)
+        return keep, False, keep
+    if kind == "varlen":
+        L_q = torch.tensor([T_q, int(torch.randint(1, T_q, (1,), generator=g)), 0][:B], device=device)[:, None, None]
+        L_k = torch.tensor([int(torch.randint(1, T_k, (1,), generator=g)), 0, T_k][:B], device=device)[:, None, None]
+        keep = (i < L_q) & (j < L_k) & (j <= i + L_k - L_q)  # (B, T_q, T_k)
+        return keep[:, None], False, keep[:, None]
+    if kind == "documents":
+        rows = []
+        for _ in range(B):
+            lq, lk = _lengths(T_q, 1, g), _lengths(T_k, 2, g)  # document 1: keys, no query; document 2: the reverse
+            dq, dk = _doc_ids(lq, device), _doc_ids(lk, device)  # (T_q,), (T_k,)
+            start_q = torch.tensor([0, *lq], device=device).cumsum(0)[dq]  # (T_q,): where i's document starts
+            start_k = torch.tensor([0, *lk], device=device).cumsum(0)[dk]
+            len_q, len_k = torch.tensor(lq, device=device)[dq], torch.tensor(lk, device=device)[dk]
+            a, c = i - start_q[:, None], j - start_k[None, :]  # local indices in the document
+            rows.append((dq[:, None] == dk[None, :]) & (c <= a + len_k[None, :] - len_q[:, None]))
+        keep = torch.stack(rows)[:, None]  # (B, 1, T_q, T_k)
+        return keep, False, keep
+    raise AssertionError(kind)
+
+
+def _draw(B: int, G: int, T_q: int, T_k: int, D: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, ...]:
+    """``q (B, H, T_q, D)``, ``k, v (B, G, T_k, D)`` exactly representable in ``dtype`` (as float64), ``dout``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, T, D, generator=g) for n, T in ((HEADS, T_q), (G, T_k), (G, T_k)))
+    return (*(t.to(dtype).double() for t in (q, k, v)), torch.randn(B, HEADS, T_q, D, generator=g))
+
+
+@functools.lru_cache(maxsize=4)  # the public functions are the fastest-varying parameter: each case is drawn once
+def _functional_case(kind: str, G: int, T_q: int, T_k: int, D: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """Inputs, the attnlab masks, and the float64 and plain low-precision results of one case."""
+    q0, k0, v0, dout = (t.to(device) for t in _draw(3, G, T_q, T_k, D, dtype))
+    keep, causal, allowed = functional_mask(kind, 3, T_q, T_k, device)
+    scale = 1 / math.sqrt(D)
+
+    def plain(q, k, v):
+        return plain_attention(q, k, v, allowed, scale)
+
+    ref = _grads(plain, q0, k0, v0, dout.double(), torch.float64)
+    base = _grads(plain, q0, k0, v0, dout, dtype)
+    return (q0, k0, v0, dout), (keep, causal, scale), ref, base
+
+
+def _check_public(public: str, kind: str, G: int, T_q: int, T_k: int, D: int, dtype, device) -> None:
+    (q0, k0, v0, dout), (keep, causal, scale), ref, base = _functional_case(kind, G, T_q, T_k, D, dtype, device)
+    attention = getattr(attnlab, public)  # called as a user would: no compute_dtype
+
+    def ours(q, k, v):
+        return attention(q, k, v, keep=keep, causal=causal, scale=scale)[0]
+
+    got = _grads(ours, q0, k0, v0, dout, dtype)
+    for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
+        assert_low_precision_close(g, b, r, floor=FLOOR, name=f"{public} {name}")
+
+
+@pytest.mark.usefixtures("one_thread")  # 10x faster on a shared 2-core CPU (conftest)
+@pytest.mark.parametrize("public", ["math_attention", "sdpa_attention"])
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("T_q,T_k", [(64, 32), (32, 64)], ids=["64x32", "32x64"])
+@pytest.mark.parametrize("mask", FUNCTIONAL_MASKS)
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+def test_public_functions_grads_meet_flash_attention_rule(public, heads, mask, T_q, T_k, dtype, device_with_float64):
+    """``attnlab.math_attention`` / ``attnlab.sdpa_attention`` called directly (no ``compute_dtype``): out, dq, dk, dv."""
+    _check_public(public, mask, KV_HEADS[heads], T_q, T_k, 16, dtype, device_with_float64)
+
+
+@pytest.mark.usefixtures("one_thread")  # 10x faster on a shared 2-core CPU (conftest)
+@pytest.mark.parametrize("public", ["math_attention", "sdpa_attention"])
+@pytest.mark.parametrize(
+    "heads,mask,T_q,T_k",
+    [
+        ("mqa", "causal", 256, 128),
+        ("mqa", "causal", 128, 256),
+        ("gqa", "varlen", 256, 128),
+        ("mqa", "window+padding", 128, 256),
+    ],
+    ids=["mqa-causal-256x128", "mqa-causal-128x256", "gqa-varlen-256x128", "mqa-local-padding-128x256"],
+)
+def test_flash_attention_reference_cases(public, heads, mask, T_q, T_k, device_with_float64):
+    """flash-attention's own sizes (D = 32, 256 x 128 and 128 x 256), in bf16, where the peer suites saw the failures."""
+    _check_public(public, mask, KV_HEADS[heads], T_q, T_k, 32, torch.bfloat16, device_with_float64)
+
+
+# The variants' own paths, called directly in low precision (as the flex fallback and attnlab.hf call them).
+def _variant_inputs(variant: str, B: int, T_q: int, T_k: int, window: int | None, dtype, device) -> tuple:
+    """``(masks, structure, allowed, bias, sinks)`` of a causal ``variant`` call with key padding (lengths T_k,
+    random, 0): the attnlab inputs, and what they mean for the plain reference (bias and sinks in float64)."""
+    g = torch.Generator().manual_seed(5)
+    i = torch.arange(T_q, device=device)[:, None] + (T_k - T_q)  # (T_q, 1): the queries' positions i'
+    j = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
+    lengths = torch.tensor([T_k, int(torch.randint(1, T_k, (1,), generator=g)), 0][:B], device=device)
+    key_keep = (j < lengths[:, None])[:, None, None, :]  # (B, 1, 1, T_k)
+    allowed = (j <= i) & key_keep  # (B, 1, T_q, T_k)
+    if window is not None:
+        allowed = allowed & (i - j < window)
+    extra: dict = {}
+    bias = sinks = None
+    if variant == "alibi":
+        extra["alibi"] = alibi_slopes(HEADS).to(device)
+        bias = -extra["alibi"].double()[:, None, None] * (i - j).abs().double()  # (H, T_q, T_k)
+    if variant == "sinks":
+        extra["sinks"] = torch.randn(HEADS, generator=g).to(device, dtype)
+        sinks = extra["sinks"].double()
+    if variant == "softcap":
+        extra["softcap"] = 2.0  # small: scores of N(0, 1) inputs reach it
+    if variant == "documents":  # 3 runs of random lengths, ids 0, 1, 2 along the key positions
+        k_doc = torch.stack([_doc_ids(_runs(T_k, g), device) for _ in range(B)])  # (B, T_k)
+        q_doc = k_doc[:, i.flatten().clamp(min=0)].masked_fill(i.flatten() < 0, -1)  # (B, T_q): -1 before position 0
+        extra.update(q_doc=q_doc, k_doc=k_doc)
+        allowed = allowed & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    st = Structure(q_pos=i.flatten(), k_pos=j.flatten(), causal=True, window=window, **extra)
+    return Masks(keep=key_keep, empty_rows=True), st, allowed, bias, sinks
+
+
+def _variant_cases() -> list:
+    cases = []
+    for shape in ((64, 32), (32, 64)):
+        cases += [("variant_math", v, *shape) for v in ("window", "sinks", "alibi", "documents", "softcap")]
+        cases += [("variant_sdpa", v, *shape) for v in ("window", "sinks", "alibi", "documents")]
+    cases += [
+        (run, v, 64, 64) for run in ("banded_sdpa", "banded_loop") for v in ("window", "sinks", "alibi", "documents")
+    ]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}x{c[3]}") for c in cases]
+
+
+@pytest.mark.usefixtures("one_thread")  # 10x faster on a shared 2-core CPU (conftest)
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("run,variant,T_q,T_k", _variant_cases())
+def test_variant_paths_grads_meet_flash_attention_rule(run, variant, T_q, T_k, heads, dtype, device_with_float64):
+    """variant_math, variant_sdpa (dense mask) and banded_sdpa (key bands; the block loop when a mask covers
+    (query, key) pairs), each with causal masking, key padding (a row of no key) and one variant; the banded ones
+    always with a window."""
+    device = device_with_float64
+    window = WINDOW if variant == "window" or run.startswith("banded") else None
+    masks, st, allowed, bias, sinks = _variant_inputs(variant, 3, T_q, T_k, window, dtype, device)
+    q0, k0, v0, dout = (t.to(device) for t in _draw(3, KV_HEADS[heads], T_q, T_k, 16, dtype))
+    scale = 0.25
+
+    def plain(q, k, v):
+        s = None if sinks is None else sinks.to(q.dtype)
+        return plain_attention(q, k, v, allowed, scale, bias=bias, softcap=st.softcap, sinks=s)
+
+    def ours(q, k, v):
+        if run == "variant_math":
+            return variants.variant_math(q, k, v, masks, st, scale=scale)[0]
+        if run == "variant_sdpa":
+            return variants.variant_sdpa(q, k, v, masks, st, scale=scale)
+        pairs = Masks(keep=masks.keep.expand(-1, -1, T_q, -1), empty_rows=True)  # (B, 1, T_q, T_k): block by block
+        return variants.banded_sdpa(q, k, v, masks if run == "banded_sdpa" else pairs, st, scale=scale, block=16)
+
+    ref = _grads(plain, q0, k0, v0, dout.double(), torch.float64)
+    base = _grads(plain, q0, k0, v0, dout, dtype)
+    got = _grads(ours, q0, k0, v0, dout, dtype)
+    for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
+        assert_low_precision_close(g, b, r, floor=FLOOR, name=f"{run} {variant} {name}")
+
+
+# Through the module: its own backend choice, and the parameters' gradients.
+E_MODULE, D_MODULE = HEADS * 16, 16
+MODULE_VARIANTS = {"none": {}, "window": {"window": WINDOW}, "sinks": {"sinks": True}, "alibi": {"alibi": True}}
+MODULE_VARIANTS |= {"softcap": {"softcap": 2.0}, "documents": {}}
+
+
+def _module_call(variant: str, mask: str, device: torch.device) -> tuple[int, int, dict, Tensor]:
+    """``(T_q, T_k, forward kwargs, allowed (B, 1, T_q, T_k))`` of a module case with B = 3.
+
+    ``causal``: 32 queries, the last of a 64-key context (bottom-right). ``padding``: key padding (lengths T_k,
+    random, 0), non-causal cross-attention from 64 queries to 32 keys; causal at 32 x 64 for a window, which needs
+    it. ``documents``: self-attention over a packed row of 48 tokens (3 random runs per sequence), plus the mask.
+    """
+    g = torch.Generator().manual_seed(9)
+    causal = mask == "causal" or variant == "window"
+    T_q, T_k = (48, 48) if variant == "documents" else ((32, 64) if causal else (64, 32))
+    i = torch.arange(T_q, device=device)[:, None] + (T_k - T_q)  # (T_q, 1): positions i'
+    j = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
+    allowed = torch.ones(3, 1, T_q, T_k, dtype=torch.bool, device=device)
+    kw: dict = {"is_causal": causal}
+    if causal:
+        allowed = allowed & (j <= i)
+    if variant == "window":
+        allowed = allowed & (i - j < WINDOW)
+    if mask == "padding":
+        lengths = torch.tensor([T_k, int(torch.randint(1, T_k, (1,), generator=g)), 0], device=device)
+        kw["key_padding_mask"] = j >= lengths[:, None]  # (B, T_k), True = padding
+        allowed = allowed & ~kw["key_padding_mask"][:, None, None, :]
+    if variant == "documents":
+        ids = torch.stack([_doc_ids(_runs(T_q, g), device) for _ in range(3)])  # (B, T)
+        kw["document_ids"] = ids * 7 + 3  # any ids: a run of equal ids is a document
+        allowed = allowed & (ids[:, None, :, None] == ids[:, None, None, :])
+    return T_q, T_k, kw, allowed
+
+
+def plain_module(m: MultiHeadAttention, query: Tensor, key: Tensor, allowed: Tensor) -> Tensor:
+    """The module's function in plain PyTorch, in the precision of ``m`` and its inputs: its own projections, the
+    heads split, :func:`plain_attention` with the variant's terms, the heads merged, the output projection."""
+    B, T_q, _ = query.shape
+    T_k, H, G, D = key.size(1), m.num_heads, m.num_kv_heads, m.head_dim
+    q = m.q_proj(query).view(B, T_q, H, D).transpose(1, 2)  # (B, H, T_q, D)
+    k = m.k_proj(key).view(B, T_k, G, D).transpose(1, 2)  # (B, G, T_k, D)
+    v = m.v_proj(key).view(B, T_k, G, D).transpose(1, 2)  # (B, G, T_k, D)
+    bias = None
+    if m.alibi_slopes is not None:
+        i = torch.arange(T_q, device=q.device)[:, None] + (T_k - T_q)  # (T_q, 1)
+        j = torch.arange(T_k, device=q.device)[None, :]
+        bias = -m.alibi_slopes.double()[:, None, None] * (i - j).abs().double()  # (H, T_q, T_k)
+    context = plain_attention(q, k, v, allowed, m.scale, bias=bias, softcap=m.softcap, sinks=m.sinks)
+    return m.out_proj(context.transpose(1, 2).reshape(B, T_q, H * D))  # (B, T_q, E)
+
+
+def _module_grads(run, m: torch.nn.Module, query: Tensor, key: Tensor, dout: Tensor, dtype) -> dict[str, Tensor]:
+    """``run(m, query, key)``'s output and the gradients of its inputs and of every parameter of ``m``, in float64."""
+    m = copy.deepcopy(m).to(dtype)
+    query, key = (t.detach().to(dtype).requires_grad_() for t in (query, key))
+    out = run(m, query, key)
+    out.backward(dout.to(dtype))
+    grads = {"out": out, "query.grad": query.grad, "key.grad": key.grad}
+    grads |= {f"{name}.grad": p.grad for name, p in m.named_parameters()}
+    return {name: g.detach().double() for name, g in grads.items() if g is not None}  # key.grad: None if unused
+
+
+@functools.lru_cache(maxsize=4)  # the backend is the fastest-varying parameter: each case is drawn once
+def _module_case(variant: str, mask: str, heads: str, dtype: torch.dtype, device: torch.device) -> tuple:
+    T_q, T_k, kw, allowed = _module_call(variant, mask, device)
+    torch.manual_seed(0)
+    m = MultiHeadAttention(E_MODULE, HEADS, num_kv_heads=KV_HEADS[heads], **MODULE_VARIANTS[variant])
+    if m.sinks is not None:
+        with torch.no_grad():
+            m.sinks.normal_()  # zeros at init would leave the sinks' gradient trivial
+    m = m.to(device, dtype)  # the weights, exactly representable in `dtype`, are those of every copy below
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(3, T_q, E_MODULE, generator=g).to(dtype).double().to(device)
+    key = query if variant == "documents" else torch.randn(3, T_k, E_MODULE, generator=g).to(dtype).double().to(device)
+    dout = torch.randn(3, T_q, E_MODULE, generator=g).to(device)
+
+    def plain(m, q, k):
+        return plain_module(m, q, q if variant == "documents" else k, allowed)
+
+    ref = _module_grads(plain, m, query, key, dout.double(), torch.float64)
+    base = _module_grads(plain, m, query, key, dout, dtype)
+    return m, query, key, dout, kw, ref, base
+
+
+def _check_module(backend: str, variant: str, mask: str, heads: str, dtype, device) -> None:
+    m, query, key, dout, kw, ref, base = _module_case(variant, mask, heads, dtype, device)
+    m = copy.deepcopy(m)
+    m.backend = backend
+
+    def ours(m, q, k):
+        return m(q, None if variant == "documents" else k, **kw)
+
+    got = _module_grads(ours, m, query, key, dout, dtype)
+    assert got.keys() == ref.keys()  # self-attention (documents): key is query, no key.grad on either side
+    for name, r in ref.items():
+        assert_low_precision_close(got[name], base[name], r, floor=FLOOR, name=f"{backend} {name}")
+
+
+# auto is not among them: in training it picks one of these two (test_backends); softcap cannot run on SDPA
+MODULE_BACKENDS = [pytest.param(v, b, id=f"{b}-{v}") for v in MODULE_VARIANTS for b in ("math", "sdpa")]
+MODULE_BACKENDS.remove(pytest.param("softcap", "sdpa", id="sdpa-softcap"))
+
+
+@pytest.mark.usefixtures("one_thread")  # 10x faster on a shared 2-core CPU (conftest)
+@pytest.mark.parametrize("variant,backend", MODULE_BACKENDS)
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_module_parameter_grads_meet_flash_attention_rule(backend, variant, mask, heads, dtype, device_with_float64):
+    """MultiHeadAttention in fp16/bf16 on each backend and variant: the output and the gradients of the inputs and of
+    every parameter (projections, biases, sinks) within the rule of plain PyTorch run on the same weights."""
+    _check_module(backend, variant, mask, heads, dtype, device_with_float64)
+
+
+@pytest.mark.usefixtures("one_thread")  # 10x faster on a shared 2-core CPU (conftest)
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("variant", list(MODULE_VARIANTS))
+def test_flex_backend_parameter_grads_meet_flash_attention_rule(variant, heads, dtype, device_with_float64):
+    """The same on backend='flex', where it can be backpropagated (not on a CPU: torch has no CPU flex backward)."""
+    ok, why = flex_available(device_with_float64, True, dtype)
+    if not ok:
+        pytest.skip(why)
+    _check_module("flex", variant, "padding" if variant != "documents" else "causal", heads, dtype, device_with_float64)

@@ -46,6 +46,8 @@ def attend(
         )
         return context, weights, None
     compute_dtype, why = functional.sdpa_compute_dtype(q)
+    if compute_dtype is None:  # the policy keeps the inputs' dtype: say so, rather than have SDPA ask again
+        compute_dtype = q.dtype
     context, _ = functional.sdpa_attention(
         q,
         k,

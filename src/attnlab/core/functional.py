@@ -22,7 +22,18 @@ A query row whose keys are all masked attends to nothing: its context is zeros, 
 Precision: scores, softmax and ``weights @ V`` run in float32 at least (float64 stays float64)
 on the math path, so fp16/bf16 inputs neither overflow (``q @ k^T`` exceeds fp16's 65504 long
 before it is scaled) nor lose the probabilities' precision before ``@ V``; the context is cast
-back to the inputs' dtype. The SDPA path can be asked to do the same (``compute_dtype``).
+back to the inputs' dtype. The SDPA path follows :func:`sdpa_compute_dtype` unless told otherwise
+(``compute_dtype``): float32 for fp16/bf16 on a CPU, the inputs' dtype elsewhere.
+
+Grouped heads (GQA/MQA) in low precision: the gradient of a K/V head is a sum over the ``R = H / G``
+query heads that read it. Both paths sum it in float32 at least: the math path upcasts K/V *before*
+repeating them, so that autograd's reduction of the repeated gradient runs in float32; on a CPU,
+SDPA runs in float32 (torch's CPU flash kernel, in bf16/fp16 with ``enable_gqa``, accumulates the R
+heads' dK/dV in bf16/fp16: dV 5.3e-2 against plain PyTorch's 2.6e-2, MQA, D=32, 256 x 128 causal,
+outside flash-attention's rule of twice plain's error). On CUDA the fused kernels run as they are:
+FlashAttention-2 (torch's flash backend) writes each query head's dK/dV and sums the R of them with
+one ``at::sum`` (a float32 accumulator, one rounding: as plain PyTorch does), and torch's math backend
+keeps fp16/bf16 intermediates in float32 (its documentation); not measured here (no GPU).
 """
 
 from __future__ import annotations
@@ -119,8 +130,12 @@ def sdpa_attention(
     """The fused path: ``F.scaled_dot_product_attention`` (flash / memory-efficient / CPU flash).
 
     Same signature and result as :func:`math_attention`; it cannot return weights.
-    ``compute_dtype``: run the kernel in this dtype (e.g. float32 for fp16/bf16 inputs on a CPU,
-    see ``MultiHeadAttention``), casting the context back to the inputs' dtype.
+    ``compute_dtype``: the dtype the kernel runs in, the context cast back to the inputs' dtype.
+    None (the default): :func:`sdpa_compute_dtype`'s choice, float32 for fp16/bf16 inputs on a CPU
+    (faster there, and the only way its gradients meet flash-attention's rule with GQA/MQA), the
+    inputs' own dtype elsewhere. ``compute_dtype=q.dtype`` runs the inputs' dtype on any device: on a
+    CPU in fp16/bf16 that is slower, and its dK/dV of grouped heads miss the rule (measured, see
+    :func:`sdpa_compute_dtype`).
     """
     if need_weights:
         raise ValueError(
@@ -128,6 +143,8 @@ def sdpa_attention(
             "the weights; use backend='math' or 'auto'."
         )
     out_dtype = q.dtype
+    if compute_dtype is None:
+        compute_dtype = _policy_dtype(q)
     if compute_dtype is not None and compute_dtype != q.dtype:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         bias = None if bias is None else bias.to(compute_dtype)
@@ -203,15 +220,25 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sc
 
 
 def sdpa_compute_dtype(q: Tensor) -> tuple[torch.dtype | None, str | None]:
-    """The dtype SDPA computes in, when not the inputs', and why.
+    """The dtype SDPA computes in, when not the inputs', and why: attnlab's policy, which
+    :func:`sdpa_attention` applies by default and every SDPA path of attnlab follows.
 
     On a CPU, fp16/bf16 inputs run SDPA in float32. Measured with torch 2.13 on a 2-core
     AVX-512 CPU (B=4, H=8, G=2, T=1024, D=64, causal): fwd+bwd 550 ms in bf16 and 379 ms in
     fp16 against 336 ms upcast to float32; forward alone at T=2048 381 / 231 ms against 225 ms.
-    And the low-precision CPU kernel's GQA backward misses flash-attention's error rule (dK/dV
-    up to 3x plain PyTorch's low-precision error), which float32 meets with room to spare. On
-    CUDA the low-precision kernels are both fast and within the rule: they run as they are.
+    And the low-precision CPU kernel's GQA backward misses flash-attention's error rule: it sums
+    the query heads' dK/dV in bf16/fp16 (bf16, MQA, D=32, T_q=256, T_k=128, causal: dV error
+    5.3e-2 against plain PyTorch's 2.6e-2; up to 3x plain's with 16 query heads per K/V head),
+    which float32 meets with room to spare (1.7e-2). On CUDA the low-precision kernels run as they
+    are (fast; their grouped-head sums are float32, see the module docstring; not measured here).
     """
-    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+    if _policy_dtype(q) is not None:
         return torch.float32, f"cpu {q.dtype}: SDPA computed in float32 (faster and more exact on CPU)"
     return None, None
+
+
+def _policy_dtype(q: Tensor) -> torch.dtype | None:
+    """:func:`sdpa_compute_dtype`'s dtype without its reason: float32 for fp16/bf16 on a CPU, else None."""
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return None

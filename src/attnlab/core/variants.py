@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import math_attention, sdpa_attention
+from .functional import math_attention, sdpa_attention, sdpa_compute_dtype
 from .masks import Masks
 
 __all__ = [
@@ -221,16 +221,31 @@ def _sdpa_block(
     return context
 
 
+def _upcast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` in the dtype SDPA computes in (:func:`~attnlab.core.functional.sdpa_compute_dtype`: float32 for
+    fp16/bf16 on a CPU), cast *before* any gather, concatenation or slice: the backward of those sums gradients
+    (a key in two bands, one K/V head's R query heads) and must sum them in that dtype, not in bf16/fp16."""
+    compute_dtype, _ = sdpa_compute_dtype(q)
+    if compute_dtype is None:
+        return q, k, v
+    return q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+
+
 def variant_sdpa(
     q: Tensor, k: Tensor, v: Tensor, masks: Masks, st: Structure, *, scale: float, dropout_p: float = 0.0
 ) -> Tensor:
-    """The same as :func:`variant_math` through one SDPA call with a dense ``T_q x T_k`` mask (no softcap)."""
+    """The same as :func:`variant_math` through one SDPA call with a dense ``T_q x T_k`` mask (no softcap).
+
+    Computed in :func:`~attnlab.core.functional.sdpa_compute_dtype`'s dtype (float32 for fp16/bf16 on a CPU), the
+    context returned in the inputs' dtype; so is :func:`banded_sdpa`."""
     if st.softcap is not None:
         raise ValueError(
             "softcap changes the scores inside the softmax, which SDPA cannot express; use the math or flex backend."
         )
+    out_dtype = q.dtype
+    q, k, v = _upcast(q, k, v)
     keep, bias = _combine(masks, st, slice(None), slice(None), q.dtype)
-    return _sdpa_block(q, k, v, keep, bias, st.sinks, scale, dropout_p)
+    return _sdpa_block(q, k, v, keep, bias, st.sinks, scale, dropout_p).to(out_dtype)
 
 
 def banded_sdpa(
@@ -255,9 +270,11 @@ def banded_sdpa(
     """
     if st.window is None or not st.causal or st.softcap is not None:
         raise ValueError("banded_sdpa needs a window, causal masking and no softcap")
+    out_dtype = q.dtype
+    q, k, v = _upcast(q, k, v)  # before the bands are gathered: their backward scatter-adds
     full_mask = (masks.keep is not None and masks.keep.size(2) > 1) or masks.bias is not None
     if full_mask:  # a user mask over (query, key) pairs: slice it block by block
-        return _banded_loop(q, k, v, masks, st, scale=scale, dropout_p=dropout_p, block=block)
+        return _banded_loop(q, k, v, masks, st, scale=scale, dropout_p=dropout_p, block=block).to(out_dtype)
     B, H, T, D = q.shape
     W = st.window
     nb = -(-T // block)  # blocks of queries, the last one padded
@@ -293,7 +310,7 @@ def banded_sdpa(
         keep = key_keep if keep is None else keep & key_keep
     bias = banded.bias(dtype=q.dtype)  # ALiBi, (B*nb, H, block, band) or None
     out = _sdpa_block(q_b, blocks(k), blocks(v), keep, bias, st.sinks, scale, dropout_p)  # (B*nb, H, block, D)
-    return out.view(B, nb, H, block, D).transpose(1, 2).reshape(B, H, nb * block, D)[:, :, :T]
+    return out.view(B, nb, H, block, D).transpose(1, 2).reshape(B, H, nb * block, D)[:, :, :T].to(out_dtype)
 
 
 def _banded_loop(
