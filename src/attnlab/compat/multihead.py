@@ -6,9 +6,10 @@ Notation (torch's own letters in brackets):
     S' = S + add_bias_kv + add_zero_attn: the key positions attention runs over.
 
 At the edge everything is torch's: seq-first ``(T, B, E)`` unless ``batch_first``, unbatched
-``(T, E)`` accepted, bool masks True = *blocked*, ``attn_mask`` of shape ``(T, S)`` or
-``(B*H, T, S)``. Inside, everything is attnlab's: ``(B, H, T, D)`` and one bool keep-mask
-(True = may attend) plus a float bias, converted once per call in :func:`_attnlab_masks`.
+``(T, E)`` and NestedTensors ``(B, T_b, E)`` accepted, bool masks True = *blocked*, ``attn_mask``
+of shape ``(T, S)`` or ``(B*H, T, S)``. Inside, everything is attnlab's: ``(B, H, T, D)`` and one
+bool keep-mask (True = may attend) plus a float bias, converted once per call in
+:func:`_attnlab_masks`; nested input is padded once, in :meth:`MultiheadAttention._forward_nested`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from ..core.dispatch import attend
 from ..core.masks import Masks, prepare_masks
 from ..core.validation import Backend, check_backend, check_init_args
+from .scripted import ScriptableMultiheadAttention, make_scriptable
 
 __all__ = ["MultiheadAttention"]
 
@@ -36,23 +38,39 @@ class MultiheadAttention(nn.Module):
 
     Shapes (B batch, T query positions, S key positions, E ``embed_dim``, H ``num_heads``,
     G ``num_kv_heads``, D = E // H, S' = S + 1 per extra key row of ``add_bias_kv`` /
-    ``add_zero_attn``):
+    ``add_zero_attn``; T_b, S_b the lengths of sequence b of a nested tensor, T, S the longest):
 
-    ============================  =====================  =====================  =================
-    argument                      ``batch_first=False``  ``batch_first=True``   unbatched
-    ============================  =====================  =====================  =================
-    ``query``                     ``(T, B, E)``          ``(B, T, E)``          ``(T, E)``
-    ``key``                       ``(S, B, kdim)``       ``(B, S, kdim)``       ``(S, kdim)``
-    ``value``                     ``(S, B, vdim)``       ``(B, S, vdim)``       ``(S, vdim)``
-    ``key_padding_mask``          ``(B, S)``             ``(B, S)``             ``(S,)``
-    ``attn_mask``                 ``(T, S)`` or          ``(T, S)`` or          ``(T, S)`` or
+    ============================  =====================  =====================  =================  ===================
+    argument                      ``batch_first=False``  ``batch_first=True``   unbatched          nested (either)
+    ============================  =====================  =====================  =================  ===================
+    ``query``                     ``(T, B, E)``          ``(B, T, E)``          ``(T, E)``         ``(B, T_b, E)``
+    ``key``                       ``(S, B, kdim)``       ``(B, S, kdim)``       ``(S, kdim)``      ``(B, S_b, kdim)``
+    ``value``                     ``(S, B, vdim)``       ``(B, S, vdim)``       ``(S, vdim)``      ``(B, S_b, vdim)``
+    ``key_padding_mask``          ``(B, S)``             ``(B, S)``             ``(S,)``           refused
+    ``attn_mask``                 ``(T, S)`` or          ``(T, S)`` or          ``(T, S)`` or      refused
                                   ``(B*H, T, S)``        ``(B*H, T, S)``        ``(H, T, S)``
-    output                        ``(T, B, E)``          ``(B, T, E)``          ``(T, E)``
-    weights, averaged (default)   ``(B, T, S')``         ``(B, T, S')``         ``(T, S')``
-    weights, per head             ``(B, H, T, S')``      ``(B, H, T, S')``      ``(H, T, S')``
-    ============================  =====================  =====================  =================
+    output                        ``(T, B, E)``          ``(B, T, E)``          ``(T, E)``         ``(B, T_b, E)``
+    weights, averaged (default)   ``(B, T, S')``         ``(B, T, S')``         ``(T, S')``        ``(B, T, S')``
+    weights, per head             ``(B, H, T, S')``      ``(B, H, T, S')``      ``(H, T, S')``     ``(B, H, T, S')``
+    ============================  =====================  =====================  =================  ===================
 
     Row ``b * H + h`` of a 3-D ``attn_mask`` is batch ``b``, head ``h`` (torch's layout).
+
+    NestedTensors (layout ``torch.strided`` or ``torch.jagged``) are taken for ``query``, ``key`` and
+    ``value``, all three or none: ``(B, T_b, E)``, ``(B, S_b, kdim)``, ``(B, S_b, vdim)`` whatever
+    ``batch_first`` says (a nested tensor's dim 0 lists its sequences), key and value of the same lengths,
+    which may differ from the query's. They are padded once, the key lengths becoming a
+    ``key_padding_mask``, so the result is exactly that of the padded call. The output is a NestedTensor
+    of the query's layout and lengths (a jagged one shares the query's offsets, so ``query + output``
+    works); weights, with ``need_weights=True``, come back padded as torch's fast path returns them,
+    ``(B, T, S')`` or ``(B, H, T, S')``, zeros at the padding.
+    ``nn.TransformerEncoder`` built around torch's module sends strided nested tensors (eval mode, under
+    ``no_grad``, with a ``src_key_padding_mask``, ``need_weights=False``, no masks) to a ``self_attn``
+    swapped in afterwards, so the swap needs no ``use_nested_tensor = False``. torch's module takes
+    nested input only on its fast path (strided self-attention, ``batch_first``, eval, no grad); this
+    one also in training, with autograd (gradients reach the nested inputs), for cross-attention, in
+    either ``batch_first`` and with every constructor option. ``key_padding_mask``, ``attn_mask`` and
+    ``is_causal`` are refused with nested input, as torch refuses them: the lengths are the key padding.
 
     Masks, with torch's polarity: a bool mask is **True = blocked** (both ``attn_mask`` and
     ``key_padding_mask``); a float mask is added to the scores (``-inf`` blocks). Bool and float
@@ -203,10 +221,12 @@ class MultiheadAttention(nn.Module):
         In eval mode under ``no_grad``, ``nn.TransformerEncoderLayer.forward`` takes a "fast path"
         when its ``self_attn`` looks like torch's packed module: it reads ``in_proj_weight`` and
         friends and calls ``torch._transformer_encoder_layer_fwd`` itself, never calling
-        ``self_attn``; ``nn.TransformerEncoder`` likewise turns padded input into nested tensors.
-        Both are gated on this flag (``"self_attn._qkv_same_embed_dim was not True"``), the one
-        check that reads a property of the module alone without changing what it computes.
-        Failing it keeps attnlab's code, and its zeros for fully masked rows, on every call.
+        ``self_attn``. It is gated on this flag (``"self_attn._qkv_same_embed_dim was not True"``),
+        checked on every call, the one check that reads a property of the module alone without
+        changing what it computes. Failing it keeps attnlab's code, and its zeros for fully masked
+        rows, on every call. ``nn.TransformerEncoder`` reads the flag once, when it is built, to
+        decide whether to pass nested tensors to its layers: built around this module it never does;
+        built around torch's and swapped afterwards it does, and ``forward`` takes them.
         """
         return False
 
@@ -231,6 +251,12 @@ class MultiheadAttention(nn.Module):
         if self.add_zero_attn:
             s += ", add_zero_attn=True"
         return s + f", dropout={self.dropout}, batch_first={self.batch_first}, backend={self.backend!r}"
+
+    def __prepare_scriptable__(self) -> ScriptableMultiheadAttention:
+        """What ``torch.jit.script`` compiles for this module (it calls this first, on every submodule):
+        a twin sharing its parameters, written in the TorchScript subset, warning what it does not do
+        (:data:`attnlab.compat.scripted.SCRIPT_WARNING`). See :mod:`attnlab.compat.scripted`."""
+        return make_scriptable(self)
 
     def _load_from_state_dict(
         self,
@@ -283,10 +309,33 @@ class MultiheadAttention(nn.Module):
         """Attend from ``query`` to ``key``/``value``; shapes and masks as in the class docstring.
 
         Returns:
-            ``(output, weights)``: output ``(T, B, E)`` / ``(B, T, E)`` / ``(T, E)``; weights None
-            unless ``need_weights``, then ``(B, T, S')`` averaged over heads or, with
-            ``average_attn_weights=False``, ``(B, H, T, S')`` (no B for unbatched input).
+            ``(output, weights)``: output ``(T, B, E)`` / ``(B, T, E)`` / ``(T, E)``, or a NestedTensor
+            ``(B, T_b, E)`` of the query's layout for a nested query; weights None unless
+            ``need_weights``, then ``(B, T, S')`` averaged over heads or, with
+            ``average_attn_weights=False``, ``(B, H, T, S')`` (no B for unbatched input; padded for
+            nested input).
         """
+        if isinstance(query, Tensor) and query.is_nested:  # the one check the padded path pays
+            return self._forward_nested(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
+        return self._forward_padded(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
+
+    def _forward_padded(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``forward`` on padded (ordinary) tensors; also what nested input runs once padded, called
+        directly so that a subclass overriding ``forward`` still sees each call once."""
         self._check_inputs(query, key, value)
         batched = query.dim() == 3
         q_in, k_in, v_in = self._to_batch_first(query, key, value, batched)  # (B, T, E), (B, S, kdim), (B, S, vdim)
@@ -329,6 +378,136 @@ class MultiheadAttention(nn.Module):
             out = out.squeeze(0)  # (T, E)
             weights = None if weights is None else weights.squeeze(0)  # (T, S') or (H, T, S')
         return out, weights
+
+    # -- nested tensors: padded once, attended by the padded path, nested again ----------------
+    def _forward_nested(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """NestedTensor inputs, each ``(B, T_b, width)``: zero-padded once to ``(B, T, width)``, the key
+        lengths becoming a ``key_padding_mask``; the padded path attends, and the output is nested again
+        in the query's layout (strided or jagged) with the query's lengths. Weights stay padded."""
+        self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)
+        q_pad, q_len = _unnest(query)  # (B, T, E), (B,)
+        k_pad, k_len = (q_pad, q_len) if key is query else _unnest(key)  # (B, S, kdim), (B,)
+        if value is key or value is query:
+            v_pad = k_pad if value is key else q_pad  # (B, S, vdim)
+        else:
+            v_pad, v_len = _unnest(value)  # (B, S, vdim), (B,)
+            if not torch.equal(v_len.cpu(), k_len.cpu()):
+                raise ValueError(
+                    f"value has sequence lengths {v_len.tolist()} but key has {k_len.tolist()}; every key needs "
+                    f"exactly one value: pass value sequences of the key sequences' lengths."
+                )
+        device = q_pad.device
+        T, S = q_pad.size(1), k_pad.size(1)
+        key_pad = torch.arange(S, device=device) >= k_len.to(device)[:, None]  # (B, S), True = padding
+
+        # A nested tensor is batch-first whatever batch_first says (its dim 0 lists the sequences); the
+        # padded path reads (T, B, E) when batch_first=False, so hand it views in that layout.
+        def to_layout(x: Tensor) -> Tensor:
+            return x if self.batch_first else x.transpose(0, 1)  # (B, T, E) or (T, B, E)
+
+        q_in = to_layout(q_pad)
+        k_in = q_in if k_pad is q_pad else to_layout(k_pad)
+        v_in = q_in if v_pad is q_pad else k_in if v_pad is k_pad else to_layout(v_pad)
+        out, weights = self._forward_padded(
+            q_in, k_in, v_in, key_pad, need_weights, None, average_attn_weights, False
+        )  # (B, T, E) or (T, B, E); weights (B, T, S') / (B, H, T, S') or None
+        out = to_layout(out)  # (B, T, E)
+        q_keep = torch.arange(T, device=device) < q_len.to(device)[:, None]  # (B, T), True = a real query
+        if weights is not None:  # as torch's fast path returns them: padded, zero on padded query rows
+            rows = q_keep[:, :, None] if weights.dim() == 3 else q_keep[:, None, :, None]  # (B, [1,] T, 1)
+            weights = weights.masked_fill(~rows, 0.0)
+        return _nested_like(query, out, q_keep), weights
+
+    def _pad_fix(self, name: str) -> str:
+        """The expression that pads nested ``name`` into this module's layout, for error messages."""
+        return f"{name}.to_padded_tensor(0.0)" + ("" if self.batch_first else ".transpose(0, 1)")
+
+    def _check_nested(
+        self,
+        query: Tensor,
+        key: object,
+        value: object,
+        key_padding_mask: object,
+        attn_mask: object,
+        is_causal: bool,
+    ) -> None:
+        """Nested query, key and value as the padded path cannot check them: all nested, 3-D, a regular
+        width, one key sequence per query sequence; and no masks (the lengths are the mask).
+        Whether dtypes and devices match the weights' is checked by the padded path, after padding."""
+        widths = {"query": ("embed_dim", self.embed_dim), "key": ("kdim", self.kdim), "value": ("vdim", self.vdim)}
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            width_name, width = widths[name]
+            layout = f"(B, {'T' if name == 'query' else 'S'}_b, {width_name}={width})"
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, nested {layout} like query, got {type(x).__name__}.")
+            if not x.is_nested:
+                raise TypeError(
+                    f"query is a NestedTensor but {name} is a padded tensor of shape {tuple(x.shape)}; pass query, "
+                    f"key and value all nested (one sequence per batch entry), or all padded: "
+                    f"{self._pad_fix('query')} with a key_padding_mask."
+                )
+            if not x.is_floating_point():
+                raise TypeError(
+                    f"{name} has dtype {x.dtype}; expected a floating NestedTensor {layout} like the module's "
+                    f"weights ({self.out_proj.weight.dtype}); token ids go through an nn.Embedding first."
+                )
+            if x.dim() != 3:
+                raise ValueError(
+                    f"{name} is a NestedTensor of {x.dim()} dimensions; expected {layout}, B sequences of shape "
+                    f"({'T' if name == 'query' else 'S'}_b, {width_name}) (nested tensors are batch-first whatever "
+                    f"batch_first says)."
+                )
+            if x.layout == torch.jagged:
+                jagged: Any = x  # torch's NestedTensor subclass, whose offsets() and friends are untyped
+                if jagged._ragged_idx != 1:
+                    raise ValueError(
+                        f"{name} is a jagged NestedTensor ragged in dim {jagged._ragged_idx}; expected {layout}, "
+                        f"ragged in dim 1 (the sequence length): undo the transpose that moved it."
+                    )
+                if jagged.lengths() is not None:
+                    raise ValueError(
+                        f"{name} is a jagged NestedTensor with holes (offsets and lengths, as torch.nested.narrow "
+                        f"makes), which cannot be padded; pass {name}.contiguous()."
+                    )
+                got = [x.size(-1)]  # one width: a jagged tensor is ragged in dim 1 only
+            else:  # strided: each sequence has its own shape
+                got = x._nested_tensor_size()[:, -1].unique().tolist()  # the sequences' widths
+            if got != [width] and x.size(0) > 0:
+                hint = f"project it to {width} features or build the module with {width_name}={got[0]}"
+                raise ValueError(
+                    f"{name} is a NestedTensor whose sequences have width {' and '.join(map(str, got))}; "
+                    f"expected {width_name}={width} for every sequence, {layout}"
+                    + (f": {hint}." if len(got) == 1 else ".")
+                )
+        assert isinstance(key, Tensor)
+        if key.size(0) != query.size(0):
+            raise ValueError(
+                f"key holds {key.size(0)} sequences but query holds {query.size(0)}; pass one key sequence per "
+                f"query sequence."
+            )
+        if key_padding_mask is not None:
+            raise ValueError(
+                "key_padding_mask was given with NestedTensor inputs, whose lengths already say which keys exist "
+                "(nn.MultiheadAttention refuses the pair too); drop it, or pass padded tensors "
+                f"({self._pad_fix('key')}) with it."
+            )
+        if attn_mask is not None or is_causal:
+            what = "attn_mask" if attn_mask is not None else "is_causal=True"
+            raise ValueError(
+                f"{what} was given with NestedTensor inputs, which take no attn_mask (nn.MultiheadAttention "
+                f"refuses the pair too); pass padded tensors ({self._pad_fix('query')}) with a key_padding_mask "
+                f"and the attn_mask instead."
+            )
 
     def _to_batch_first(
         self, query: Tensor, key: Tensor, value: Tensor, batched: bool
@@ -454,11 +633,10 @@ class MultiheadAttention(nn.Module):
             layout = self._layout(name, f"{width_name}={width}")
             if not isinstance(x, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}.")
-            if x.is_nested:
+            if x.is_nested:  # a nested query never gets here (forward hands it to _forward_nested)
                 raise TypeError(
-                    f"{name} is a NestedTensor, which this module does not take; pass a padded tensor "
-                    f"{layout} with a key_padding_mask (if nn.TransformerEncoder made it, it was built "
-                    f"around torch's attention: set encoder.use_nested_tensor = False)."
+                    f"{name} is a NestedTensor but query is not; pass query, key and value all nested (one "
+                    f"sequence per batch entry), or all padded: {self._pad_fix(name)} with a key_padding_mask."
                 )
             if not x.is_floating_point():
                 raise TypeError(
@@ -559,6 +737,27 @@ class MultiheadAttention(nn.Module):
                 f"b*num_heads + h of a 3-D mask being batch b, head h; build it for T={T} queries and S={S} keys."
             )
         _check_mask_device("attn_mask", attn_mask, device)
+
+
+def _unnest(x: Tensor) -> tuple[Tensor, Tensor]:
+    """A NestedTensor ``(B, T_b, width)`` as a zero-padded ``(B, T, width)`` tensor and its lengths ``(B,)``."""
+    if x.layout == torch.jagged:
+        jagged: Any = x  # torch's NestedTensor subclass, whose offsets() is untyped
+        lengths = jagged.offsets().diff()  # (B,), on x's device
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        # an explicit size: without a cached max length torch pads a jagged tensor to its total length
+        return x.to_padded_tensor(0.0, output_size=(x.size(0), max_len, x.size(-1))), lengths
+    return x.to_padded_tensor(0.0), x._nested_tensor_size()[:, 0]  # sizes are host metadata: no sync
+
+
+def _nested_like(like: Tensor, padded: Tensor, keep: Tensor) -> Tensor:
+    """The rows of ``padded`` ``(B, T, E)`` where ``keep`` ``(B, T)`` as a NestedTensor of ``like``'s
+    layout and lengths; differentiable, as the padding was."""
+    if like.layout == torch.jagged:
+        jagged: Any = like  # torch's NestedTensor subclass, whose offsets() is untyped
+        # like's own offsets: the result shares its ragged size, so `like + result` (a residual) works
+        return torch.nested.nested_tensor_from_jagged(padded[keep], jagged.offsets(), max_seqlen=padded.size(1))
+    return torch._nested_tensor_from_mask(padded, keep, mask_check=False)  # as nn.TransformerEncoder makes them
 
 
 def _check_mask_kind(name: str, mask: object, bool_meaning: str) -> None:
