@@ -252,3 +252,25 @@ def test_hugging_face_model_gets_attn_implementation() -> None:
     with torch.no_grad():
         assert _max_diff(model(input_ids=ids).logits, before) <= BOUND
     assert attnlab.swap(model).left[0].reason == "already attnlab (attn_implementation='attnlab')"
+
+
+def test_hugging_face_verify_failure_restores_the_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers")
+    import attnlab.hf.attention as hf_attention
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 40, (2, 6))
+    real_attend = hf_attention.attend
+
+    def perturbed(*args: object, **kwargs: object) -> tuple[Tensor, Tensor | None, str | None]:
+        context, weights, why = real_attend(*args, **kwargs)  # type: ignore[arg-type]
+        return context + 1e-2, weights, why
+
+    monkeypatch.setattr(hf_attention, "attend", perturbed)
+    with pytest.raises(attnlab.compat.SwapVerificationError, match=r"output\['logits'\] \(float32\) differs after"):
+        attnlab.swap(model, verify={"input_ids": ids})
+    assert model.config._attn_implementation == "sdpa"

@@ -223,6 +223,25 @@ def test_unrecognised_and_unexpressible_modules_are_left_with_reasons() -> None:
     assert set(by_path) == {"a", "b", "d", "e"}
 
 
+def test_known_timm_classes_are_left_with_their_own_reason() -> None:
+    from timm.layers.attention2d import Attention2d
+    from timm.layers.diff_attention import DiffAttention
+
+    report = swap(nn.ModuleDict({"conv": Attention2d(E, num_heads=H), "diff": DiffAttention(E, num_heads=H)}))
+    assert report.left == [
+        Left(
+            "conv",
+            "timm.layers.Attention2d",
+            "attention over NCHW feature maps with 1x1-conv projections; attnlab's modules take (B, T, C) tokens",
+        ),
+        Left(
+            "diff",
+            "timm.layers.DiffAttention",
+            "differential attention (the difference of two softmaxes) has no attnlab module",
+        ),
+    ]
+
+
 def test_exclude() -> None:
     model = nn.Sequential(_encoder_layer(), _encoder_layer())
     report = swap(model, exclude=["1.0.self_attn"])
@@ -292,6 +311,17 @@ def test_verify_runs_in_eval_and_restores_training_flags() -> None:
     report = swap(model, verify=torch.randn(2, 4, E))
     assert report.verified and report.verified[0].max_error <= report.verified[0].allowed
     assert model.training and model[0].self_attn.training and not model[0].dropout1.training
+    assert report.notes == ["verify ran the model in eval mode under no_grad; its training flags are as they were"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_in_low_precision(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(timm_attention.Attention(E, H, qkv_bias=True)), _encoder_layer()).to(dtype)
+    report = swap(model, verify=torch.randn(2, 5, E, dtype=dtype))
+    assert report.verified is not None and report.verified[0].dtype == dtype
+    v = report.verified[0]
+    assert v.original_error > 0 and v.max_error <= v.allowed  # the rule had a low-precision error to scale
 
 
 def test_nested_encoder_flag_follows_what_compat_takes() -> None:

@@ -54,6 +54,27 @@ ATOL: dict[torch.dtype, float] = {
 # Child names that mark a module as computing attention even when its class name does not say so.
 _PROJECTION_NAMES = ("qkv", "in_proj_weight", "q_proj", "k_proj", "v_proj", "to_q", "to_k", "to_v", "c_attn")
 
+# Attention modules swap knows but does not replace, by their defining path, with the reason the report gives.
+_KNOWN_UNSUPPORTED = {
+    "timm.layers.attention.AttentionRope": "timm's rotary attention (rope= per call, prefix tokens left unrotated) is "
+    "not reproduced by attnlab.swap",
+    "timm.layers.diff_attention.DiffAttention": "differential attention (the difference of two softmaxes) has no "
+    "attnlab module",
+    "timm.layers.attention2d.Attention2d": "attention over NCHW feature maps with 1x1-conv projections; attnlab's "
+    "modules take (B, T, C) tokens",
+    "timm.layers.attention2d.MultiQueryAttention2d": "attention over NCHW feature maps with conv projections; "
+    "attnlab's modules take (B, T, C) tokens",
+    "timm.layers.attention2d.MultiQueryAttentionV2": "attention over NCHW feature maps; attnlab's modules take "
+    "(B, T, C) tokens",
+    "timm.layers.attention_pool.AttentionPoolLatent": "latent-query attention pooling (its own q and fused kv "
+    "projections) is not reproduced by attnlab.swap",
+    "timm.layers.attention_pool2d.AttentionPool2d": "attention pooling over NCHW maps with position embeddings is "
+    "not reproduced by attnlab.swap",
+    "timm.layers.attention_pool2d.RotAttentionPool2d": "attention pooling over NCHW maps with rotary embeddings is "
+    "not reproduced by attnlab.swap",
+}
+_UNKNOWN = "an attention-like module attnlab.swap does not know (by its class name or q/k/v projections)"
+
 # Module hook dicts moved, as the same dict objects (so that the user's RemovableHandles still remove them),
 # from a replaced module to its replacement; forward and backward hooks see the same arguments and outputs.
 _CALL_HOOKS = (
@@ -323,13 +344,8 @@ def _visit(walk: _Walk, module: nn.Module, path: str) -> bool:
         if _visit(walk, child, p):
             found = True
         elif _looks_like_attention(child):
-            walk.report.left.append(
-                Left(
-                    p,
-                    _class_name(child),
-                    "an attention-like module attnlab.swap does not know (by its class name or q/k/v projections)",
-                )
-            )
+            defined_at = f"{type(child).__module__}.{type(child).__qualname__}"
+            walk.report.left.append(Left(p, _class_name(child), _KNOWN_UNSUPPORTED.get(defined_at, _UNKNOWN)))
     return found
 
 
@@ -568,6 +584,7 @@ def swap(
         )
 
     original = reference = None
+    training = any(m.training for m in model.modules())
     if verify is not None:
         original = _run(model, verify)
         try:
@@ -598,6 +615,8 @@ def swap(
 
     results = _verify(model, verify, original, reference)
     walk.report.verified = results
+    if training:
+        walk.report.notes.append("verify ran the model in eval mode under no_grad; its training flags are as they were")
     for v in results:
         if not v.max_error <= v.allowed:
             _undo(walk)
