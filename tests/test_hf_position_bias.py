@@ -116,6 +116,19 @@ def test_t5_logits_match_eager_and_sdpa(bias_spy, dtype, atol):
         torch.testing.assert_close(ours[real], theirs[real], atol=atol, rtol=0, msg=implementation)
 
 
+def test_t5_in_bf16_is_as_accurate_as_transformers_own():
+    """flash-attention's rule against the fp32 model: at most twice the error of HF's own bf16 attention."""
+    inputs = t5_inputs()
+    real = inputs["decoder_attention_mask"].bool()
+    reference = logits_as(build_t5(), "eager", **inputs)[real]
+    model = build_t5(torch.bfloat16)
+    errors = {
+        implementation: (logits_as(model, implementation, **inputs)[real].float() - reference).abs().max().item()
+        for implementation in (ATTENTION_NAME, "eager", "sdpa")
+    }
+    assert errors[ATTENTION_NAME] <= 2 * min(errors["eager"], errors["sdpa"]), errors
+
+
 def test_t5_attention_weights_match_eager():
     model, inputs = build_t5(), t5_inputs()
     inputs["decoder_attention_mask"] = torch.ones(2, 5, dtype=torch.long)  # rows HF's eager leaves uniform differ
