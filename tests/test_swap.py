@@ -303,6 +303,27 @@ def test_verify_failure_restores_the_original_modules(monkeypatch: pytest.Monkey
     assert torch.equal(model(x), before)
 
 
+def test_verify_when_a_model_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _encoder_layer()
+    with pytest.raises(
+        ValueError, match=r"^verify=: the model itself, before any swap, raised RuntimeError on the sample"
+    ):
+        swap(model, verify=torch.randn(2, 5, E + 1))
+    assert type(model[0].self_attn) is nn.MultiheadAttention
+
+    def refuses(self: MultiheadAttention, *args: object, **kwargs: object) -> None:
+        raise ValueError("no")
+
+    monkeypatch.setattr(MultiheadAttention, "forward", refuses)
+    with pytest.raises(
+        SwapVerificationError,
+        match=r"^attnlab.swap\(verify=...\): the swapped model raised ValueError on the sample the original ran \(no\)\. "
+        r"Swapped: 0.self_attn\. The model was restored",
+    ):
+        swap(model, verify=torch.randn(2, 5, E))
+    assert type(model[0].self_attn) is nn.MultiheadAttention
+
+
 def test_verify_runs_in_eval_and_restores_training_flags() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(E, H, 32, dropout=0.5, batch_first=True))

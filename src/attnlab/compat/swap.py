@@ -159,10 +159,10 @@ class SwapReport:
 class SwapVerificationError(RuntimeError):
     """``swap(verify=...)`` found an output past the allowed error; the model was restored."""
 
-    def __init__(self, message: str, report: SwapReport, failed: Verified) -> None:
+    def __init__(self, message: str, report: SwapReport, failed: Verified | None) -> None:
         super().__init__(message)
         self.report = report  # what the swap did before it was undone
-        self.failed = failed
+        self.failed = failed  # the output past its allowed error; None when the swapped model raised
 
 
 def _suffix(note: str) -> str:
@@ -517,6 +517,7 @@ def _compare(name: str, original: Tensor, reference: Tensor, swapped: Tensor) ->
 
 
 def _verify(model: nn.Module, sample: Any, original: Any, reference: Any) -> list[Verified]:
+    """Each floating output of ``original`` against the swapped model's on ``sample``."""
     got = dict(_leaves(_run(model, sample)))
     results = []
     ref = dict(_leaves(reference))
@@ -586,15 +587,21 @@ def swap(
     original = reference = None
     training = any(m.training for m in model.modules())
     if verify is not None:
-        original = _run(model, verify)
         try:
-            twin = copy.deepcopy(model).to(torch.float64)
-        except Exception as e:  # a model deepcopy cannot copy: say so rather than guess a reference
-            raise TypeError(
-                f"verify= compares against a float64 copy of the model, but copy.deepcopy(model) failed "
-                f"({type(e).__name__}: {e}); call swap without verify= and compare outputs yourself."
+            original = _run(model, verify)
+        except Exception as e:  # the user's model on the user's sample: nothing was swapped yet
+            raise ValueError(
+                f"verify=: the model itself, before any swap, raised {type(e).__name__} on the sample ({e}); "
+                f"pass a sample the model accepts (verify=x calls model(x), a tuple model(*args), a dict model(**kwargs))."
             ) from e
-        reference = _run(twin, _map_tensors(verify, _to_float64))
+        try:  # Exception: deepcopy, .to(float64) and a float64 run can fail in ways only the model knows
+            twin = copy.deepcopy(model).to(torch.float64)
+            reference = _run(twin, _map_tensors(verify, _to_float64))
+        except Exception as e:
+            raise ValueError(
+                f"verify= compares against a float64 copy of the model, and copying or running it in float64 failed "
+                f"({type(e).__name__}: {e}); nothing was swapped. Call swap without verify= and compare outputs yourself."
+            ) from e
         del twin
 
     walk = _Walk(SwapReport(), [], backend, excluded)
@@ -613,14 +620,24 @@ def swap(
     if verify is None:
         return walk.report
 
-    results = _verify(model, verify, original, reference)
+    paths = ", ".join(walk.report.swapped_paths) or "none"
+    try:
+        results = _verify(model, verify, original, reference)
+    except Exception as e:  # the swapped model refused a call the original ran: undo, and say which call
+        _undo(walk)
+        raise SwapVerificationError(
+            f"attnlab.swap(verify=...): the swapped model raised {type(e).__name__} on the sample the original ran "
+            f"({e}). Swapped: {paths}. The model was restored: every original module is back in place and nothing "
+            f"else was changed.",
+            walk.report,
+            None,
+        ) from e
     walk.report.verified = results
     if training:
         walk.report.notes.append("verify ran the model in eval mode under no_grad; its training flags are as they were")
     for v in results:
         if not v.max_error <= v.allowed:
             _undo(walk)
-            paths = ", ".join(walk.report.swapped_paths) or "none"
             raise SwapVerificationError(
                 f"attnlab.swap(verify=...): {v.output} ({str(v.dtype).removeprefix('torch.')}) differs after the swap "
                 f"by {v.max_error:.3e} from a float64 copy of the original model; allowed {v.allowed:.3e} (2 x the "
