@@ -236,14 +236,26 @@ def test_nn_transformer_decoder_layer_tgt_is_causal() -> None:
     assert _max_diff(after, before) <= BOUND
 
 
-def test_hugging_face_model_gets_attn_implementation() -> None:
+def test_hugging_face_model_gets_attn_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers")
+    import attnlab.hf
+
+    attnlab.hf.register()
+    mapping = transformers.AttentionInterface._global_mapping
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 40, (2, 6))
+    with monkeypatch.context() as unregistered:  # swap does not import attnlab.hf: it says to register first
+        unregistered.delitem(mapping, "attnlab")
+        report = attnlab.swap(model)
+    assert report.swapped == [] and report.left[0].reason == (
+        "attnlab's attention is not registered with transformers yet: call attnlab.hf.register() and swap again "
+        "(or load the model with attn_implementation=attnlab.hf.register())"
+    )
+    assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():
         before = model(input_ids=ids).logits
     report = attnlab.swap(model, verify={"input_ids": ids})
@@ -258,6 +270,7 @@ def test_hugging_face_verify_failure_restores_the_implementation(monkeypatch: py
     transformers = pytest.importorskip("transformers")
     import attnlab.hf.attention as hf_attention
 
+    hf_attention.register()
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0

@@ -10,8 +10,9 @@ found                                                       replaced by
 ``nn.Transformer``, torchvision's ViT, open_clip's blocks)
 timm's ``Attention`` (``timm.layers.Attention``, ViT)       ``attnlab.compat.FusedQKVAttention``
 open_clip's ``transformer.Attention``                       ``attnlab.compat.FusedQKVAttention``
-a Hugging Face ``PreTrainedModel``                          not module-swapped: ``attnlab.hf.register()`` and
-                                                            ``model.set_attn_implementation("attnlab")``
+a Hugging Face ``PreTrainedModel``                          not module-swapped:
+                                                            ``model.set_attn_implementation("attnlab")``, once
+                                                            ``attnlab.hf.register()`` has run (else left, saying so)
 ==========================================================  ================================================
 
 and returns a :class:`SwapReport`: what was replaced (path, from class, to class) and what was
@@ -383,9 +384,9 @@ def _swap_hf(walk: _Walk, model: nn.Module, path: str) -> bool:
     if before == "attnlab":
         walk.report.left.append(Left(shown, _class_name(model), "already attnlab (attn_implementation='attnlab')"))
         return True
-    from ..hf import register  # transformers is imported only for a model that is already an HF one
-
-    register()
+    if not _hf_attention_registered():
+        walk.report.left.append(Left(shown, _class_name(model), _HF_NOT_REGISTERED))
+        return False
     try:
         model.set_attn_implementation("attnlab")  # type: ignore[operator]
     except (ValueError, TypeError) as e:
@@ -409,6 +410,21 @@ def _swap_hf(walk: _Walk, model: nn.Module, path: str) -> bool:
         Swapped(shown, f"{_class_name(model)} (attn_implementation={before!r})", "attn_implementation='attnlab'")
     )
     return True
+
+
+# attnlab.hf sits beside compat in the layering (both on core), so swap does not import it: it uses
+# attnlab's HF attention once attnlab.hf.register() has put it in transformers' registry.
+_HF_NOT_REGISTERED = (
+    "attnlab's attention is not registered with transformers yet: call attnlab.hf.register() and swap again "
+    "(or load the model with attn_implementation=attnlab.hf.register())"
+)
+
+
+def _hf_attention_registered() -> bool:
+    """Whether transformers' ``AttentionInterface`` maps ``"attnlab"`` (what ``attnlab.hf.register()`` does)."""
+    mod = sys.modules.get("transformers.modeling_utils")
+    mapping = getattr(getattr(mod, "AttentionInterface", None), "_global_mapping", None)
+    return isinstance(mapping, dict) and "attnlab" in mapping
 
 
 def _fix_nested_encoders(walk: _Walk, model: nn.Module) -> None:
