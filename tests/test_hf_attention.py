@@ -23,11 +23,12 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
 )
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 import attnlab.hf
 from attnlab.core import functional
 from attnlab.hf import ATTENTION_NAME, attnlab_attention_forward, hf_mask_to_keep
+from attnlab.hf.routing import attnlab_mask
 from hf_helpers import left_padded_inputs, run_as
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -101,7 +102,8 @@ def test_register_is_idempotent_and_fills_both_registries():
     assert attnlab.hf.register() == attnlab.hf.register() == "attnlab" == ATTENTION_NAME
     assert AttentionInterface()[ATTENTION_NAME] is attnlab_attention_forward
     # without a mask function under the same name transformers would hand the attention no mask at all
-    assert AttentionMaskInterface()[ATTENTION_NAME] is sdpa_mask
+    # (sdpa_mask, or eager_mask for a model whose attention is inline: tests/test_hf_routing.py)
+    assert AttentionMaskInterface()[ATTENTION_NAME] is attnlab_mask
 
 
 def test_register_refuses_a_name_taken_by_another_function(monkeypatch):

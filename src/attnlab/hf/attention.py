@@ -39,6 +39,7 @@ from ..core.functional import sdpa_compute_dtype
 from ..core.masks import Masks, prepare_masks
 from ..core.variants import Structure
 from ..runtime.optional import import_failure
+from .routing import attnlab_mask
 
 __all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
 
@@ -392,10 +393,11 @@ def _transformers_version() -> str:
 def register() -> str:
     """Register attnlab's attention with transformers under :data:`ATTENTION_NAME`; returns the name.
 
-    Registers :func:`attnlab_attention_forward` with ``AttentionInterface`` and transformers'
-    ``sdpa_mask`` with ``AttentionMaskInterface`` (without a mask function registered under the
-    name, transformers hands a custom attention no mask at all: padding and sliding windows would
-    be lost). Idempotent; raises if another function already holds the name. When transformers does
+    Registers :func:`attnlab_attention_forward` with ``AttentionInterface`` and
+    :func:`attnlab.hf.routing.attnlab_mask` (transformers' ``sdpa_mask``, or its ``eager_mask`` for a
+    model whose attention is inline and never calls attnlab) with ``AttentionMaskInterface`` (without
+    a mask function registered under the name, transformers hands a custom attention no mask at
+    all: padding and sliding windows would be lost). Idempotent; raises if another function already holds the name. When transformers does
     not import, the ImportError says why, from :func:`attnlab.runtime.optional.import_failure`: not
     installed, too old (its version named), lacking the names, or broken by another package (named,
     with its version, the module that raised and the error; a torchvision that does not match torch
@@ -408,14 +410,14 @@ def register() -> str:
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: F401 (attnlab_mask calls them)
     except Exception as err:  # optional dependency; a broken package under it raises RuntimeError, OSError...
         # not installed, too old, lacking the names, or broken by a package it imports (torchvision...)
         need = "attnlab.hf.register() needs transformers 5 (AttentionInterface and AttentionMaskInterface)"
         raise ImportError(import_failure("transformers", need, err, min_major=5)) from err
     for interface, ours in (
         (AttentionInterface, attnlab_attention_forward),
-        (AttentionMaskInterface, sdpa_mask),
+        (AttentionMaskInterface, attnlab_mask),
     ):
         mapping = getattr(interface, "_global_mapping", None)  # transformers 5's registry: {name: function}
         if not isinstance(mapping, dict) or not callable(getattr(interface, "register", None)):
