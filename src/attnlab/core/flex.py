@@ -19,7 +19,12 @@ Here every variant becomes one of those pieces:
   ``out_sink = out * Z / (Z + exp(s_h)) = out * sigmoid(lse - s_h)`` with ``lse = log Z`` (exact);
   compiled CPU flex cannot return the LSE (torch 2.13), so on a CPU the sink joins instead as one
   extra key of zeros whose score is ``s_h`` (as the SDPA path does; one more tile per row of tiles);
-* GQA: ``enable_gqa=True`` (query head h reads K/V head ``h // (H // G)``).
+* GQA: ``enable_gqa=True`` (query head h reads K/V head ``h // (H // G)``). In fp16/bf16 the grouped heads'
+  dK/dV are summed in float32: torch 2.13's flex backward kernel (``flex_backwards.py.jinja``) loops over the
+  ``H // G`` query heads of a K/V head into float32 accumulators before one store. That kernel runs on GPUs only
+  (no CPU backward), so it is not measured here; when compiled flex fails, the fallbacks
+  (:func:`~attnlab.core.variants.banded_sdpa`, :func:`~attnlab.core.variants.variant_sdpa`) follow
+  :func:`~attnlab.core.functional.sdpa_compute_dtype` as every SDPA path does.
 
 The ``BlockMask`` is not built by ``create_block_mask``: that evaluates ``mask_mod`` on every
 ``(q, k)`` pair, which at T=16384 took 3.1 s and 2.4 GB in eager mode (measured, torch 2.13 CPU),
