@@ -248,22 +248,36 @@ def test_hugging_face_model_gets_attn_implementation(monkeypatch: pytest.MonkeyP
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 40, (2, 6))
-    with monkeypatch.context() as unregistered:  # swap does not import attnlab.hf: it says to register first
+    with monkeypatch.context() as unregistered:  # compat's swap does not import attnlab.hf: it says to register first
         unregistered.delitem(mapping, "attnlab")
-        report = attnlab.swap(model)
-    assert report.swapped == [] and report.left[0].reason == (
-        "attnlab's attention is not registered with transformers yet: call attnlab.hf.register() and swap again "
-        "(or load the model with attn_implementation=attnlab.hf.register())"
-    )
-    assert model.config._attn_implementation == "sdpa"
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
-    report = attnlab.swap(model, verify={"input_ids": ids})
+        report = attnlab.compat.swap(model)
+        assert report.swapped == [] and report.left[0].reason == (
+            "attnlab's attention is not registered with transformers yet: call attnlab.hf.register() and swap again "
+            "(or load the model with attn_implementation=attnlab.hf.register())"
+        )
+        assert model.config._attn_implementation == "sdpa"
+        with torch.no_grad():
+            before = model(input_ids=ids).logits
+        report = attnlab.swap(model, verify={"input_ids": ids})  # the package root's swap registers first
+        assert "attnlab" in mapping
     assert report.swapped[0].to_class == "attn_implementation='attnlab'"
     assert model.config._attn_implementation == "attnlab"
     with torch.no_grad():
         assert _max_diff(model(input_ids=ids).logits, before) <= BOUND
     assert attnlab.swap(model).left[0].reason == "already attnlab (attn_implementation='attnlab')"
+
+
+def test_hugging_face_model_whose_attention_is_inline_is_left_with_the_reason() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=40)
+    model = transformers.BloomForCausalLM(config).eval()
+    before = model.config._attn_implementation
+    report = attnlab.swap(model)
+    assert report.swapped == [] and report.left[0].reason == (
+        "its attention is computed inline (its modeling file never calls an attention function by name), "
+        "so attn_implementation='attnlab' would not run attnlab there"
+    )
+    assert model.config._attn_implementation == before
 
 
 def test_hugging_face_verify_failure_restores_the_implementation(monkeypatch: pytest.MonkeyPatch) -> None:

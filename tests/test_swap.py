@@ -27,7 +27,11 @@ def _encoder_layer(**kw: object) -> nn.Sequential:
 
 
 def test_exported_names() -> None:
-    assert attnlab.swap is swap and attnlab.compat.swap is swap and attnlab.SwapReport is SwapReport
+    import inspect
+
+    # attnlab.swap is compat's swap plus attnlab.hf.register() for HF models (tests/test_clients.py)
+    assert attnlab.compat.swap is swap and attnlab.SwapReport is SwapReport
+    assert inspect.signature(attnlab.swap) == inspect.signature(swap)
 
 
 def test_report_fields_and_table() -> None:

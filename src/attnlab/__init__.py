@@ -1,6 +1,13 @@
 """attnlab: multi-head attention for PyTorch, readable, verified and fast."""
 
-from .compat.swap import SwapReport, swap
+import inspect as _pyinspect
+import sys
+from typing import Any
+
+from torch import nn
+
+from .compat.swap import SwapReport
+from .compat.swap import swap as _swap_modules
 from .core.attention import MultiHeadAttention
 from .core.functional import math_attention, sdpa_attention
 from .core.kv_cache import KVCache
@@ -35,3 +42,23 @@ __all__ = [
     "sdpa_attention",
 ]
 __version__ = "0.1.0"
+
+
+def swap(model: Any, **kwargs: Any) -> SwapReport:
+    """:func:`attnlab.compat.swap`, after :func:`attnlab.hf.register` when ``model`` is (or holds) a
+    Hugging Face model, so that one call also sets ``attn_implementation="attnlab"`` there.
+
+    ``compat`` sits beside ``hf`` in the package's layers and does not import it; the package root,
+    above both, joins them. Arguments and result as :func:`attnlab.compat.swap`."""
+    if (
+        isinstance(model, nn.Module)
+        and "transformers" in sys.modules
+        and any(type(m).__module__.startswith("transformers.") for m in model.modules())
+    ):
+        from .hf import register
+
+        register()
+    return _swap_modules(model, **kwargs)
+
+
+swap.__signature__ = _pyinspect.signature(_swap_modules)  # type: ignore[attr-defined]

@@ -384,6 +384,16 @@ def _swap_hf(walk: _Walk, model: nn.Module, path: str) -> bool:
     if before == "attnlab":
         walk.report.left.append(Left(shown, _class_name(model), "already attnlab (attn_implementation='attnlab')"))
         return True
+    if not _calls_attention_by_name(model):
+        walk.report.left.append(
+            Left(
+                shown,
+                _class_name(model),
+                "its attention is computed inline (its modeling file never calls an attention function by name), "
+                "so attn_implementation='attnlab' would not run attnlab there",
+            )
+        )
+        return False
     if not _hf_attention_registered():
         walk.report.left.append(Left(shown, _class_name(model), _HF_NOT_REGISTERED))
         return False
@@ -418,6 +428,14 @@ _HF_NOT_REGISTERED = (
     "attnlab's attention is not registered with transformers yet: call attnlab.hf.register() and swap again "
     "(or load the model with attn_implementation=attnlab.hf.register())"
 )
+
+
+def _calls_attention_by_name(model: nn.Module) -> bool:
+    """Whether ``model``'s modeling file dispatches attention through transformers' registry (it then
+    imports ``ALL_ATTENTION_FUNCTIONS``; BLOOM's or MPNet's, which compute it inline, do not). The
+    same test as :mod:`attnlab.hf.routing`'s, on the instance's own class."""
+    module = sys.modules.get(type(model).__module__)
+    return module is None or "ALL_ATTENTION_FUNCTIONS" in vars(module)
 
 
 def _hf_attention_registered() -> bool:
