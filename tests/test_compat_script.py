@@ -100,19 +100,18 @@ def family(name: str) -> _Family:
 def _masks(case: str, heads: int, batched: bool) -> dict:
     """forward() keyword arguments for a mask case, in torch's conventions (bool True = blocked)."""
     g = torch.Generator().manual_seed(2)
-    s_len = S
-    rows = (B * heads if batched else heads, T, s_len)
+    rows = (B * heads if batched else heads, T, S)
     kw: dict = {}
-    if case in ("bool_2d", "bool_3d", "bool_and_padding"):
-        blocked = torch.rand(rows if case == "bool_3d" else (T, s_len), generator=g) > 0.6
+    if case in ("bool_2d", "bool_3d_and_padding"):
+        blocked = torch.rand(rows if case == "bool_3d_and_padding" else (T, S), generator=g) > 0.6
         blocked[..., 0] = False  # every query keeps a key: fully masked rows have their own test
         kw["attn_mask"] = blocked
     if case in ("float_2d", "float_3d", "float_and_float_padding"):
-        bias = torch.randn(rows if case == "float_3d" else (T, s_len), generator=g)
+        bias = torch.randn(rows if case == "float_3d" else (T, S), generator=g)
         bias[..., 2] = float("-inf")
         kw["attn_mask"] = bias
-    if case in ("padding", "bool_and_padding", "float_padding", "float_and_float_padding", "causal_and_padding"):
-        pad = torch.zeros(B if batched else 1, s_len, dtype=torch.bool)
+    if case in ("padding", "bool_3d_and_padding", "float_padding", "float_and_float_padding", "causal_and_padding"):
+        pad = torch.zeros(B if batched else 1, S, dtype=torch.bool)
         pad[-1, -2:] = True  # the last sequence is 2 keys shorter
         if case in ("float_padding", "float_and_float_padding"):
             kw["key_padding_mask"] = torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
@@ -121,20 +120,23 @@ def _masks(case: str, heads: int, batched: bool) -> dict:
         if not batched:
             kw["key_padding_mask"] = kw["key_padding_mask"][0]  # (S,)
     if case in ("causal", "causal_and_padding"):
-        kw["attn_mask"] = torch.ones(T, s_len, dtype=torch.bool).triu(1)  # torch's causal mask, True = blocked
+        kw["attn_mask"] = torch.ones(T, S, dtype=torch.bool).triu(1)  # torch's causal mask, True = blocked
         kw["is_causal"] = True
     return kw
 
 
-MASK_CASES = [
+MASK_CASES = [  # bool 2-D masks come with the causal cases, float 2-D with float padding
     "none",
     "float_3d",
     "padding",
-    "bool_and_padding",
+    "bool_3d_and_padding",
     "float_and_float_padding",
     "causal",
     "causal_and_padding",
 ]
+
+
+UNBATCHED_CASES = ("none", "float_3d", "causal_and_padding")  # (H, T, S) masks, (S,) padding
 
 
 def _assert_same(got: tuple, want: tuple, exact: bool) -> None:
@@ -154,7 +156,7 @@ def _assert_same(got: tuple, want: tuple, exact: bool) -> None:
 @pytest.mark.parametrize("case", MASK_CASES)
 def test_scripted_equals_eager_and_torch(config, case):
     fam = family(config)
-    for batched in (True, False):
+    for batched in (True, False) if case in UNBATCHED_CASES else (True,):
         q, k, v = fam.inputs(batched)
         kw = _masks(case, fam.heads, batched)  # over the caller's S keys
         for need_weights, average in ((True, True), (True, False), (False, True)):
@@ -173,10 +175,13 @@ def test_scripted_equals_eager_and_torch(config, case):
 def test_self_attention_takes_the_same_fused_projection(config):
     fam = family(config)
     q, k, _ = fam.inputs(self_attention=True)  # q is k is v
+    causal = {"attn_mask": torch.ones(T, T, dtype=torch.bool).triu(1), "is_causal": True}  # square: SDPA's is_causal
     for need_weights in (True, False):
-        _assert_same(
-            fam.scripted(q, q, q, need_weights=need_weights), fam.ours(q, q, q, need_weights=need_weights), True
-        )
+        for kw in ({}, causal):
+            got = fam.scripted(q, q, q, need_weights=need_weights, **kw)
+            _assert_same(got, fam.ours(q, q, q, need_weights=need_weights, **kw), True)
+            if fam.torch is not None:
+                _assert_same(got, fam.torch(q, q, q, need_weights=need_weights, **kw), False)
         kv = fam.scripted(q, k, k, need_weights=need_weights)  # key is value: K and V in one GEMM
         _assert_same(kv, fam.ours(q, k, k, need_weights=need_weights), True)
 
@@ -313,7 +318,7 @@ def test_save_and_load_the_scripted_module(tmp_path):
     torch.jit.save(fam.scripted, str(path))
     loaded = torch.jit.load(str(path))
     q, k, v = fam.inputs()
-    kw = _masks("bool_and_padding", fam.heads, True)
+    kw = _masks("bool_3d_and_padding", fam.heads, True)
     for need_weights in (True, False):
         _assert_same(
             loaded(q, k, v, need_weights=need_weights, **kw), fam.ours(q, k, v, need_weights=need_weights, **kw), True
