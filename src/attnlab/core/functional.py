@@ -31,10 +31,10 @@ repeating them, so that autograd's reduction of the repeated gradient runs in fl
 SDPA runs in float32 (torch's CPU flash kernel, in bf16/fp16 with ``enable_gqa``, accumulates the R
 heads' dK/dV in bf16/fp16: dV error 9.4e-2 against plain PyTorch's 3.7e-2, bf16 MQA, D=32, 256 x 128
 causal, outside flash-attention's rule of twice plain's error; 3.2e-2 in float32). On CUDA the fused
-kernels run as they are:
-FlashAttention-2 (torch's flash backend) writes each query head's dK/dV and sums the R of them with
-one ``at::sum`` (a float32 accumulator, one rounding: as plain PyTorch does), and torch's math backend
-keeps fp16/bf16 intermediates in float32 (its documentation); not measured here (no GPU).
+kernels run as they are: FlashAttention-2 (torch's flash backend) writes each query head's dK/dV and
+sums the R of them with one ``at::sum`` (a float32 accumulator, one rounding: as plain PyTorch does),
+and torch's math backend, which serves GQA with a mask, keeps fp16/bf16 intermediates in float32 (its
+documentation); not measured here (no GPU).
 """
 
 from __future__ import annotations
