@@ -19,6 +19,8 @@ from attnlab.compat.scripted import SCRIPT_WARNING, ScriptableMultiheadAttention
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),  # torch 2.13 says so
+    pytest.mark.filterwarnings("ignore:`torch.jit.save` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage"),
 ]
 
@@ -379,6 +381,9 @@ def test_a_strided_nested_tensor_equals_the_padded_call(config, need_weights):
     if need_weights:
         assert w is not None and want_w is not None
         assert torch.equal(w[1, :2], want_w[1, :2]) and w[1, 2:].abs().sum() == 0  # padded query rows: zeros
+    eager_out, eager_w = fam.ours(nested, nested, nested, need_weights=need_weights)  # the eager nested path
+    assert torch.equal(out.to_padded_tensor(0.0), eager_out.to_padded_tensor(0.0))
+    assert (w is None and eager_w is None) or (w is not None and eager_w is not None and torch.equal(w, eager_w))
 
 
 def test_nested_inputs_the_scripted_module_cannot_take_are_refused_clearly():
