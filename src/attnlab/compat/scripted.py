@@ -29,14 +29,11 @@ What the scripted module does not do is :data:`SCRIPT_WARNING`, warned when it i
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from .multihead import MultiheadAttention
 
 __all__ = ["SCRIPT_WARNING", "ScriptableMultiheadAttention"]
 
@@ -48,6 +45,35 @@ SCRIPT_WARNING = (
     "eager message; it records its own last_backend. In the eager parent module, torch leaves the twin in "
     "place of the original (the __prepare_scriptable__ protocol); called eagerly, the twin runs the original."
 )
+
+
+class Source(Protocol):
+    """What the twin reads of the ``compat.MultiheadAttention`` it is made from (a Protocol, so that this
+    file imports nothing from multihead.py, which imports it)."""
+
+    embed_dim: int
+    kdim: int
+    vdim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dim: int
+    dropout: float
+    batch_first: bool
+    add_zero_attn: bool
+    backend: str
+    last_backend: str | None
+    training: bool
+    _parameters: dict[str, nn.Parameter | None]
+
+    @property
+    def out_proj(self) -> nn.Linear: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def extra_repr(self) -> str: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def _shape(x: Tensor) -> str:
@@ -179,7 +205,7 @@ class ScriptableMultiheadAttention(nn.Module):
         in_proj_bias: Tensor | None
         out_proj: nn.Linear
 
-    def __init__(self, source: "MultiheadAttention") -> None:
+    def __init__(self, source: Source) -> None:
         super().__init__()
         self.embed_dim = source.embed_dim  # E
         self.kdim, self.vdim = source.kdim, source.vdim
@@ -751,7 +777,7 @@ def _check_mask_device(name: str, mask: Tensor, device: torch.device) -> None:
         )
 
 
-def make_scriptable(source: "MultiheadAttention") -> ScriptableMultiheadAttention:
+def make_scriptable(source: Source) -> ScriptableMultiheadAttention:
     """The twin ``torch.jit.script`` compiles for ``source``, with :data:`SCRIPT_WARNING` (once per
     call site under Python's default warning filter)."""
     warnings.warn(SCRIPT_WARNING, UserWarning, stacklevel=3)
