@@ -299,14 +299,27 @@ def test_an_encoder_built_around_our_layer_keeps_padded_tensors(device):
     assert all(m.self_attn.calls == 1 for m in ours.layers)
 
 
-def test_a_nested_tensor_gets_a_clear_error():
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_an_encoder_that_decided_on_nested_tensors_before_the_swap_gets_our_answer(device):
+    """Built around torch's attention, the encoder sends nested tensors to the swapped-in self_attn
+    (eval, no_grad, src_key_padding_mask): ours takes them and gives torch's answer.
+    Every case of this is in test_compat_nested.py."""
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
+    ref = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=True).eval()
     encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=True).eval()
+    encoder.load_state_dict(ref.state_dict())
     encoder.layers[0].self_attn = _swap_attention(encoder.layers[0].self_attn)  # after the encoder decided
-    pad = torch.zeros(B, T, dtype=torch.bool)
+    assert encoder.use_nested_tensor
+    ref, encoder = ref.to(device), encoder.to(device)
+    x = torch.randn(B, T, E).to(device)
+    pad = torch.zeros(B, T, dtype=torch.bool, device=device)
     pad[1, -2:] = True
-    with torch.no_grad(), pytest.raises(TypeError, match="query is a NestedTensor.*use_nested_tensor = False"):
-        encoder(torch.randn(B, T, E), src_key_padding_mask=pad)
+    nested = []
+    encoder.layers[0].self_attn.register_forward_pre_hook(lambda m, args: nested.append(args[0].is_nested))
+    with torch.no_grad():
+        expected, got = ref(x, src_key_padding_mask=pad), encoder(x, src_key_padding_mask=pad)
+    assert nested == [True] and encoder.layers[0].self_attn.calls == 1
+    assert (got - expected).abs().max() <= TOL  # both zero at the padding
 
 
 # -- backends, shapes, bookkeeping ------------------------------------------------------------

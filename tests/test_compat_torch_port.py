@@ -5,7 +5,8 @@ both with an independent per-head reference written out with loops, as torch's t
 its NumPy reference.
 
 Not ported: `static_k`/`static_v` (arguments of F.multi_head_attention_forward only, not of the
-module) and the NestedTensor fast-path cases (torch's fused kernels; ours refuses nested input).
+module). NestedTensor input, which torch takes on its fast path only, has its own file,
+test_compat_nested.py; one case here.
 
 Letters: B batch, T query positions, S key positions, E embed_dim, H heads, D = E // H.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -411,10 +413,24 @@ def test_both_modules_refuse_the_same_invalid_inputs(case):
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-def test_nested_tensors_outside_a_fast_path_are_refused_by_both():
+def test_nested_tensors_torch_takes_on_its_fast_path_ours_in_training_too():
     ref, ours = _pair(dtype=torch.float32, batch_first=True)
     nested = torch.nested.nested_tensor([torch.randn(2, E), torch.randn(3, E)])
+    with torch.no_grad():
+        expected, _ = ref.eval()(nested, nested, nested, need_weights=False)  # torch's fast path
     with pytest.raises(AssertionError, match="does not support NestedTensor outside of its fast path"):
         ref.train()(nested, nested, nested)
-    with pytest.raises(TypeError, match="query is a NestedTensor"):
-        ours.train()(nested, nested, nested)
+    got, _ = ours.train()(nested, nested, nested, need_weights=False)  # dropout 0: only autograd differs
+    assert got.is_nested and got.requires_grad
+    assert max((g - e).abs().max() for g, e in zip(got.unbind(), expected.unbind(), strict=True)) <= TOL32
+    # with a mask both still refuse (the nested lengths are the key padding); every case: test_compat_nested.py
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    with torch.no_grad(), pytest.raises(AssertionError, match="does not support NestedTensor outside of its fast path"):
+        ref.eval()(nested, nested, nested, key_padding_mask=pad)
+    message = (
+        "key_padding_mask was given with NestedTensor inputs, whose lengths already say which keys exist "
+        "(nn.MultiheadAttention refuses the pair too); drop it, or pass padded tensors "
+        "(key.to_padded_tensor(0.0)) with it."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ours(nested, nested, nested, key_padding_mask=pad)

@@ -69,8 +69,9 @@ class MultiheadAttention(nn.Module):
     swapped in afterwards, so the swap needs no ``use_nested_tensor = False``. torch's module takes
     nested input only on its fast path (strided self-attention, ``batch_first``, eval, no grad); this
     one also in training, with autograd (gradients reach the nested inputs), for cross-attention, in
-    either ``batch_first`` and with every constructor option. ``key_padding_mask``, ``attn_mask`` and
-    ``is_causal`` are refused with nested input, as torch refuses them: the lengths are the key padding.
+    either ``batch_first`` and with every constructor option. ``key_padding_mask`` and ``attn_mask`` are
+    refused with nested input, as torch refuses them (the lengths are the key padding), and so is
+    ``is_causal=True``, which torch's fast path silently ignores.
 
     Masks, with torch's polarity: a bool mask is **True = blocked** (both ``attn_mask`` and
     ``key_padding_mask``); a float mask is added to the scores (``-inf`` blocks). Bool and float
@@ -501,12 +502,18 @@ class MultiheadAttention(nn.Module):
                 "(nn.MultiheadAttention refuses the pair too); drop it, or pass padded tensors "
                 f"({self._pad_fix('key')}) with it."
             )
-        if attn_mask is not None or is_causal:
-            what = "attn_mask" if attn_mask is not None else "is_causal=True"
+        if attn_mask is not None:
             raise ValueError(
-                f"{what} was given with NestedTensor inputs, which take no attn_mask (nn.MultiheadAttention "
+                f"attn_mask was given with NestedTensor inputs, which take no attn_mask (nn.MultiheadAttention "
                 f"refuses the pair too); pass padded tensors ({self._pad_fix('query')}) with a key_padding_mask "
                 f"and the attn_mask instead."
+            )
+        if is_causal:  # torch's fast path ignores it and attends to every key: refused, not silently dropped
+            raise ValueError(
+                f"is_causal=True was given with NestedTensor inputs, which take no attn_mask for it to describe "
+                f"(torch's fast path ignores the hint and attends to every key); pass padded tensors "
+                f"({self._pad_fix('query')}) with attn_mask=nn.Transformer.generate_square_subsequent_mask(T) and a "
+                f"key_padding_mask (nn.TransformerEncoder does so when given mask= too), or drop is_causal."
             )
 
     def _to_batch_first(
