@@ -6,6 +6,7 @@ commit, measured in one run: the two trees alternate, round by round, in fresh p
 What it answers: did a change cost the plain path anything? Each round runs every workload once
 per tree (order alternating per round), each workload timed as the median of ``--reps`` calls
 after a warm-up; the table shows the median over rounds and this tree's time over the base's.
+``--base HEAD`` compares the tree with itself: the spread it shows is the machine's noise.
 The base is checked out with ``git worktree`` into a temporary folder and removed afterwards.
 Workloads are the calls most code makes: ``attnlab.MultiHeadAttention`` (fp32, eval, no_grad:
 self-attention, key padding, causal), ``attnlab.compat.MultiheadAttention`` as torch's drop-in
@@ -68,6 +69,12 @@ with torch.no_grad():
     out["compat need_weights=False"] = timed(lambda: compat(x, x, x, key_padding_mask=pad, need_weights=False))
     out["compat need_weights=True"] = timed(lambda: compat(x, x, x, key_padding_mask=pad))
 out["bf16 GQA causal fwd+bwd"] = timed(fwd_bwd)
+# tiny sizes: what is left is the Python of the call path itself, where a change's overhead would show
+xt = torch.randn(1, 8, 64)
+mha_t, compat_t = MultiHeadAttention(64, 4).eval(), MultiheadAttention(64, 4, batch_first=True).eval()
+with torch.no_grad():
+    out["tiny MultiHeadAttention (1x8x64)"] = timed(lambda: mha_t(xt))
+    out["tiny compat need_weights=False"] = timed(lambda: compat_t(xt, xt, xt, need_weights=False))
 print(json.dumps(out))
 """
 
