@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from ..core.dispatch import attend
 from ..core.functional import sdpa_compute_dtype
 from ..core.masks import Masks, prepare_masks
 from ..core.variants import Structure
-from ..runtime.optional import import_failure
+from ..runtime.optional import import_failure, installed_version
 from .routing import attnlab_mask
 
 __all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
@@ -383,13 +382,6 @@ def _same_function(registered: object, ours: object) -> bool:
     )
 
 
-def _transformers_version() -> str:
-    try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return "(version unknown)"
-
-
 def register() -> str:
     """Register attnlab's attention with transformers under :data:`ATTENTION_NAME`; returns the name.
 
@@ -397,8 +389,8 @@ def register() -> str:
     :func:`attnlab.hf.routing.attnlab_mask` (transformers' ``sdpa_mask``, or its ``eager_mask`` for a
     model whose attention is inline and never calls attnlab) with ``AttentionMaskInterface`` (without
     a mask function registered under the name, transformers hands a custom attention no mask at
-    all: padding and sliding windows would be lost). Idempotent; raises if another function already holds the name. When transformers does
-    not import, the ImportError says why, from :func:`attnlab.runtime.optional.import_failure`: not
+    all: padding and sliding windows would be lost). Idempotent; raises if another function already
+    holds the name. When transformers does not import, the ImportError says why, from :func:`attnlab.runtime.optional.import_failure`: not
     installed, too old (its version named), lacking the names, or broken by another package (named,
     with its version, the module that raised and the error; a torchvision that does not match torch
     is told apart), the original error chained as ``__cause__``.
@@ -409,8 +401,9 @@ def register() -> str:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attnlab.hf.register())
     """
     try:
+        # eager_mask and sdpa_mask are imported here only to fail now, not at a model's first forward (attnlab_mask calls them)
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: F401 (attnlab_mask calls them)
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: F401
     except Exception as err:  # optional dependency; a broken package under it raises RuntimeError, OSError...
         # not installed, too old, lacking the names, or broken by a package it imports (torchvision...)
         need = "attnlab.hf.register() needs transformers 5 (AttentionInterface and AttentionMaskInterface)"
@@ -423,7 +416,7 @@ def register() -> str:
         if not isinstance(mapping, dict) or not callable(getattr(interface, "register", None)):
             raise ImportError(
                 f"attnlab.hf.register() needs transformers 5's {interface.__name__} with register() and its "
-                f"_global_mapping, which this transformers {_transformers_version()} lacks; install a 5.x release "
+                f"_global_mapping, which this transformers {installed_version('transformers') or '(version unknown)'} lacks; install a 5.x release "
                 f"with pip install -U 'transformers>=5,<6'."
             )
         registered = mapping.get(ATTENTION_NAME)

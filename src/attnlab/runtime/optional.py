@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["import_advice", "import_failure"]
+__all__ = ["import_advice", "import_failure", "installed_version"]
 
 # Frames of these top-level modules are the import machinery or the caller, never a culprit.
 _NOT_CULPRITS = ("importlib", "attnlab", "builtins", "__main__")
@@ -82,7 +82,8 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def _installed(package: str) -> str | None:
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version, or None when it is not installed."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -98,7 +99,7 @@ def import_advice(package: str, need: str, err: BaseException, *, min_major: int
     The error named is the deepest of ``err``'s chain, the one that started it.
     """
     spec = f"'{package}>={min_major}'" if min_major else package
-    version = _installed(package)
+    version = installed_version(package)
     if version is None:
         return f"{need}, and {package} is not installed; install it with pip install {spec}."
     if min_major is not None and version.split(".")[0].isdigit() and int(version.split(".")[0]) < min_major:
@@ -124,7 +125,7 @@ def _distribution_of(top: str, file: str) -> tuple[str, str] | None:
         home = Path(str(dist.locate_file(top))).resolve()
         here = Path(file).resolve()
         if file.startswith("<") or here == home or home in here.parents or here.with_suffix("") == home:
-            version = _installed(name)
+            version = installed_version(name)
             return (name, version) if version is not None else None
     return None
 
@@ -145,7 +146,7 @@ def _torch_pin(dist: str) -> str | bool | None:
 def _torch_extension_fix(dist: str, version: str, package: str) -> str | None:
     """For a package built against torch (torchvision, torchaudio): how it and torch disagree, and the fix."""
     pin = _torch_pin(dist)
-    torch_version = _installed("torch")
+    torch_version = installed_version("torch")
     if pin is None or torch_version is None or dist == "torch":
         return None
     torch_base, _, torch_label = torch_version.partition("+")
@@ -184,7 +185,7 @@ def import_failure(package: str, need: str, err: BaseException, *, min_major: in
     spec = f"'{package}>={min_major}'" if min_major else package
     chain = _chain(err)
     root = chain[-1]
-    version = _installed(package)
+    version = installed_version(package)
     missing = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
     if version is None and missing == package:
         return f"{need}, and {package} is not installed; install it with pip install {spec}."
