@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 import attnlab
 from attnlab.compat import FusedQKVAttention, MultiheadAttention
-from attnlab.compat.swap import compat_takes_nested
 
 BOUND = 1e-5  # float32, outputs of order 1
 
@@ -214,12 +213,8 @@ def test_nn_transformer_encoder_nested_tensors_in_eval_no_grad() -> None:
     report = attnlab.swap(enc, verify={"src": x, "src_key_padding_mask": pad})
     with torch.no_grad():
         after = enc(x, src_key_padding_mask=pad)
-    if compat_takes_nested():
-        assert enc.use_nested_tensor and "use_nested_tensor kept True" in report.notes[0]
-        assert _max_diff(after, before) <= BOUND
-    else:  # the layers then see padded tensors: real positions agree, padded ones hold values, not zeros
-        assert not enc.use_nested_tensor and "use_nested_tensor set to False" in report.notes[0]
-        assert _max_diff(after[~pad], before[~pad]) <= BOUND
+    assert enc.use_nested_tensor and "use_nested_tensor kept True" in report.notes[0]
+    assert _max_diff(after, before) <= BOUND
 
 
 def test_nn_transformer_decoder_layer_tgt_is_causal() -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 import attnlab
 from attnlab.compat import FusedQKVAttention, MultiheadAttention, SwapReport, SwapVerificationError, swap
-from attnlab.compat.swap import Left, Swapped, _compare, compat_takes_nested
+from attnlab.compat.swap import Left, Swapped, _compare
 
 timm_attention = pytest.importorskip("timm.layers.attention")
 open_clip_transformer = pytest.importorskip("open_clip.transformer")
@@ -349,17 +349,13 @@ def test_verify_in_low_precision(dtype: torch.dtype) -> None:
     assert v.original_error > 0 and v.max_error <= v.allowed  # the rule had a low-precision error to scale
 
 
-def test_nested_encoder_flag_follows_what_compat_takes() -> None:
+def test_nested_encoder_flag_is_kept_and_reported() -> None:
     torch.manual_seed(0)
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True), 1)
     assert enc.use_nested_tensor
     report = swap(nn.Sequential(enc))
-    if compat_takes_nested():
-        assert enc.use_nested_tensor
-        assert report.notes[0].startswith("0.use_nested_tensor kept True: attnlab.compat.MultiheadAttention takes")
-    else:
-        assert not enc.use_nested_tensor
-        assert report.notes[0].startswith("0.use_nested_tensor set to False: attnlab.compat.MultiheadAttention does")
+    assert enc.use_nested_tensor
+    assert report.notes[0].startswith("0.use_nested_tensor kept True: attnlab.compat.MultiheadAttention takes")
 
 
 def test_a_shared_module_gets_one_shared_replacement() -> None:

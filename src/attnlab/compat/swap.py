@@ -28,7 +28,6 @@ import copy
 import functools
 import math
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,22 +206,6 @@ def _looks_like_attention(m: nn.Module) -> bool:
 
 def _hooks_on(m: nn.Module, names: Iterable[str]) -> int:
     return sum(len(getattr(m, n, {})) for n in names if n != "_forward_hooks_always_called")
-
-
-@functools.cache
-def compat_takes_nested() -> bool:
-    """Whether ``attnlab.compat.MultiheadAttention`` accepts the NestedTensors ``nn.TransformerEncoder``
-    builds from a padded batch in eval + no_grad (tried once on a 2-wide module)."""
-    m = MultiheadAttention(2, 1, batch_first=True).eval()
-    with warnings.catch_warnings():  # torch's "nested tensors are a prototype" warning, about our own probe
-        warnings.simplefilter("ignore", UserWarning)
-        x = torch._nested_tensor_from_mask(torch.ones(2, 2, 2), torch.tensor([[True, True], [True, False]]))
-    try:
-        with torch.no_grad():
-            out = m(x, x, x, need_weights=False)[0]
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):
-        return False
-    return bool(out.is_nested)
 
 
 # -- replacing modules -----------------------------------------------------------------------
@@ -445,27 +428,19 @@ def _hf_attention_registered() -> bool:
     return isinstance(mapping, dict) and "attnlab" in mapping
 
 
-def _fix_nested_encoders(walk: _Walk, model: nn.Module) -> None:
-    """An ``nn.TransformerEncoder`` built around torch's layers with ``enable_nested_tensor=True`` passes
-    NestedTensors to its layers in eval + no_grad with a padding mask; keep that only if ours take them."""
+def _note_nested_encoders(walk: _Walk, model: nn.Module) -> None:
+    """An ``nn.TransformerEncoder`` built around torch's layers with ``enable_nested_tensor=True`` keeps
+    passing NestedTensors to its layers in eval + no_grad with a padding mask; the compat module takes
+    them (tests/test_compat_nested.py), so the flag stays, and the report says so."""
     for path, m in model.named_modules():
         if not isinstance(m, nn.TransformerEncoder) or not getattr(m, "use_nested_tensor", False):
             continue
         if id(getattr(m.layers[0], "self_attn", None)) not in walk.new:
             continue
         shown = f"{path}.use_nested_tensor" if path else "use_nested_tensor"
-        if compat_takes_nested():
-            walk.report.notes.append(
-                f"{shown} kept True: attnlab.compat.MultiheadAttention takes the NestedTensors "
-                f"it builds from a padded batch in eval + no_grad"
-            )
-            continue
-        m.use_nested_tensor = False
-        walk.undo.append(functools.partial(setattr, m, "use_nested_tensor", True))
         walk.report.notes.append(
-            f"{shown} set to False: attnlab.compat.MultiheadAttention does not take NestedTensors; "
-            f"with a padding mask in eval + no_grad, padded positions of its output now hold the layers' values "
-            f"instead of torch's zeros"
+            f"{shown} kept True: attnlab.compat.MultiheadAttention takes the NestedTensors "
+            f"it builds from a padded batch in eval + no_grad"
         )
 
 
@@ -643,7 +618,7 @@ def swap(
         _swap_hf(walk, model, "")
     else:
         _visit(walk, model, "")
-        _fix_nested_encoders(walk, model)
+        _note_nested_encoders(walk, model)
     unknown = sorted(excluded - walk.seen)
     if unknown:
         _undo(walk)
