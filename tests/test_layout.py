@@ -1,6 +1,6 @@
 """The package's layering: imports only go down, and no two modules import each other.
 
-Layers, lowest first: ``core`` (the attention) and ``runtime`` (devices, files, usage errors), ``models``, ``compat`` and ``hf`` (built on it), then ``check``
+Layers, lowest first: ``core`` (the attention) and ``runtime`` (devices, files, usage errors), ``models``, ``compat``, ``hf`` and ``distributed`` (built on it), then ``check``
 and ``lab`` (each on its own), then ``bench`` and ``tools``, then the package root (``attnlab``,
 ``attnlab.cli``). A module may import from a lower layer or from its own subpackage. Every import
 counts: top-level, inside functions, and under ``if TYPE_CHECKING:`` (an annotation that needs an
@@ -24,6 +24,7 @@ LAYERS = {
     "heads": 1,
     "check": 2,
     "lab": 2,
+    "distributed": 1,
     "bench": 3,
     "tools": 3,
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,33 @@ from .validation import (
 )
 from .variants import Structure, alibi_slopes, banded_sdpa, document_runs, variant_math, variant_sdpa
 
-__all__ = ["Backend", "MultiHeadAttention"]
+__all__ = ["Backend", "ContextParallelAttention", "MultiHeadAttention"]
+
+
+class ContextParallelAttention(Protocol):
+    """What ``forward(..., context_parallel=)`` calls: :class:`attnlab.distributed.ContextParallel` is one.
+
+    ``attend`` returns this rank's ``context (B, H, L, D)`` from its ``q (B, H, L, D)`` and ``k, v (B, G, L, D)``,
+    attending over the whole sequence the ranks hold between them."""
+
+    length: int | None
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        alibi: Tensor | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor: ...
+
 
 # Sliding-window calls at least this long (and >= 2 windows) run SDPA per query block on its key band. Measured
 # (attnlab bench --variant window, W=256, E=512, H=8, 1 CPU thread, torch 2.13), band vs dense-mask SDPA kernels:
@@ -409,6 +435,7 @@ class MultiHeadAttention(nn.Module):
         cache_positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         document_ids: Tensor | None = None,
+        context_parallel: ContextParallelAttention | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -438,6 +465,8 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``output (B, T_q, E)``, or ``(output, weights)`` when ``need_weights``.
         """
+        if context_parallel is not None:
+            _check_context_parallel(self, query, key, value, attn_mask, kv_cache, cache_positions, need_weights)
         key = query if key is None else key
         value = key if value is None else value
         check_forward_inputs(self, self._a_weight(), query, key, value, kv_cache, cache_positions, rope)
@@ -466,7 +495,24 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.update(k, v, cache_positions)  # (B, G, T_cached, D): all cached keys
 
         dropout_p = self.dropout if self.training else 0.0
-        if self.has_variants or document_ids is not None or self.backend == "flex":
+        if context_parallel is not None:
+            context = context_parallel.attend(
+                q,
+                k,
+                v,
+                scale=self.scale,
+                is_causal=is_causal,
+                key_padding_mask=key_padding_mask,
+                document_ids=document_ids,
+                window=self.window,
+                softcap=self.softcap,
+                alibi=self.alibi_slopes,
+                sinks=self.sinks,
+            )  # (B, H, L, D): this rank's queries over every rank's keys
+            backend = "context-parallel"
+            reason: str | None = repr(context_parallel)
+            weights: Tensor | None = None
+        elif self.has_variants or document_ids is not None or self.backend == "flex":
             context, weights, backend, reason = self._attend_variants(
                 q,
                 k,
@@ -517,6 +563,47 @@ class MultiHeadAttention(nn.Module):
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` computing the same function (GQA K/V heads repeated)."""
         return to_torch_mha(self, batch_first=batch_first)
+
+
+def _check_context_parallel(
+    mha: MultiHeadAttention,
+    query: Tensor,
+    key: Tensor | None,
+    value: Tensor | None,
+    attn_mask: Tensor | Masks | None,
+    kv_cache: KVCache | None,
+    cache_positions: Tensor | None,
+    need_weights: bool,
+) -> None:
+    """What context parallelism cannot take, refused in one sentence each (the shard checks are the ring's own)."""
+    if (key is not None and key is not query) or (value is not None and value is not key and value is not query):
+        T_k = key.size(1) if isinstance(key, Tensor) and key.dim() == 3 else "?"
+        raise ValueError(
+            f"context_parallel is self-attention over one sharded sequence (T_q == T_k); this call passed a "
+            f"separate key/value (T_q={query.size(1) if query.dim() == 3 else '?'}, T_k={T_k}). Cross-attention is "
+            f"not context-parallel: call the module without context_parallel for it (the context is usually short)."
+        )
+    if attn_mask is not None:
+        raise ValueError(
+            "context_parallel takes no attn_mask: a (T_q, T_k) mask would be one shard's rows of a full-sequence "
+            "mask, which the ring cannot split. Express it as is_causal=True, key_padding_mask (sharded with "
+            "cp.shard(mask, dim=1)), document_ids or the module's window, which context parallelism shards."
+        )
+    if kv_cache is not None or cache_positions is not None:
+        raise ValueError(
+            "context_parallel with a kv_cache: context parallelism shards one full sequence for training or "
+            "prefill; decode one token at a time without context_parallel."
+        )
+    if need_weights:
+        raise ValueError(
+            "need_weights=True with context_parallel: the weights (B, H, T, T) are never assembled across ranks; "
+            "call without need_weights, or gather the input and run the math backend on one process."
+        )
+    if mha.training and mha.dropout > 0.0:
+        raise ValueError(
+            f"context_parallel in training mode with dropout={mha.dropout}: attention dropout across ranks would "
+            f"not reproduce the single-process masks; construct with dropout=0.0 or call mha.eval()."
+        )
 
 
 def _zero_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Tensor) -> tuple[Tensor, Tensor]:
