@@ -41,6 +41,10 @@ class ContextParallelAttention(Protocol):
 
     length: int | None
 
+    def positions(self, device: torch.device | str | None = None) -> Tensor: ...
+
+    def document_positions(self, document_ids: Tensor) -> Tensor: ...
+
     def attend(
         self,
         q: Tensor,

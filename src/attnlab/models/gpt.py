@@ -12,13 +12,13 @@ GPT-2 lacks: ``n_kv_head < n_head`` (grouped-query attention, a smaller KV cache
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention import MultiHeadAttention
+from ..core.attention import ContextParallelAttention, MultiHeadAttention
 from ..core.kv_cache import KVCache
 from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
@@ -27,6 +27,7 @@ from ..core.variants import document_positions
 from . import hf_gpt2
 from .config import GPTConfig
 from .generation import check_token_ids, generate
+from .parallel import context_parallel_positions
 
 __all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
 
@@ -61,16 +62,21 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        masks: Masks,
+        masks: Masks | None,
         *,
         kv_cache: KVCache | None = None,
         cache_positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         document_ids: Tensor | None = None,
+        context_parallel: ContextParallelAttention | None = None,
+        key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """``masks``: causal (+ padding) masks, converted once per model call by :class:`TinyGPT`."""
+        """``masks``: causal (+ padding) masks, converted once per model call by :class:`TinyGPT`; None
+        with ``context_parallel``, where ``key_padding_mask`` is this rank's shard and causality is the ring's."""
         # document_ids only when packing: a swapped-in attention module need not know the argument
-        extra = {} if document_ids is None else {"document_ids": document_ids}
+        extra: dict[str, Any] = {} if document_ids is None else {"document_ids": document_ids}
+        if context_parallel is not None:
+            extra.update(context_parallel=context_parallel, key_padding_mask=key_padding_mask, is_causal=True)
         a = self.attn(
             self.ln_1(x),
             attn_mask=masks,
@@ -226,6 +232,7 @@ class TinyGPT(nn.Module):
         cache_positions: Tensor | None = None,
         only_last: bool = False,
         document_ids: Tensor | None = None,
+        context_parallel: ContextParallelAttention | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -244,13 +251,21 @@ class TinyGPT(nn.Module):
                 document the logits it gets alone.
             only_last: return the logits of the last position only, ``(B, 1, V)``: generation
                 needs no others, and the output projection is the largest matmul of a step.
+            context_parallel: an :class:`attnlab.distributed.ContextParallel`: ``idx`` (and
+                ``key_padding_mask``, ``document_ids``) are this rank's ``cp.shard`` of one long
+                sequence; positions come from the layout, attention runs across the ranks, and the
+                logits are this rank's positions' (``cp.gather`` them, or take the loss on the shard).
 
         Returns:
             ``(B, T, V)`` logits (``(B, 1, V)`` with ``only_last``).
         """
+        if context_parallel is not None:
+            positions = context_parallel_positions(
+                context_parallel, idx, positions, caches, cache_positions, document_ids, self.config.block_size
+            )
         if not torch.compiler.is_compiling():
             self._check_idx(idx, positions)
-        if document_ids is not None:
+        if document_ids is not None and context_parallel is None:
             if caches is not None or positions is not None:
                 raise ValueError(
                     "document_ids packs whole sequences and sets their positions itself; pass it without caches and positions."
@@ -275,16 +290,18 @@ class TinyGPT(nn.Module):
             )  # (..., T, D) each
         x = cast(nn.Dropout, self.transformer.drop)(x)
         B, T = idx.shape
-        masks = decoder_masks(  # once per call, shared by every layer
-            key_padding_mask,
-            batch=B,
-            heads=self.config.n_head,
-            q_len=T,
-            cache=None if caches is None else cast(KVCache, caches[0]),
-            cache_positions=cache_positions,
-            dtype=x.dtype,
-            device=x.device,
-        )
+        masks = None
+        if context_parallel is None:
+            masks = decoder_masks(  # once per call, shared by every layer
+                key_padding_mask,
+                batch=B,
+                heads=self.config.n_head,
+                q_len=T,
+                cache=None if caches is None else cast(KVCache, caches[0]),
+                cache_positions=cache_positions,
+                dtype=x.dtype,
+                device=x.device,
+            )
         for i, block in enumerate(cast(nn.ModuleList, self.transformer.h)):
             x = block(
                 x,
@@ -293,6 +310,8 @@ class TinyGPT(nn.Module):
                 kv_cache=None if caches is None else caches[i],
                 cache_positions=cache_positions,
                 document_ids=document_ids,
+                context_parallel=context_parallel,
+                key_padding_mask=key_padding_mask,
             )  # (B, T, E)
         if only_last:
             x = x[:, -1:]  # (B, 1, E)

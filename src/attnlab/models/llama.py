@@ -24,13 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention import MultiHeadAttention
+from ..core.attention import ContextParallelAttention, MultiHeadAttention
 from ..core.kv_cache import KVCache
 from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
 from .generation import check_token_ids, generate
 from .gpt import _contiguous_weight
 from .llama_config import LlamaConfig
+from .parallel import context_parallel_positions
 
 __all__ = ["LlamaConfig", "RMSNorm", "MLP", "Block", "Llama"]
 
@@ -84,16 +85,28 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        masks: Masks,
+        masks: Masks | None,
         rope: tuple[Tensor, Tensor],
         *,
         kv_cache: KVCache | None = None,
         cache_positions: Tensor | None = None,
+        context_parallel: ContextParallelAttention | None = None,
+        key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """``masks``: causal (+ padding), converted once per model call; ``rope``: ``(cos, sin)`` of this call's positions."""
-        a = self.attn(
-            self.attn_norm(x), attn_mask=masks, kv_cache=kv_cache, cache_positions=cache_positions, rope=rope
-        )  # (B, T, E)
+        """``masks``: causal (+ padding), converted once per model call; ``rope``: ``(cos, sin)`` of this call's positions.
+        With ``context_parallel``, ``masks`` is None and ``key_padding_mask`` is this rank's shard."""
+        if context_parallel is not None:
+            a = self.attn(
+                self.attn_norm(x),
+                is_causal=True,
+                key_padding_mask=key_padding_mask,
+                rope=rope,
+                context_parallel=context_parallel,
+            )  # (B, L, E): this rank's positions, attending over the whole sequence
+        else:
+            a = self.attn(
+                self.attn_norm(x), attn_mask=masks, kv_cache=kv_cache, cache_positions=cache_positions, rope=rope
+            )  # (B, T, E)
         x = x + a
         return x + self.mlp(self.mlp_norm(x))  # (B, T, E)
 
@@ -202,6 +215,7 @@ class Llama(nn.Module):
         caches: nn.ModuleList | None = None,
         cache_positions: Tensor | None = None,
         only_last: bool = False,
+        context_parallel: ContextParallelAttention | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -216,10 +230,17 @@ class Llama(nn.Module):
                 call writes) attention runs over the cache in position mode (fixed shapes).
             only_last: the logits of the last position only, ``(B, 1, V)``: generation needs no
                 others, and the output projection is the largest matmul of a step.
+            context_parallel: an :class:`attnlab.distributed.ContextParallel`: ``idx`` and
+                ``key_padding_mask`` are this rank's ``cp.shard`` of one long sequence; RoPE gets each
+                token's true position from the layout, and attention runs across the ranks.
 
         Returns:
             ``(B, T, V)`` logits (``(B, 1, V)`` with ``only_last``).
         """
+        if context_parallel is not None:
+            positions = context_parallel_positions(
+                context_parallel, idx, positions, caches, cache_positions, None, None
+            )
         if not torch.compiler.is_compiling():
             self._check_idx(idx, positions)
         if positions is None:
@@ -234,19 +255,27 @@ class Llama(nn.Module):
             positions, self.config.head_dim, base=self.config.rope_base, dtype=self._kv_dtype()
         )  # (..., T, D) each
         B, T = idx.shape
-        masks = decoder_masks(  # once per call, shared by every layer
-            key_padding_mask,
-            batch=B,
-            heads=self.config.n_head,
-            q_len=T,
-            cache=None if caches is None else cast(KVCache, caches[0]),
-            cache_positions=cache_positions,
-            dtype=x.dtype,
-            device=x.device,
-        )
+        masks = None
+        if context_parallel is None:
+            masks = decoder_masks(  # once per call, shared by every layer
+                key_padding_mask,
+                batch=B,
+                heads=self.config.n_head,
+                q_len=T,
+                cache=None if caches is None else cast(KVCache, caches[0]),
+                cache_positions=cache_positions,
+                dtype=x.dtype,
+                device=x.device,
+            )
         for i, block in enumerate(self.layers):
             x = block(
-                x, masks, rope, kv_cache=None if caches is None else caches[i], cache_positions=cache_positions
+                x,
+                masks,
+                rope,
+                kv_cache=None if caches is None else caches[i],
+                cache_positions=cache_positions,
+                context_parallel=context_parallel,
+                key_padding_mask=key_padding_mask,
             )  # (B, T, E)
         if only_last:
             x = x[:, -1:]  # (B, 1, E)
