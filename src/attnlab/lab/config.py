@@ -102,6 +102,7 @@ class TrainConfig:
     out_dir: Path = Path("runs/train")  # the run directory; a run already there is never replaced (see --resume)
     resume: bool = False  # continue the run in out_dir from its checkpoint, with its saved config, RNG and step
     device: str = "auto"  # one of: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps
+    context_parallel: int = 1  # ranks that split each sequence along time (under torchrun; must divide WORLD_SIZE)
     progress: bool = True  # rich progress bar on a terminal; plain log lines otherwise
 
 

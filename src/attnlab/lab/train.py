@@ -16,6 +16,10 @@ Run directory (rank 0 alone writes): ``config.json`` (at start), ``metrics.jsonl
 step; each evaluation's line also holds every head's scores with ``log_head_scores``, see :mod:`.head_scores`), ``checkpoint.safetensors`` (every ``ckpt_every`` steps, on SIGINT/SIGTERM and at the end),
 ``curve.png``, ``summary.json`` and, for TinyGPT, ``model/`` (loadable by
 ``attnlab.load_checkpoint`` and ``attnlab generate --checkpoint``).
+
+``--context-parallel C`` (under ``torchrun``, ``WORLD_SIZE = C x D``) splits each sequence of a
+data-parallel replica over ``C`` ranks (:mod:`.parallel` has the rank layout); the per-step losses
+are the single-process run's on the same data.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, 
 from .data import IGNORE, build_task
 from .head_scores import HeadScorer
 from .models import build_model
+from .parallel import ProcessLayout, check_context_parallel, cp_loss, make_context_parallel, shard_batch
 from .progress import Reporter
 from .run_dir import check_out_dir, clear_run, free_sibling, train_command_line
 from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted
@@ -197,11 +202,8 @@ def train(
     """
     device = validate_train(cfg)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if cfg.data.batch_size % world:
-        raise UsageError(
-            f"--data.batch-size {cfg.data.batch_size} must be divisible by the {world} processes, "
-            f"so that each gets the same share; pass --data.batch-size {max(world, cfg.data.batch_size // world * world)}."
-        )
+    check_context_parallel(cfg, world, device)
+    _check_batch_split(cfg, world)
     if write:
         check_out_dir(cfg, overwrite=overwrite)  # every rank, before the barrier in _setup_distributed
         if rank == 0:
@@ -210,11 +212,12 @@ def train(
                 clear_run(Path(cfg.out_dir))
     with stop or StopSignals() as signals:
         rank, device = _setup_distributed(device, world)
+        layout = ProcessLayout(world, rank, cfg.context_parallel)
         if world == 1:
-            return _train(cfg, rank, world, device, write=write, quiet=quiet, stop=signals)
+            return _train(cfg, layout, device, write=write, quiet=quiet, stop=signals)
         orderly = False
         try:
-            result = _train(cfg, rank, world, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
+            result = _train(cfg, layout, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
             orderly = True
             return result
         except (TrainingInterrupted, TrainingDiverged):
@@ -232,9 +235,29 @@ def train(
                 dist.destroy_process_group()
 
 
+def _check_batch_split(cfg: TrainConfig, world: int) -> None:
+    """The batch splits into equal shares, one per data-parallel replica (``WORLD_SIZE / --context-parallel``)."""
+    replicas = world // cfg.context_parallel
+    if cfg.data.batch_size % replicas == 0:
+        return
+    fix = max(replicas, cfg.data.batch_size // replicas * replicas)
+    if cfg.context_parallel == 1:
+        raise UsageError(
+            f"--data.batch-size {cfg.data.batch_size} must be divisible by the {world} processes, "
+            f"so that each gets the same share; pass --data.batch-size {fix}."
+        )
+    raise UsageError(
+        f"--data.batch-size {cfg.data.batch_size} must be divisible by the {replicas} data-parallel replicas "
+        f"(WORLD_SIZE {world} / --context-parallel {cfg.context_parallel}), so that each gets the same share; "
+        f"pass --data.batch-size {fix}."
+    )
+
+
 def _train(
-    cfg: TrainConfig, rank: int, world: int, device: torch.device, *, write: bool, quiet: bool, stop: StopSignals
+    cfg: TrainConfig, layout: ProcessLayout, device: torch.device, *, write: bool, quiet: bool, stop: StopSignals
 ) -> RunResult:
+    rank, world = layout.rank, layout.world
+    cp = make_context_parallel(layout)  # every rank, before any other collective of the run
     task = build_task(cfg.data)
     torch.manual_seed(cfg.seed)  # model init, then dropout: the one RNG a checkpoint must carry
     # +1 position: generation checks prompt + new tokens <= block_size, and a whole task sequence is one longer than x
@@ -339,9 +362,15 @@ def _train(
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = (t.to(device) for t in task.batch(step, rank, world))
-            loss_sum, correct, count = _masked_stats(model(x), y)
-            loss = loss_sum / count.clamp(min=1)
+            # a replica's C ranks draw the same rows (DDP's share for D processes), then keep their shard of them
+            x, y = (t.to(device) for t in task.batch(step, layout.replica, layout.data))  # (B/D, T) each
+            if cp is None:
+                loss_sum, correct, count = _masked_stats(model(x), y)
+                loss = loss_sum / count.clamp(min=1)
+            else:
+                x, y, replica_count = shard_batch(cp, x, y)  # (B/D, L) each; count over the (B/D, T) batch
+                loss_sum, correct, count = _masked_stats(model(x, context_parallel=cp), y)  # this shard's sums
+                loss = cp_loss(loss_sum, replica_count, layout.context)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over ranks here
             grad_norm = _grad_norm(raw, cfg.optim.grad_clip)
@@ -373,6 +402,7 @@ def _train(
                 "loss": loss_value,
                 "acc": float(stats[1] / stats[2].clamp(min=1)),
                 "lr": lr,
+                "grad_norm": float(stats[3]) / world,  # before clipping; every rank's is the same (summed above)
                 "tokens_per_s": cfg.data.batch_size * task.block_size / dt,
             }
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -419,6 +449,8 @@ def _train(
         "chance_acc": task.chance_acc,
         "loss_floor": getattr(task, "loss_floor", None),
         "world_size": world,
+        "context_parallel": layout.context,
+        "process_layout": layout.describe(),  # which ranks split a sequence, which hold the same shard
         "rank_param_sha256": [d.hex() for d in digests],
         "ranks_identical": identical,
         "params": sum(p.numel() for p in raw.parameters()),

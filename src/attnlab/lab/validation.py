@@ -139,6 +139,7 @@ def validate_train(cfg: TrainConfig, prefix: str = "--") -> torch.device:
     check_number(cfg, prefix, "eval_batches", low=1, integer=True)
     check_number(cfg, prefix, "log_every", low=1, integer=True)
     check_number(cfg, prefix, "ckpt_every", low=0, integer=True)
+    check_number(cfg, prefix, "context_parallel", low=1, integer=True)
     if cfg.stop_at_acc is not None:
         check_range(
             flag_name(prefix, "stop_at_acc"),
