@@ -37,8 +37,9 @@ class _AllToAll(torch.autograd.Function):
     (what rank ``i`` sent to rank ``j`` comes back from ``j`` to ``i``)."""
 
     @staticmethod
-    def forward(ctx: Any, send: Tensor, group: Any) -> Tensor:
-        ctx.group = group
+    def forward(ctx: Any, send: Tensor, cp: ContextParallel) -> Tensor:
+        ctx.cp = cp
+        group = cp.group
         send = send.contiguous()
         got = torch.empty_like(send)  # after .contiguous(): empty_like keeps a strided input's strides
         dist.all_to_all_single(got, send, group=group)
@@ -48,8 +49,14 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous()  # the gradient of a permuted view arrives strided
         back = torch.empty_like(grad)
-        dist.all_to_all_single(back, grad, group=ctx.group)
+        dist.all_to_all_single(back, grad, group=ctx.cp.group)
+        ctx.cp.count_bytes(_leaving(grad, ctx.cp.world))
         return back, None
+
+
+def _leaving(t: Tensor, N: int) -> int:
+    """Bytes of an all-to-all's ``t (N, ...)`` that leave the rank: every share but its own."""
+    return t.numel() * t.element_size() * (N - 1) // N
 
 
 def _to_heads(cp: ContextParallel, t: Tensor, length: int) -> Tensor:
@@ -57,8 +64,8 @@ def _to_heads(cp: ContextParallel, t: Tensor, length: int) -> Tensor:
     B, X, L, D = t.shape
     N = cp.world
     send = t.reshape(B, N, X // N, L, D).transpose(0, 1).contiguous()  # (N, B, X/N, L, D): group j goes to rank j
-    got = _AllToAll.apply(send, cp.group)  # (N, B, X/N, L, D): from rank j
-    cp.count_bytes(send.numel() * send.element_size() * (N - 1) // N)
+    got = _AllToAll.apply(send, cp)  # (N, B, X/N, L, D): from rank j
+    cp.count_bytes(_leaving(send, N))
     parts = got.permute(1, 2, 0, 3, 4).reshape(B, X // N, N * L, D)  # shards in rank order
     return cp.plan(length).unshard(parts, dim=2)  # (B, X/N, T, D)
 
@@ -71,8 +78,8 @@ def _to_sequence(cp: ContextParallel, t: Tensor, length: int) -> Tensor:
     full = torch.cat([t, t.new_zeros(B, Xn, plan.padded - length, D)], dim=2)  # padding rows: zeros
     parts = full.index_select(2, plan.order(t.device))  # (B, X/N, N L, D): the shards in rank order
     send = parts.view(B, Xn, N, plan.local, D).permute(2, 0, 1, 3, 4).contiguous()  # (N, B, X/N, L, D)
-    got = _AllToAll.apply(send, cp.group)  # (N, B, X/N, L, D): group j
-    cp.count_bytes(send.numel() * send.element_size() * (N - 1) // N)
+    got = _AllToAll.apply(send, cp)  # (N, B, X/N, L, D): group j
+    cp.count_bytes(_leaving(send, N))
     return got.permute(1, 0, 2, 3, 4).reshape(B, N * Xn, plan.local, D)
 
 

@@ -145,11 +145,53 @@ class ContextParallel(RankGroup):
         T: int,
         plan: ShardPlan,
     ) -> None:
+        """Refuse a call whose shards cannot be one sequence, on *every* rank at once: a rank that raised
+        alone would leave the others waiting in the ring forever."""
         B, H, L, D = q.shape
         G = k.size(1)
+        problem = self._local_problem(B, H, L, G, key_padding_mask, document_ids, T, plan)
+        if self.world == 1:
+            if problem is not None:
+                raise ValueError(problem)
+            return
+        mine = torch.tensor([L, B, H, G, D, T, problem is not None], dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":
+            mine = mine.to(q.device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        rows = [tuple(int(x) for x in e.tolist()) for e in every]
+        if problem is not None:
+            raise ValueError(problem)
+        refused = [i for i, row in enumerate(rows) if row[6]]
+        if refused:
+            raise ValueError(
+                f"context_parallel: rank {refused[0]} refused its inputs (its error says why); this rank stops too, "
+                f"so that no rank waits for the others forever."
+            )
+        if len({row[:6] for row in rows}) > 1:
+            listing = "; ".join(
+                f"rank {i}: L={r[0]}, B={r[1]}, H={r[2]}, G={r[3]}, D={r[4]}, T={r[5]}" for i, r in enumerate(rows)
+            )
+            raise ValueError(
+                f"context_parallel: the ranks' shards do not match ({listing}); every rank must call the module on "
+                f"its cp.shard of the same sequence (same T, batch and heads)."
+            )
+
+    def _local_problem(
+        self,
+        B: int,
+        H: int,
+        L: int,
+        G: int,
+        key_padding_mask: Tensor | None,
+        document_ids: Tensor | None,
+        T: int,
+        plan: ShardPlan,
+    ) -> str | None:
+        """Why this rank's inputs cannot be its shard of the last sharded sequence, or None."""
         if L != plan.local:
             full = " (the full sequence's: pass cp.shard(x, dim=1))" if L == T else ""
-            raise ValueError(
+            return (
                 f"context_parallel: this rank's input has {L} positions{full}; the last cp.shard split T={T} into "
                 f"{self.world} shards of {plan.local}. Shard every input of the call with the same cp.shard."
             )
@@ -157,7 +199,7 @@ class ContextParallel(RankGroup):
             if t is None:
                 continue
             if name == "key_padding_mask" and t.dtype != torch.bool:
-                raise ValueError(
+                return (
                     f"context_parallel: key_padding_mask must be bool (True = padding), got {t.dtype}; "
                     f"pass mask.bool() for a 0/1 mask."
                 )
@@ -167,28 +209,14 @@ class ContextParallel(RankGroup):
                     if t.dim() == 2 and t.size(1) == T and T != L
                     else f"expected this rank's shard (B, L) = ({B}, {L}), from cp.shard({name}, dim=1)"
                 )
-                raise ValueError(f"context_parallel: {name} has shape {tuple(t.shape)}; {hint}.")
+                return f"context_parallel: {name} has shape {tuple(t.shape)}; {hint}."
         if self.method == "alltoall" and (H % self.world or G % self.world):
-            raise ValueError(
+            return (
                 f"method='alltoall' splits the heads over the {self.world} ranks, so num_heads ({H}) and "
                 f"num_kv_heads ({G}) must both be divisible by {self.world}; use method='ring' (any head count) "
                 f"or a group whose size divides both."
             )
-        if self.world > 1:  # every rank must hold a shard of one sequence: a mismatch would hang or garble the ring
-            mine = torch.tensor([L, B, H, G, D, T], dtype=torch.int64)
-            if dist.get_backend(self.group) == "nccl":
-                mine = mine.to(q.device)
-            every = [torch.empty_like(mine) for _ in range(self.world)]
-            dist.all_gather(every, mine, group=self.group)
-            rows = [tuple(int(x) for x in e.tolist()) for e in every]
-            if len(set(rows)) > 1:
-                listing = "; ".join(
-                    f"rank {i}: L={r[0]}, B={r[1]}, H={r[2]}, G={r[3]}, D={r[4]}, T={r[5]}" for i, r in enumerate(rows)
-                )
-                raise ValueError(
-                    f"context_parallel: the ranks' shards do not match ({listing}); every rank must call the "
-                    f"module on its cp.shard of the same sequence (same T, batch and heads)."
-                )
+        return None
 
     # -- gradients -------------------------------------------------------------------------------
     def all_reduce_grads(self, module: nn.Module) -> None:
@@ -208,11 +236,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: Tensor, cp: ContextParallel, dim: int) -> Tensor:
         plan = cp.plan()
+        problem = None
         if y.size(dim) != plan.local:
-            raise ValueError(
+            problem = (
                 f"cp.gather: the tensor has {y.size(dim)} positions along dim {dim}; this rank's shard of "
                 f"T={plan.length} has {plan.local}. Gather what the module returned for cp.shard's input."
             )
+        cp.agree(problem, y.device)  # every rank raises, or none: all_gather needs every rank's equal share
         y = y.contiguous()  # before empty_like, which keeps a strided tensor's strides
         parts = [torch.empty_like(y) for _ in range(cp.world)]
         dist.all_gather(parts, y, group=cp.group)

@@ -26,13 +26,16 @@ class CPStats:
     """What this rank did since the last :meth:`ContextParallel.reset_stats`.
 
     ``pairs``: (query, key, head) triples that causality and the window let attend, per batch row,
-    over the blocks this rank computed (skipped blocks count nothing). ``bytes_sent``: bytes this rank
-    put on the wire (ring hops, all-to-all shares; not the small shape checks). ``calls``: attention calls.
+    over the blocks this rank computed (skipped blocks count nothing), forward only. ``bytes_sent``:
+    bytes this rank put on the wire, forward and backward (ring hops, all-to-all shares; not the small
+    shape checks). ``calls``: attention calls.
     """
 
     pairs: int = 0
     bytes_sent: int = 0
     calls: int = 0
+    blocks: int = 0  # ring chunk pairs computed (forward)
+    skipped: int = 0  # ring chunk pairs left out: causality or the window hides every pair of them
     events: list[tuple[str, str, int]] | None = field(default=None, repr=False)
 
 
@@ -89,6 +92,26 @@ class RankGroup:
         dist.all_gather(parts, t, group=self.group)
         inverse = torch.argsort(self.plan().order(t.device))
         return torch.cat(parts, dim=1).index_select(1, inverse)
+
+    def agree(self, problem: str | None, device: torch.device) -> None:
+        """Raise ``problem`` on this rank and a pointer to it on every other: one rank must not raise alone."""
+        if self.world == 1:
+            if problem is not None:
+                raise ValueError(problem)
+            return
+        flag = torch.tensor([problem is not None], dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":
+            flag = flag.to(device)
+        every = [torch.empty_like(flag) for _ in range(self.world)]
+        dist.all_gather(every, flag, group=self.group)
+        if problem is not None:
+            raise ValueError(problem)
+        refused = [i for i, f in enumerate(every) if int(f)]
+        if refused:
+            raise ValueError(
+                f"context_parallel: rank {refused[0]} refused its inputs (its error says why); this rank stops too, "
+                f"so that no rank waits for the others forever."
+            )
 
     # -- transport (ring) ------------------------------------------------------------------------
     def post_exchange(self, t: Tensor, phase: str, step: int) -> tuple[list[Any], Tensor]:
