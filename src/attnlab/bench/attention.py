@@ -91,6 +91,15 @@ class BenchConfig:
     SDPA on key bands (bench/window.py; B=1, lengths default to 4096 8192 16384)."""
     window: int = 256
     """W of --variant window: query i sees keys i - W < j <= i."""
+    context_parallel: int = 1
+    """N > 1: context-parallel attention over N ranks, launched as `torchrun --nproc-per-node N -m attnlab bench
+    --context-parallel N` (bench/context_parallel.py; lengths default to 4096 16384, --runners ignored)."""
+    cp_methods: tuple[str, ...] = ("ring", "alltoall")
+    """with --context-parallel: ring (K/V blocks pass around) and/or alltoall (heads exchanged for positions)."""
+    cp_layouts: tuple[str, ...] = ("zigzag", "contiguous")
+    """with --context-parallel: how the sequence is split over the ranks."""
+    cp_causal: bool = True
+    """with --context-parallel: causal attention (--no-cp-causal: every query sees every key)."""
 
 
 # -- runners ---------------------------------------------------------------------------------
@@ -575,7 +584,12 @@ def plot(res: BenchResult, path: Path) -> None:
 def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
     """Benchmark attention: attnlab (auto, math, compiled) vs torch.nn.MultiheadAttention, the
     SDPA floor and the seed-000 module; prints a table, writes Markdown, JSON and a PNG to --out-dir.
-    With --variant window: sliding-window attention, FlexAttention vs dense-mask SDPA vs key-band SDPA."""
+    With --variant window: sliding-window attention, FlexAttention vs dense-mask SDPA vs key-band SDPA.
+    With --context-parallel N (under torchrun): one sequence split over N ranks, per-rank figures."""
+    if cfg.context_parallel != 1:  # its own checks, defaults and files: bench/context_parallel.py
+        from .context_parallel import bench_context_parallel, cp_defaults
+
+        return bench_context_parallel(cp_defaults(cfg, BenchConfig))
     if cfg.variant == "window":  # B=1 at every length; the issue's lengths unless --lengths says otherwise
         from .window import WINDOW_LENGTHS
 
