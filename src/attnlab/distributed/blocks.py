@@ -5,7 +5,7 @@ Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (``R = H / G`` q
 scaled scores over this block's keys (``-inf`` where the block hides every key from it).
 
 A ring step attends a rank's query chunks to the key chunks it holds at that step. Partial results
-merge exactly (:func:`merge`): with ``o_i`` a block's softmax-weighted values and ``l_i`` its
+merge exactly (:func:`merge_`): with ``o_i`` a block's softmax-weighted values and ``l_i`` its
 log-sum-exp, the full-row result is ``sum_i exp(l_i - l) o_i`` with ``l = logaddexp_i l_i``. The
 backward of a block needs only the *merged* output and log-sum-exp of its rows (flash attention's
 identity): ``P = exp(S - l)``, ``dS = P * (dO V^T - rowsum(dO * O))``.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BlockMasks", "block_backward", "block_forward", "merge"]
+__all__ = ["BlockMasks", "block_backward", "block_forward", "merge_"]
 
 # Scores held at once by the math path, in elements (2^23 float32 = 32 MiB): a slab of queries is as
 # tall as this allows, so a block's memory does not grow with the chunk length squared.
@@ -120,11 +120,18 @@ def block_backward(
     return dq, dk, dv
 
 
-def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """The exact merge of two partial results over disjoint keys: ``(out, lse)`` of their union."""
-    new = torch.logaddexp(lse, lse_b)  # (B, H, cq); -inf only where both are
-    base = _finite(new)[..., None]
-    return out * torch.exp(lse[..., None] - base) + out_b * torch.exp(lse_b[..., None] - base), new
+def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Merge a block's partial result into ``out`` (B, H, cq, D) and ``lse`` (B, H, cq), in place.
+
+    Exact for disjoint keys: ``lse' = logaddexp(lse, lse_b)``, ``out' = exp(lse - lse') out + exp(lse_b - lse') out_b``.
+    The weights are computed in ``lse``'s dtype (float64 in the ring) and applied in ``out``'s.
+    """
+    new = torch.logaddexp(lse, lse_b.to(lse.dtype))  # -inf only where both are (every key hidden so far)
+    base = _finite(new)
+    w_old = torch.exp(lse - base).to(out.dtype)[..., None]  # (B, H, cq, 1)
+    w_b = torch.exp(lse_b.to(lse.dtype) - base).to(out.dtype)[..., None]
+    out.mul_(w_old).add_(out_b * w_b)
+    lse.copy_(new)
 
 
 def _finite(lse: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ all-to-all use; it holds no attention.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,21 +115,19 @@ class RankGroup:
             )
 
     # -- transport (ring) ------------------------------------------------------------------------
-    def post_exchange(self, t: Tensor, phase: str, step: int) -> tuple[list[Any], Tensor]:
-        """Post sending ``t`` to the next rank and receiving its like from the previous one; returns the handles."""
-        t = t.contiguous()
-        got = torch.empty_like(t)
+    def post_exchange(self, tensors: Sequence[Tensor], phase: str, step: int) -> tuple[list[Any], list[Tensor]]:
+        """Post sending ``tensors`` (contiguous) to the next rank and receiving their likes from the previous one."""
+        got = [torch.empty_like(t) for t in tensors]
         tag = _TAGS[phase]
-        ops = [
-            dist.P2POp(dist.isend, t, self._next, self.group, tag),
-            dist.P2POp(dist.irecv, got, self._prev, self.group, tag),
-        ]
+        ops = [dist.P2POp(dist.isend, t, self._next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, g, self._prev, self.group, tag) for g in got]
         reqs = dist.batch_isend_irecv(ops)
-        self.count_bytes(t.numel() * t.element_size())
+        self.count_bytes(sum(t.numel() * t.element_size() for t in tensors))
         self.note("post", phase, step)
         return reqs, got
 
-    def wait_exchange(self, pending: tuple[list[Any], Tensor], phase: str, step: int) -> Tensor:
+    def wait_exchange(self, pending: tuple[list[Any], list[Tensor]], phase: str, step: int) -> list[Tensor]:
+        """Wait for a posted exchange; the received tensors (the sent ones may be freed after this)."""
         reqs, got = pending
         for req in reqs:
             req.wait()

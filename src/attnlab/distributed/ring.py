@@ -8,16 +8,18 @@ from ``r - 1``) before computing, attends its query chunks to the held key chunk
 causality or the window hide entirely are skipped), merges, then waits for the transfer. The ring
 carries the ``G`` K/V heads as they are, never the ``H`` query heads.
 
-Backward, the same ring: the K/V shards travel again, each with the accumulator of its ``dK, dV``.
-At step ``s`` rank ``r`` computes its queries' share of the held shard's ``dK, dV`` (``dQ`` stays
-local), adds the accumulator that arrived from ``r - 1`` and sends it on; after ``N`` hops every
-accumulator is home.
+Backward, the same ring: the K/V shards travel again, each followed by the accumulator of its
+``dK, dV``. At step ``s`` rank ``r`` receives the accumulator of the shard it now holds (from
+``r - 1``), adds its queries' share of that shard's ``dK, dV`` into it (``dQ`` stays local) and
+sends it on; after ``N`` hops every accumulator is home. The K/V transfer is posted before the
+step's compute and awaited after it; the accumulator is awaited *before* the compute that adds
+into it, so that a rank holds one accumulator, not one arriving, one leaving and one filling.
 
-Precision: blocks compute in float32 at least (float64 stays float64); the merged output, the
-log-sum-exp, ``dQ`` and each step's ``dK, dV`` sums are float64, and the accumulators travel in
-the blocks' dtype. Measured (``tests/support/cp_worker.py``, fp32, 2 and 4 ranks, 12 seeds): with
-float32 accumulators the parameter gradients were up to 1.9x as far from the fp64 truth as the
-single-process fp32 run's; with float64 ones, at most 1.65x.
+Precision: blocks, the output and the dQ/dK/dV accumulators are float32 at least (float64 stays
+float64); the log-sum-exp and the merge weights are float64. Measured (``tests/support/cp_worker.py``'s
+fp32 case, 2 ranks, 12 seeds), the parameter gradients' max error against the fp64 truth: with every
+merge in float32, up to 1.9x the single-process fp32 run's; with float64 merge weights, at most 1.76x
+(flash-attention's rule asks <= 2x).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..core.variants import Structure
-from .blocks import BlockMasks, block_backward, block_forward, merge
+from .blocks import BlockMasks, block_backward, block_forward, merge_
 
 if TYPE_CHECKING:
     from .group import RankGroup as ContextParallel
@@ -135,64 +137,86 @@ def _mask_fn(rules: Rules, qa: int, ka: int, kb: int, device: torch.device, dtyp
     return masks
 
 
+def _heads_last(t: Tensor) -> Tensor:
+    """``(B, X, L, D)`` -> its ``(B, L, X, D)`` contiguous form: what the projections produced, so no copy is made
+    for the module's tensors (``view`` + ``transpose``), and what the ring sends and accumulates in."""
+    return t.transpose(1, 2).contiguous()
+
+
+def _zeros_heads_last(B: int, X: int, L: int, D: int, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(B, X, L, D)`` zeros stored ``(B, L, X, D)``: merging the heads afterwards (``transpose`` + ``view``) copies nothing."""
+    return like.new_zeros(B, L, X, D, dtype=dtype).transpose(1, 2)
+
+
 class _Ring(torch.autograd.Function):
+    """Memory: every full-shard tensor the ring keeps is stored ``(B, L, heads, D)``, the layout of the projections
+    that produced Q/K/V and of the output projection that consumes the context, so that neither the head split
+    nor the merge copies; a rank holds one K/V shard in flight and one dK/dV accumulator (measured with
+    ``attnlab bench --context-parallel``: see the README)."""
+
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, cp: ContextParallel, rules: Rules
     ) -> Tensor:
-        acc = torch.promote_types(q.dtype, torch.float32)  # the blocks' dtype
+        acc = torch.promote_types(q.dtype, torch.float32)  # the blocks' and accumulators' dtype
         r, N = cp.rank, cp.world
-        qc = q.to(acc)
         B, H, L, D = q.shape
-        out = q.new_zeros(B, H, L, D, dtype=torch.float64)
+        k_t, v_t = _heads_last(k), _heads_last(v)  # (B, L, G, D): sent as they are, no copy for the module's views
+        out = _zeros_heads_last(B, H, L, D, q, acc)  # (B, H, L, D) view of (B, L, H, D)
         lse = q.new_full((B, H, L), -math.inf, dtype=torch.float64)
         if sinks is not None:  # the sink: one more term exp(s_h) in every row's denominator, with a value of 0
             lse = sinks.to(lse.dtype)[None, :, None].expand(B, H, L).clone()
-        kv = torch.stack([k, v])  # (2, B, G, L, D): one message per hop, in the inputs' dtype
         plan = cp.plan(rules.length)
+        held = [k_t, v_t]  # the K/V shard of rank r - s, in the inputs' dtype: G heads, never H
         for s in range(N):
             src = (r - s) % N
-            pending = cp.post_exchange(kv, "forward", s) if s < N - 1 else None  # posted before the compute
+            pending = cp.post_exchange(held, "forward", s) if s < N - 1 else None  # posted before the compute
             cp.note("compute", "forward", s)
-            k_s, v_s = kv[0].to(acc), kv[1].to(acc)
+            k_s, v_s = (t.transpose(1, 2).to(acc) for t in held)  # (B, G, L, D) views
             pairs = plan_pairs(cp, rules, r, src, q.device, acc)
             cp.stats.blocks += len(pairs)
             cp.stats.skipped += len(plan.chunk_ids(r)) * len(plan.chunk_ids(src)) - len(pairs)
             for pair in pairs:
                 o_b, l_b = block_forward(
-                    qc[:, :, pair.qs], k_s[:, :, pair.ks], v_s[:, :, pair.ks], pair.spec, rules.scale
+                    q[:, :, pair.qs].to(acc), k_s[:, :, pair.ks], v_s[:, :, pair.ks], pair.spec, rules.scale
                 )
-                out[:, :, pair.qs], lse[:, :, pair.qs] = merge(
-                    out[:, :, pair.qs], lse[:, :, pair.qs], o_b.to(out.dtype), l_b.to(lse.dtype)
-                )
+                merge_(out[:, :, pair.qs], lse[:, :, pair.qs], o_b, l_b)
                 cp.count_pairs(pair.pairs * H)  # (query, key, head) triples
+            del k_s, v_s
             if pending is not None:
-                kv = cp.wait_exchange(pending, "forward", s)
-        out, lse = out.to(acc), lse.to(acc)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
+                held = cp.wait_exchange(pending, "forward", s)
+        del held
+        lse_acc = lse.to(acc)
+        ctx.save_for_backward(q, k_t, v_t, sinks, out, lse_acc)
         ctx.cp, ctx.rules = cp, rules
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k_t, v_t, sinks, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         rules: Rules = ctx.rules
         acc = out.dtype
         r, N = cp.rank, cp.world
-        qc, do = q.to(acc), dout.to(acc).contiguous()
-        dq = torch.zeros_like(qc, dtype=torch.float64)
-        kv = torch.stack([k, v])
-        incoming = None  # the dK/dV accumulator travelling with the held shard
+        B, H, L, D = q.shape
+        G = k_t.size(2)
+        do = dout.to(acc)  # strided (the merged heads' gradient seen as (B, H, L, D)): sliced, never copied whole
+        dq = _zeros_heads_last(B, H, L, D, q, acc)
+        held = [k_t, v_t]
+        incoming = None  # the dK/dV accumulator of the shard held next, on its way from rank r - 1
         for s in range(N):
             src = (r - s) % N
-            pending = cp.post_exchange(kv, "backward", s) if s < N - 1 else None
+            pending = cp.post_exchange(held, "backward", s) if s < N - 1 else None
+            if incoming is None:
+                grads = [q.new_zeros(B, L, G, D, dtype=acc), q.new_zeros(B, L, G, D, dtype=acc)]  # (B, L, G, D)
+            else:  # waited before the compute, which adds into it: one accumulator per rank, not three
+                grads = cp.wait_exchange(incoming, "backward-grads", s - 1)
             cp.note("compute", "backward", s)
-            k_s, v_s = kv[0].to(acc), kv[1].to(acc)
-            dkv = torch.zeros(2, *k_s.shape, dtype=torch.float64, device=q.device)  # (2, B, G, L, D)
+            k_s, v_s = (t.transpose(1, 2).to(acc) for t in held)
+            dk_acc, dv_acc = (g.transpose(1, 2) for g in grads)  # (B, G, L, D) views
             for pair in plan_pairs(cp, rules, r, src, q.device, acc):
                 dq_b, dk_b, dv_b = block_backward(
-                    qc[:, :, pair.qs],
+                    q[:, :, pair.qs].to(acc),
                     k_s[:, :, pair.ks],
                     v_s[:, :, pair.ks],
                     out[:, :, pair.qs],
@@ -202,20 +226,21 @@ class _Ring(torch.autograd.Function):
                     rules.scale,
                 )
                 dq[:, :, pair.qs] += dq_b
-                dkv[0][:, :, pair.ks] += dk_b
-                dkv[1][:, :, pair.ks] += dv_b
-            if incoming is not None:
-                dkv += cp.wait_exchange(incoming, "backward-grads", s - 1)
-            dkv = dkv.to(acc)  # travels in the blocks' dtype (float32 at least): half the bytes of float64
-            incoming = cp.post_exchange(dkv, "backward-grads", s) if N > 1 else None  # on to its next holder
+                dk_acc[:, :, pair.ks] += dk_b
+                dv_acc[:, :, pair.ks] += dv_b
+            del k_s, v_s, dk_acc, dv_acc
+            incoming = cp.post_exchange(grads, "backward-grads", s) if N > 1 else None  # on to its next holder
             if pending is not None:
-                kv = cp.wait_exchange(pending, "backward", s)
-        dkv = cp.wait_exchange(incoming, "backward-grads", N - 1) if incoming is not None else dkv  # home again
+                held = cp.wait_exchange(pending, "backward", s)
+        del held
+        if incoming is not None:  # home again after N hops
+            grads = cp.wait_exchange(incoming, "backward-grads", N - 1)
+        dk, dv = (g.transpose(1, 2).to(k_t.dtype) for g in grads)  # (B, G, L, D) views of (B, L, G, D)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:  # d s_h = -sum over rows of p_sink * rowsum(dO * O)
             p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # (B, H, L)
             dsinks = -(p_sink * (do * out).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None
+        return dq.to(q.dtype), dk, dv, dsinks, None, None
 
 
 def ring_attention(
