@@ -61,6 +61,7 @@ def test_float64_equals_single_process_within_1e10(run):
     """Output, dX, every parameter's gradient, and cp.attend's out/dQ/dK/dV (and dsinks), every family."""
     cases = [e for e in _computed(run) if e["case"]["dtype"] == "float64"]
     assert len(cases) >= 40
+    assert len([e for e in cases if e["case"].get("tile")]) == 6
     worst = {json.dumps(e["case"]): max(_errors(e).items(), key=lambda kv: kv[1]) for e in cases}
     bad = {c: w for c, w in worst.items() if w[1] > 1e-10}
     assert not bad, bad
@@ -140,6 +141,9 @@ def test_sliding_window_skips_ring_steps_outside_it(run):
         skipped = sum(r["skipped"] for r in ranks)
         if c.get("window") == 3 and c["layout"] == "contiguous":
             assert skipped > 0, c
+        if c.get("tile"):  # tiles of 3 rows: more blocks than chunk pairs, and the same exact results
+            assert sum(r["blocks"] for r in ranks) > ShardPlan(c["T"], n, c["layout"]).num_chunks ** 2 // 2, c
+            continue
         if not c["causal"] and c.get("window") is None:  # every key chunk but those wholly past T is computed
             plan = ShardPlan(c["T"], n, c["layout"])
             padding_chunks = sum(1 for i in range(plan.num_chunks) if i * plan.chunk >= c["T"])

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from attnlab import MultiHeadAttention
 from attnlab.core.masks import Masks
 from attnlab.core.variants import Structure, alibi_slopes, document_runs, variant_math
-from attnlab.distributed import ContextParallel
+from attnlab.distributed import ContextParallel, ring
 
+TILE = ring.TILE
 B, E, H = 2, 32, 4
 D = E // H
 
@@ -260,6 +261,11 @@ def cases(N: int, quick: bool) -> list[dict[str, Any]]:
             for causal in (False, True):
                 G = 2 if method == "ring" else H  # alltoall: G divisible by N = 4 too
                 out.append(dict(method=method, layout=layout, causal=causal, G=G, T=6 * N + 5, dtype="float32", seed=3))
+    for layout in ("zigzag", "contiguous"):  # chunks longer than a tile: tiles of 3 rows (ring.TILE patched)
+        for extra in ({}, {"window": 5, "pad": "some"}, {"causal": False}):
+            out.append(
+                {**dict(method="ring", layout=layout, causal=True, G=2, T=8 * N + 3, dtype="float64", tile=3), **extra}
+            )
     out.append(dict(method="ring", layout="zigzag", causal=True, G=2, T=even, dtype="float64", events=True))
     for layout in ("zigzag", "contiguous"):  # causal balance on a longer sequence
         out.append(dict(method="ring", layout=layout, causal=True, G=H, T=16 * N, dtype="float64", balance=True))
@@ -309,6 +315,7 @@ def main() -> None:
     for case in cases(N, quick="--quick" in sys.argv):
         dtype = getattr(torch, case["dtype"])
         entry: dict[str, Any] = {"case": case}
+        ring.TILE = case.get("tile", TILE)
         try:
             if "model" in case:
                 entry["model"] = model_case(case)

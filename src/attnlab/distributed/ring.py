@@ -9,11 +9,12 @@ causality or the window hide entirely are skipped), merges, then waits for the t
 carries the ``G`` K/V heads as they are, never the ``H`` query heads.
 
 Backward, the same ring: the K/V shards travel again, each followed by the accumulator of its
-``dK, dV``. At step ``s`` rank ``r`` receives the accumulator of the shard it now holds (from
-``r - 1``), adds its queries' share of that shard's ``dK, dV`` into it (``dQ`` stays local) and
-sends it on; after ``N`` hops every accumulator is home. The K/V transfer is posted before the
-step's compute and awaited after it; the accumulator is awaited *before* the compute that adds
-into it, so that a rank holds one accumulator, not one arriving, one leaving and one filling.
+``dK, dV``. At step ``s`` rank ``r`` adds its queries' share of the held shard's ``dK, dV`` into
+that shard's accumulator (``dQ`` stays local), then passes it to ``r + 1`` and takes the next
+one from ``r - 1``; after ``N`` hops every accumulator is home. The K/V transfer is posted before
+the step's compute and awaited after it; the accumulator hop follows the compute, dK then dV, so
+that a rank holds one accumulator and at most one more arriving (memory, not time, is what
+context parallelism is for; on a CPU the hop costs milliseconds against seconds of compute).
 
 Precision: blocks, the output and the dQ/dK/dV accumulators are float32 at least (float64 stays
 float64); the log-sum-exp and the merge weights are float64. Measured (``tests/support/cp_worker.py``'s
@@ -75,31 +76,44 @@ class Pair:
     pairs: int  # (query, key) pairs causality and the window let attend, real queries and keys only
 
 
+# Rows per tile: a chunk longer than this is computed as tiles of it, so that a block's temporaries (its
+# output, its gradients, the kernel's copies) stay a few MiB however long the shard is (T=16384 on 2 ranks: 4096-row
+# chunks; 8192 with the contiguous layout), and the window can skip tiles, not only whole chunks.
+TILE = 1024
+
+
+def _tiles(start: int, stop: int) -> list[tuple[int, int]]:
+    return [(a, min(a + TILE, stop)) for a in range(start, stop, TILE)]
+
+
 def plan_pairs(
     cp: ContextParallel, rules: Rules, q_rank: int, k_rank: int, device: torch.device, dtype: torch.dtype
-) -> list[Pair]:
-    """The chunk pairs rank ``q_rank`` computes against rank ``k_rank``'s shard; hidden ones left out."""
+) -> tuple[list[Pair], int]:
+    """The tile pairs rank ``q_rank`` computes against rank ``k_rank``'s shard, and how many it skips (hidden)."""
     plan = cp.plan(rules.length)
     c, T, W = plan.chunk, rules.length, rules.window
-    out = []
+    out, skipped = [], 0
     for qi, q_chunk in enumerate(plan.chunk_ids(q_rank)):
-        qa, qb = q_chunk * c, (q_chunk + 1) * c  # query positions [qa, qb)
-        for ki, k_chunk in enumerate(plan.chunk_ids(k_rank)):
-            ka = k_chunk * c
-            kb = min((k_chunk + 1) * c, T)  # keys past T are padding: cut, never attended
-            if kb <= ka or (rules.causal and ka > qb - 1) or (W is not None and qa - (kb - 1) >= W):
-                continue  # no key of the chunk is visible to any query of the chunk
-            pairs = _count_pairs(qa, min(qb, T), ka, kb, rules.causal, W)
-            qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, ki * c + (kb - ka))
-            inside = W is None or (qb - 1) - ka < W  # every pair of the chunks is within the window
-            if rules.plain and inside and rules.softcap is None and (not rules.causal or kb - 1 <= qa):
-                spec = BlockMasks("full")
-            elif rules.plain and inside and rules.softcap is None and ka == qa:
-                spec = BlockMasks("causal")
-            else:
-                spec = BlockMasks("masked", _mask_fn(rules, qa, ka, kb, device, dtype), rules.softcap)
-            out.append(Pair(qs, ks, spec, pairs))
-    return out
+        for qa, qb in _tiles(q_chunk * c, (q_chunk + 1) * c):  # query positions [qa, qb)
+            for ki, k_chunk in enumerate(plan.chunk_ids(k_rank)):
+                for ka, kb in _tiles(k_chunk * c, (k_chunk + 1) * c):
+                    kb = min(kb, T)  # keys past T are padding: cut, never attended
+                    if kb <= ka or (rules.causal and ka > qb - 1) or (W is not None and qa - (kb - 1) >= W):
+                        skipped += 1  # no key of the tile is visible to any query of the tile
+                        continue
+                    pairs = _count_pairs(qa, min(qb, T), ka, kb, rules.causal, W)
+                    q0, k0 = qi * c - q_chunk * c, ki * c - k_chunk * c  # position -> row of the shard
+                    qs, ks = slice(q0 + qa, q0 + qb), slice(k0 + ka, k0 + kb)
+                    inside = W is None or (qb - 1) - ka < W  # every pair of the tiles is within the window
+                    fused = rules.plain and inside and rules.softcap is None
+                    if fused and (not rules.causal or kb - 1 <= qa):
+                        spec = BlockMasks("full")
+                    elif fused and ka == qa:  # the diagonal: tiles on one grid, so top-left causal
+                        spec = BlockMasks("causal")
+                    else:
+                        spec = BlockMasks("masked", _mask_fn(rules, qa, ka, kb, device, dtype), rules.softcap)
+                    out.append(Pair(qs, ks, spec, pairs))
+    return out, skipped
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,16 +180,15 @@ class _Ring(torch.autograd.Function):
         lse = q.new_full((B, H, L), -math.inf, dtype=torch.float64)
         if sinks is not None:  # the sink: one more term exp(s_h) in every row's denominator, with a value of 0
             lse = sinks.to(lse.dtype)[None, :, None].expand(B, H, L).clone()
-        plan = cp.plan(rules.length)
         held = [k_t, v_t]  # the K/V shard of rank r - s, in the inputs' dtype: G heads, never H
         for s in range(N):
             src = (r - s) % N
             pending = cp.post_exchange(held, "forward", s) if s < N - 1 else None  # posted before the compute
             cp.note("compute", "forward", s)
             k_s, v_s = (t.transpose(1, 2).to(acc) for t in held)  # (B, G, L, D) views
-            pairs = plan_pairs(cp, rules, r, src, q.device, acc)
+            pairs, skipped = plan_pairs(cp, rules, r, src, q.device, acc)
             cp.stats.blocks += len(pairs)
-            cp.stats.skipped += len(plan.chunk_ids(r)) * len(plan.chunk_ids(src)) - len(pairs)
+            cp.stats.skipped += skipped
             for pair in pairs:
                 o_b, l_b = block_forward(
                     q[:, :, pair.qs].to(acc), k_s[:, :, pair.ks], v_s[:, :, pair.ks], pair.spec, rules.scale
@@ -203,18 +216,14 @@ class _Ring(torch.autograd.Function):
         do = dout.to(acc)  # strided (the merged heads' gradient seen as (B, H, L, D)): sliced, never copied whole
         dq = _zeros_heads_last(B, H, L, D, q, acc)
         held = [k_t, v_t]
-        incoming = None  # the dK/dV accumulator of the shard held next, on its way from rank r - 1
+        grads = [q.new_zeros(B, L, G, D, dtype=acc), q.new_zeros(B, L, G, D, dtype=acc)]  # dK, dV (B, L, G, D)
         for s in range(N):
             src = (r - s) % N
             pending = cp.post_exchange(held, "backward", s) if s < N - 1 else None
-            if incoming is None:
-                grads = [q.new_zeros(B, L, G, D, dtype=acc), q.new_zeros(B, L, G, D, dtype=acc)]  # (B, L, G, D)
-            else:  # waited before the compute, which adds into it: one accumulator per rank, not three
-                grads = cp.wait_exchange(incoming, "backward-grads", s - 1)
             cp.note("compute", "backward", s)
             k_s, v_s = (t.transpose(1, 2).to(acc) for t in held)
             dk_acc, dv_acc = (g.transpose(1, 2) for g in grads)  # (B, G, L, D) views
-            for pair in plan_pairs(cp, rules, r, src, q.device, acc):
+            for pair in plan_pairs(cp, rules, r, src, q.device, acc)[0]:
                 dq_b, dk_b, dv_b = block_backward(
                     q[:, :, pair.qs].to(acc),
                     k_s[:, :, pair.ks],
@@ -229,12 +238,10 @@ class _Ring(torch.autograd.Function):
                 dk_acc[:, :, pair.ks] += dk_b
                 dv_acc[:, :, pair.ks] += dv_b
             del k_s, v_s, dk_acc, dv_acc
-            incoming = cp.post_exchange(grads, "backward-grads", s) if N > 1 else None  # on to its next holder
-            if pending is not None:
-                held = cp.wait_exchange(pending, "backward", s)
-        del held
-        if incoming is not None:  # home again after N hops
-            grads = cp.wait_exchange(incoming, "backward-grads", N - 1)
+            held = cp.wait_exchange(pending, "backward", s) if pending is not None else []  # the last: none held on
+            for i in range(len(grads) if N > 1 else 0):  # on to the next holder (after N hops: home)
+                hop = cp.post_exchange([grads[i]], "backward-grads", s)  # dK, then dV: one arriving buffer at a time
+                grads[i] = cp.wait_exchange(hop, "backward-grads", s)[0]
         dk, dv = (g.transpose(1, 2).to(k_t.dtype) for g in grads)  # (B, G, L, D) views of (B, L, G, D)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:  # d s_h = -sum over rows of p_sink * rowsum(dO * O)
