@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) tests/support/torchvision_cpu_shim.py --install
 	touch $(STAMP)
 
+# two pytest workers, one per core, each on one thread (tests/conftest.py); a test file stays on one worker
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(VENV)/bin/attnlab demo

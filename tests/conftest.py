@@ -19,6 +19,12 @@ from torch import Tensor
 
 from attnlab.check.suite import LOW_PRECISION_FACTOR, LOW_PRECISION_FLOOR
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two pytest workers on the machine's two cores
+    # One thread each, and for the processes they start: OpenMP threads spinning against the other
+    # worker's on the same cores slow a step 20-40x (see `one_thread`).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 MASK_KINDS = ("none", "bool", "float", "padding", "causal", "causal+padding", "all")
 DEVICE_VARIABLE = "ATTNLAB_TEST_DEVICE"
 _DEVICE = pytest.StashKey[torch.device]()
