@@ -299,3 +299,12 @@ def test_what_context_parallelism_refuses_in_one_sentence(one_rank):
     fresh = ContextParallel()
     with pytest.raises(ValueError, match=r"^this ContextParallel has not sharded a sequence yet"):
         mha(x, context_parallel=fresh)
+
+
+def test_a_second_backward_says_why_it_cannot_run(one_rank):
+    """The ring lets this rank's K/V go as it passes them on, so retain_graph cannot buy a second backward."""
+    mha = MultiHeadAttention(16, 4)
+    y = mha(one_rank.shard(torch.randn(2, 8, 16)), is_causal=True, context_parallel=one_rank)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"^context-parallel attention's backward ran twice \(retain_graph=True\)"):
+        y.sum().backward()

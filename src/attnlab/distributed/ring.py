@@ -198,24 +198,33 @@ class _Ring(torch.autograd.Function):
             del k_s, v_s
             if pending is not None:
                 held = cp.wait_exchange(pending, "forward", s)
+                pending = None  # its handles hold the shard just sent: no third shard alive at the next post
         del held
         lse_acc = lse.to(acc)
-        ctx.save_for_backward(q, k_t, v_t, sinks, out, lse_acc)
+        ctx.save_for_backward(q, sinks, out, lse_acc)
+        # This rank's own K/V shard: held on ctx, not saved, so that the backward can let it go once it has been
+        # computed on and sent on (step 0): the rank then holds the shards travelling, not its own as well.
+        ctx.kv = [k_t, v_t]
         ctx.cp, ctx.rules = cp, rules
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k_t, v_t, sinks, out, lse = ctx.saved_tensors
+        q, sinks, out, lse = ctx.saved_tensors
+        if ctx.kv is None:
+            raise RuntimeError(
+                "context-parallel attention's backward ran twice (retain_graph=True): its first run let this "
+                "rank's K/V shard go as the ring passed it on; run the forward again for a second backward."
+            )
+        held, ctx.kv = ctx.kv, None  # the only references now: freed when the ring has passed them on
         cp: ContextParallel = ctx.cp
         rules: Rules = ctx.rules
         acc = out.dtype
         r, N = cp.rank, cp.world
         B, H, L, D = q.shape
-        G = k_t.size(2)
+        G, kv_dtype = held[0].size(2), held[0].dtype
         do = dout.to(acc)  # strided (the merged heads' gradient seen as (B, H, L, D)): sliced, never copied whole
         dq = _zeros_heads_last(B, H, L, D, q, acc)
-        held = [k_t, v_t]
         grads = [q.new_zeros(B, L, G, D, dtype=acc), q.new_zeros(B, L, G, D, dtype=acc)]  # dK, dV (B, L, G, D)
         for s in range(N):
             src = (r - s) % N
@@ -239,10 +248,11 @@ class _Ring(torch.autograd.Function):
                 dv_acc[:, :, pair.ks] += dv_b
             del k_s, v_s, dk_acc, dv_acc
             held = cp.wait_exchange(pending, "backward", s) if pending is not None else []  # the last: none held on
+            pending = None  # its handles hold the shard just sent: let it go (at step 0, this rank's own)
             for i in range(len(grads) if N > 1 else 0):  # on to the next holder (after N hops: home)
-                hop = cp.post_exchange([grads[i]], "backward-grads", s)  # dK, then dV: one arriving buffer at a time
-                grads[i] = cp.wait_exchange(hop, "backward-grads", s)[0]
-        dk, dv = (g.transpose(1, 2).to(k_t.dtype) for g in grads)  # (B, G, L, D) views of (B, L, G, D)
+                # dK, then dV: one arriving buffer at a time; the handles die with the call, and the sent buffer with them
+                grads[i] = cp.wait_exchange(cp.post_exchange([grads[i]], "backward-grads", s), "backward-grads", s)[0]
+        dk, dv = (g.transpose(1, 2).to(kv_dtype) for g in grads)  # (B, G, L, D) views of (B, L, G, D)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:  # d s_h = -sum over rows of p_sink * rowsum(dO * O)
             p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # (B, H, L)
