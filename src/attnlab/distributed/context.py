@@ -150,25 +150,8 @@ class ContextParallel(RankGroup):
         B, H, L, D = q.shape
         G = k.size(1)
         problem = self._local_problem(B, H, L, G, key_padding_mask, document_ids, T, plan)
-        if self.world == 1:
-            if problem is not None:
-                raise ValueError(problem)
-            return
-        mine = torch.tensor([L, B, H, G, D, T, problem is not None], dtype=torch.int64)
-        if dist.get_backend(self.group) == "nccl":
-            mine = mine.to(q.device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        rows = [tuple(int(x) for x in e.tolist()) for e in every]
-        if problem is not None:
-            raise ValueError(problem)
-        refused = [i for i, row in enumerate(rows) if row[6]]
-        if refused:
-            raise ValueError(
-                f"context_parallel: rank {refused[0]} refused its inputs (its error says why); this rank stops too, "
-                f"so that no rank waits for the others forever."
-            )
-        if len({row[:6] for row in rows}) > 1:
+        rows = self.agree(problem, q.device, (L, B, H, G, D, T))
+        if len(set(rows)) > 1:
             listing = "; ".join(
                 f"rank {i}: L={r[0]}, B={r[1]}, H={r[2]}, G={r[3]}, D={r[4]}, T={r[5]}" for i, r in enumerate(rows)
             )

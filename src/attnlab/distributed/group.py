@@ -35,8 +35,8 @@ class CPStats:
     pairs: int = 0
     bytes_sent: int = 0
     calls: int = 0
-    blocks: int = 0  # ring chunk pairs computed (forward)
-    skipped: int = 0  # ring chunk pairs left out: causality or the window hides every pair of them
+    blocks: int = 0  # ring tile pairs computed (forward)
+    skipped: int = 0  # ring tile pairs left out: causality or the window hides every pair of them
     events: list[tuple[str, str, int]] | None = field(default=None, repr=False)
 
 
@@ -71,7 +71,6 @@ class RankGroup:
     def __repr__(self) -> str:
         return f"ContextParallel(rank={self.rank}, world={self.world}, layout={self.layout!r}, method={self.method!r})"
 
-    # -- the split ---------------------------------------------------------------------------------
     # -- the split ------------------------------------------------------------------------------
     def plan(self, length: int | None = None) -> ShardPlan:
         """The :class:`~attnlab.distributed.layout.ShardPlan` of a sequence of ``length`` (default: the last sharded)."""
@@ -94,25 +93,29 @@ class RankGroup:
         inverse = torch.argsort(self.plan().order(t.device))
         return torch.cat(parts, dim=1).index_select(1, inverse)
 
-    def agree(self, problem: str | None, device: torch.device) -> None:
-        """Raise ``problem`` on this rank and a pointer to it on every other: one rank must not raise alone."""
+    def agree(self, problem: str | None, device: torch.device, header: Sequence[int] = ()) -> list[tuple[int, ...]]:
+        """Raise ``problem`` on this rank and a pointer to it on every other: one rank must not raise alone.
+
+        ``header``: small ints every rank shares in the same collective; returns each rank's, in rank order."""
         if self.world == 1:
             if problem is not None:
                 raise ValueError(problem)
-            return
-        flag = torch.tensor([problem is not None], dtype=torch.int64)
+            return [tuple(header)]
+        mine = torch.tensor([*header, problem is not None], dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
-            flag = flag.to(device)
-        every = [torch.empty_like(flag) for _ in range(self.world)]
-        dist.all_gather(every, flag, group=self.group)
+            mine = mine.to(device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        rows = [tuple(int(x) for x in e.tolist()) for e in every]
         if problem is not None:
             raise ValueError(problem)
-        refused = [i for i, f in enumerate(every) if int(f)]
+        refused = [i for i, row in enumerate(rows) if row[-1]]
         if refused:
             raise ValueError(
                 f"context_parallel: rank {refused[0]} refused its inputs (its error says why); this rank stops too, "
                 f"so that no rank waits for the others forever."
             )
+        return [row[:-1] for row in rows]
 
     # -- transport (ring) ------------------------------------------------------------------------
     def post_exchange(self, tensors: Sequence[Tensor], phase: str, step: int) -> tuple[list[Any], list[Tensor]]:

@@ -68,7 +68,7 @@ class Rules:
 
 @dataclass(frozen=True)
 class Pair:
-    """A query chunk (rows ``qs`` of this rank's shard) against a key chunk (rows ``ks`` of the held shard)."""
+    """A query tile (rows ``qs`` of this rank's shard) against a key tile (rows ``ks`` of the held shard)."""
 
     qs: slice
     ks: slice
