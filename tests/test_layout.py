@@ -1,6 +1,6 @@
 """The package's layering: imports only go down, and no two modules import each other.
 
-Layers, lowest first: ``core`` (the attention) and ``runtime`` (devices, files, usage errors), ``models``, ``compat``, ``hf`` and ``distributed`` (built on it), then ``check``
+Layers, lowest first: ``core`` (the attention), ``runtime`` (devices, files, usage errors) and ``quant`` (GGUF blocks and their kernels), ``models``, ``compat``, ``hf`` and ``distributed`` (built on it), then ``check``
 and ``lab`` (each on its own), then ``bench`` and ``tools``, then the package root (``attnlab``,
 ``attnlab.cli``). A module may import from a lower layer or from its own subpackage. Every import
 counts: top-level, inside functions, and under ``if TYPE_CHECKING:`` (an annotation that needs an
@@ -18,6 +18,7 @@ PACKAGE_DIR = Path(attnlab.__file__).parent
 LAYERS = {
     "runtime": 0,
     "core": 0,
+    "quant": 0,
     "models": 1,
     "compat": 1,
     "hf": 1,

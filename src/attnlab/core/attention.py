@@ -174,6 +174,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj: nn.Module = nn.Linear(kdim, self.kv_dim, bias=bias, **factory)  # kdim -> G*D
         self.v_proj: nn.Module = nn.Linear(vdim, self.kv_dim, bias=bias, **factory)  # vdim -> G*D
         self.out_proj: nn.Module = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)  # H*D -> E
+        # Optional: one module computing [q | k | v] of a self-attention input in a single matmul (set by
+        # attnlab.models.llama.fuse_quantized; its weights are the three projections' own, shared).
+        self.qkv_proj: nn.Module | None = None
 
         self.window, self.softcap = window, (None if softcap is None else float(softcap))
         # ALiBi slopes: a buffer (moves with .to()), not saved: they follow from num_heads.
@@ -244,13 +247,20 @@ class MultiHeadAttention(nn.Module):
 
     # -- forward -------------------------------------------------------------------------
     def _a_weight(self) -> Tensor:
-        """A parameter whose device and dtype the inputs must match: ``out_proj.weight`` unless a
-        swapped-in ``out_proj`` keeps its weights elsewhere."""
-        w = getattr(self.out_proj, "weight", None)
-        return w if isinstance(w, Tensor) else next(self.parameters())
+        """A tensor whose device and dtype the inputs must match: ``out_proj.weight`` unless a swapped-in
+        ``out_proj`` keeps its weights elsewhere (``compute_reference``: attnlab.quant's layers), else a parameter."""
+        for name in ("weight", "compute_reference"):  # a quantized out_proj holds blocks, and says its dtype so
+            w = getattr(self.out_proj, name, None)
+            if isinstance(w, Tensor):
+                return w
+        return next(self.parameters())
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K, V projections: (B, T_q, E), (B, T_k, G*D), (B, T_k, G*D)."""
+        fused = self.qkv_proj
+        if fused is not None and query is key and key is value:  # self-attention: one matmul, split by columns
+            fq, fk, fv = fused(query).split((self.embed_dim, self.kv_dim, self.kv_dim), dim=-1)
+            return fq, fk, fv
         q: Tensor = self.q_proj(query)  # (B, T_q, E)
         k: Tensor = self.k_proj(key)  # (B, T_k, KV)
         v: Tensor = self.v_proj(value)  # (B, T_k, KV)

@@ -410,6 +410,9 @@ def _steps(
             logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
                 :, -1
             ]  # (B, V)
+    # A model whose decode step is already one compiled call (Llama with dtype="gguf": has_fused_decode) has
+    # nothing for torch.compile to gain: its step runs as it is.
+    compile = compile and not getattr(model, "has_fused_decode", False)
     step_fn = compiled_decode_step(device) if compile else decode_step
     graphs = compile and decode_compile_mode(device) == "reduce-overhead"
     slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor

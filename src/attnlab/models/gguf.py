@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..quant import FORMATS, QuantEmbedding, QuantLinear
+from ..quant import dequantize as dequantize_blocks
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
 from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
 from .llama_config import LlamaConfig
@@ -53,6 +55,7 @@ __all__ = [
     "check_gguf_tensors",
     "unpermute_qk",
     "load_gguf_weights",
+    "keep_quantized",
     "tokenizer_from_gguf",
     "release_vocabulary",
 ]
@@ -421,21 +424,93 @@ def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[Reade
     return plan
 
 
+def keep_quantized(reader: GGUFReader, model: nn.Module) -> dict[str, str]:
+    """Replace each ``nn.Linear`` / ``nn.Embedding`` of ``model`` whose GGUF tensor is Q4_0, Q4_1 or Q8_0 by a
+    :class:`~attnlab.quant.QuantLinear` / :class:`~attnlab.quant.QuantEmbedding` of that format, on the
+    model's device (meta too); returns ``{attnlab module name: format}``. Tensors of other types (F32
+    norms, F16, K-quants) stay float parameters, loaded dequantized. Call it after
+    :func:`check_gguf_tensors` (names and shapes checked) and before :func:`load_gguf_weights`."""
+    kept: dict[str, str] = {}
+    for tensor in reader.tensors:
+        name = _attnlab_name(tensor.name)
+        fmt = FORMATS.get(tensor.tensor_type.name)
+        if name is None or fmt is None or not name.endswith(".weight") or len(tensor.shape) != 2:
+            continue
+        path = name.removesuffix(".weight")
+        parent_name, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        device = next(old.parameters()).device
+        if isinstance(old, nn.Linear):
+            new: nn.Module = QuantLinear(
+                old.in_features, old.out_features, fmt, bias=old.bias is not None, device=device
+            )
+        elif isinstance(old, nn.Embedding):
+            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, fmt, device=device)
+        else:  # pragma: no cover - every 2-D tensor of a Llama GGUF is a Linear's or the Embedding's
+            continue
+        setattr(parent, child, new)
+        kept[path] = fmt.name
+    return kept
+
+
+def _copy_blocks(
+    reader: GGUFReader, tensor: ReaderTensor, layer: QuantLinear | QuantEmbedding, heads: int | None
+) -> None:
+    """A quantized tensor's bytes into ``layer.blocks`` as stored (Q/K rows put back into HF's rotary order, whole
+    rows of blocks being moved), each slice checked for damaged scales by dequantizing it."""
+    path = _path(reader)
+    rows = layer.blocks.size(0)
+    raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1))  # (rows, row bytes), read-only map
+    if raw.shape != layer.blocks.shape:
+        raise GGUFError(
+            f"{path!r}: tensor {tensor.name!r} holds {tuple(raw.shape)} bytes of blocks, expected "
+            f"{tuple(layer.blocks.shape)} for {layer.fmt.name}; {_FIX_METADATA}."
+        )
+    step = max(1, _ROWS_PER_SLICE_BYTES // (4 * layer.in_features))
+    for start in range(0, rows, step):
+        piece = layer.blocks[start : start + step]
+        with np.errstate(all="ignore"):
+            piece.copy_(raw[start : start + step])
+        check_values(
+            dequantize_blocks(piece, layer.fmt, layer.in_features), tensor.name, path, _FIX_DATA, FP16_MAX, GGUFError
+        )
+    if heads is not None:
+        layer.blocks.copy_(unpermute_qk(layer.blocks.clone(), heads))
+
+
 @torch.no_grad()
-def load_gguf_weights(reader: GGUFReader, model: nn.Module) -> None:
+def load_gguf_weights(reader: GGUFReader, model: nn.Module, layout: str | None = None) -> None:
     """Copy every tensor of ``reader`` into ``model`` (a :class:`Llama` of the matching config), in place.
 
     Each tensor is dequantized a slice of rows at a time, checked for damaged values while the slice
     is in cache, and cast on the copy into the model's dtype and device; Q/K rows are put back into
-    Hugging Face's rotary order (:func:`unpermute_qk`).
+    Hugging Face's rotary order (:func:`unpermute_qk`). Quantized layers (:func:`keep_quantized`) get the
+    file's blocks, then are packed in ``layout`` (:meth:`attnlab.quant.QuantLinear.pack`; default the best
+    this CPU runs).
     """
     config: LlamaConfig = model.config  # type: ignore[assignment]
     path = _path(reader)
-    for tensor, param in check_gguf_tensors(reader, model):
+    if not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
+        check_gguf_tensors(reader, model)  # names and shapes (from_pretrained checked them on its meta model already)
+    params = dict(model.named_parameters())
+    for tensor in reader.tensors:
+        name = _attnlab_name(tensor.name) or ""
+        heads = None
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            heads = config.n_head if ".attn_q." in tensor.name else config.n_kv_head
+        layer = model.get_submodule(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if isinstance(layer, (QuantLinear, QuantEmbedding)):  # kept as the file stores it (keep_quantized)
+            _copy_blocks(reader, tensor, layer, heads)
+            layer.pack(layout)
+            _drop_pages(reader, tensor.data_offset, tensor.n_bytes)
+            continue
+        param = params.get(name)
+        if param is None:
+            raise GGUFError(f"{path!r}: the GGUF tensor {tensor.name!r} has no place in this model; {_FIX_METADATA}.")
         shape = tuple(param.shape)
         data = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data  # (rows, bytes or values per row)
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:  # small: unpermuted whole
-            heads = config.n_head if ".attn_q." in tensor.name else config.n_kv_head
+        if heads is not None:  # small: unpermuted whole
             param.copy_(unpermute_qk(_dequantized(data, tensor, path).reshape(shape), heads))
         else:
             row_bytes = 4 * (shape[1] if len(shape) > 1 else shape[0])

@@ -49,7 +49,7 @@ from .file_checks import (
     safetensors_metadata,
 )
 from .gpt import TinyGPT
-from .llama import Llama
+from .llama import Llama, fuse_quantized
 from .saved_model import FORMAT, load_checkpoint
 
 __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
@@ -128,17 +128,37 @@ def _copy_into(model: nn.Module, tensors: Iterable[tuple[str, Tensor]], source: 
         )
 
 
-def _from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Llama, Any]:
+def _from_gguf(path: Path, dtype: torch.dtype | str, device: torch.device) -> tuple[Llama, Any]:
     reader = gguf.open_gguf(path)  # the header walked against the file's size first
     config = gguf.llama_config_from_gguf(reader)  # every field typed and in range
     sizes = f"llama.embedding_length={config.n_embd}, llama.block_count={config.n_layer}, vocab {config.vocab_size}"
-    check_fits_in_memory(llama_weight_count(config), dtype, device, f"the GGUF file {str(path)!r}", sizes)
-    model = _meta(Llama, config, dtype)
+    keep = dtype == "gguf"
+    float_dtype = torch.float32 if isinstance(dtype, str) else dtype
+    if keep:
+        if device.type != "cpu":
+            raise UsageError(
+                f"dtype='gguf' keeps the file's quantized blocks, which attnlab computes with on a CPU only; got "
+                f"device={str(device)!r}: pass device='cpu', or dtype=torch.bfloat16 for {device.type}."
+            )
+        check_fits_in_memory(
+            sum(int(t.n_bytes) for t in reader.tensors) // 4,
+            torch.float32,
+            device,
+            f"the GGUF file {str(path)!r}",
+            sizes,
+        )
+    else:
+        check_fits_in_memory(llama_weight_count(config), float_dtype, device, f"the GGUF file {str(path)!r}", sizes)
+    model = _meta(Llama, config, float_dtype)
     gguf.check_gguf_tensors(reader, model)  # names and shapes, before the memory exists
+    if keep:
+        gguf.keep_quantized(reader, model)  # Q4_0/Q4_1/Q8_0 layers become QuantLinear/QuantEmbedding (still meta)
     tokenizer = gguf.tokenizer_from_gguf(reader)
     gguf.release_vocabulary(reader)  # ~160 MB of small arrays for SmolLM2: gone before the weights arrive
     model = model.to_empty(device=device)
     gguf.load_gguf_weights(reader, model)  # each slice checked for damaged values as it is copied
+    if keep:
+        fuse_quantized(model)  # tiled Q|K|V and gate|up: one matmul each (the same bytes)
     return model.eval(), tokenizer
 
 
@@ -384,7 +404,7 @@ def _source_path(source: object) -> Path:
 
 
 def from_pretrained(
-    source: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    source: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, Any]:
     """``(model in eval mode, tokenizer or None)`` from a name, a GGUF file or a checkpoint directory.
 
@@ -392,8 +412,10 @@ def from_pretrained(
         source: ``"smollm2"``, a ``.gguf`` path (llama architecture), a Hugging Face directory
             (``config.json`` + ``*.safetensors``, model_type llama or gpt2), or an attnlab
             checkpoint directory (``save_checkpoint``'s).
-        dtype: of the weights: float32 (exact reference), bfloat16 (half the memory and bytes per
-            token), float16 or float64.
+        dtype: of the weights: float32 (exact reference; the default), bfloat16 (half the memory and
+            bytes per token), float16 or float64; or ``"gguf"`` for a GGUF file: its Q4_0/Q4_1/Q8_0
+            tensors stay as the file stores them (:mod:`attnlab.quant`; 5.6x less memory for SmolLM2),
+            computed on in float32 by compiled CPU kernels; the other tensors load as float32.
         device: where the weights live (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``, ...); one this
             torch build and machine have.
 
@@ -417,9 +439,9 @@ def from_pretrained(
         out = generate(model, idx, 32, temperature=0, eos_token_id=tok.eos_token_id)
         print(tok.decode(out[0, idx.size(1):], skip_special_tokens=True))  # The capital of France is Paris.
     """
-    if dtype not in _DTYPES:
+    if dtype not in _DTYPES and dtype != "gguf":
         raise UsageError(
-            f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype!r}; pass e.g. dtype=torch.bfloat16."
+            f"dtype must be one of {[str(d) for d in _DTYPES]} or 'gguf', got {dtype!r}; pass e.g. dtype=torch.bfloat16."
         )
     device = resolve_device(str(device), flag="device")
     if isinstance(source, str) and source.lower() == "smollm2":
@@ -431,6 +453,12 @@ def from_pretrained(
                 f"source {str(path)!r} is a file of a checkpoint; pass its directory, {str(path.parent)!r}."
             )
         return _from_gguf(path, dtype, device)
+    if dtype == "gguf":
+        raise UsageError(
+            f"dtype='gguf' keeps a GGUF file's quantized weights, but {str(path)!r} is a directory; pass a .gguf file "
+            f"(or 'smollm2'), or a float dtype such as torch.float32 for this checkpoint."
+        )
+    assert isinstance(dtype, torch.dtype)  # "gguf" was answered above
     writer = _written_by(path)
     if writer == "hf":
         return _from_hf_dir(path, dtype, device)

@@ -1,0 +1,790 @@
+// attnlab's quantized matmul: y = x @ dequantize(w).T for GGML's Q4_0, Q4_1 and Q8_0 blocks, read as the file stores them.
+//
+// Why it exists: a decode step is a chain of matrix-vector products whose cost is the bytes of the
+// weights. Kept in the file's 4.5-8.5 bits per weight, they are 4-7x fewer bytes than float32.
+//
+// What it computes: every weight is dequantized in registers exactly as the gguf package (and
+// llama.cpp's reference code) does: Q4_0 d * (q - 8), Q4_1 d * q + m (a multiply, then an add: no
+// FMA, so each weight is the same float32 as `gguf.quants.dequantize` gives), Q8_0 d * q. The
+// activations stay float32. The products are summed in float32, 16 (AVX-512) or 8 (AVX2) lanes at
+// a time, so the result differs from `x @ W_fp32.T` only by the order of the float32 additions.
+//
+// The ISA is chosen at run time (__builtin_cpu_supports), so one build runs on any x86-64: AVX-512
+// (F + BW + VL), else AVX2 + FMA + F16C, else plain C++. The library is compiled without -march.
+//
+// Block layouts (ggml-common.h), 32 weights of one row per block:
+//   Q4_0: fp16 d, 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble   18 bytes
+//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0                                                 20 bytes
+//   Q8_0: fp16 d, 32 int8                                                                             34 bytes
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGML's type ids
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: TORCH_CHECK(false, "attnlab quant: unknown block kind ", kind, " (expected 2 = Q4_0, 3 = Q4_1, 8 = Q8_0)");
+  }
+  return 0;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// ---- plain C++: the reference every vector path must equal (tests compare them) -------------------
+
+template <int64_t K>
+void decode_scalar(const uint8_t* b, float* out) {
+  if constexpr (K == Q8_0) {
+    const float d = half_at(b);
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+  } else if constexpr (K == Q4_0) {
+    const float d = half_at(b);
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>((b[2 + j] & 0xF) - 8);
+      out[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+    }
+  } else {
+    const float d = half_at(b), m = half_at(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>(b[4 + j] & 0xF) + m;
+      out[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
+    }
+  }
+}
+
+template <int64_t K, int M>
+void rows_scalar(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, const float*, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  float wf[32];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * BB;
+    float acc[M] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      decode_scalar<K>(row + b * BB, wf);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * ldx + b * kBlock;
+        for (int j = 0; j < 32; ++j) acc[m] += wf[j] * xb[j];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = acc[m];
+  }
+}
+
+// F16C: one instruction per scale (c10::Half's portable conversion is ~20)
+__attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// ---- AVX-512: a block is two 16-float vectors -----------------------------------------------------
+
+#define ATTNLAB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+template <int64_t K>
+ATTNLAB_AVX512 inline void decode_avx512(const uint8_t* b, __m512& w0, __m512& w1) {
+  if constexpr (K == Q8_0) {
+    const __m512 d = _mm512_set1_ps(half_f16c(b));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), d);
+  } else {
+    const int off = K == Q4_1 ? 4 : 2;
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + off)));
+    __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
+    __m512i hi = _mm512_srli_epi32(q, 4);
+    const __m512 d = _mm512_set1_ps(half_f16c(b));
+    if constexpr (K == Q4_0) {
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+      w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+      w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+    } else {
+      const __m512 m = _mm512_set1_ps(half_f16c(b + 2));
+      w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+      w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+    }
+  }
+}
+
+// The block's integer values as floats (Q4: 0..15, Q8_0: -128..127); the scale and offset are applied per block:
+//   sum_j w_j x_j = d * sum_j q_j x_j + c * sum_j x_j,   c = m (Q4_1), -8 d (Q4_0), 0 (Q8_0),
+// with sum_j x_j precomputed once per block of x (xs). Three fewer vector operations per block than
+// dequantizing each weight; the sums differ from x @ W.T only by float32 rounding.
+template <int64_t K>
+ATTNLAB_AVX512 inline void ints_avx512(const uint8_t* b, __m512& lo, __m512& hi) {
+  if constexpr (K == Q8_0) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
+  } else {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + (K == Q4_1 ? 4 : 2))));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  }
+}
+
+template <int64_t K>
+ATTNLAB_AVX512 inline float offset_of(const uint8_t* b, float d) {
+  if constexpr (K == Q4_1) return half_f16c(b + 2);
+  if constexpr (K == Q4_0) return -8.0f * d;
+  return 0.0f;
+}
+
+// R weight rows per pass (each x vector loaded once serves them), M rows of x (M <= 8).
+template <int64_t K, int M, int R>
+ATTNLAB_AVX512 inline void rows_pass_avx512(const uint8_t* r0, int64_t rb, int64_t nb, const float* x, int64_t ldx,
+                                            const float* xs, float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  __m512 acc[R][M];
+  float off[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), off[r][m] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 lo[R], hi[R], d[R];
+    float c[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = r0 + r * rb + b * BB;
+      _mm_prefetch((const char*)(blk + 8 * BB), _MM_HINT_T0);
+      ints_avx512<K>(blk, lo[r], hi[r]);
+      const float ds = half_f16c(blk);
+      d[r] = _mm512_set1_ps(ds);
+      c[r] = offset_of<K>(blk, ds);
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* xb = x + m * ldx + b * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_fmadd_ps(hi[r], x1, _mm512_mul_ps(lo[r], x0));
+        acc[r][m] = _mm512_fmadd_ps(t, d[r], acc[r][m]);
+        if constexpr (K != Q8_0) off[r][m] += c[r] * xs[m * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * ldy + n + r] = _mm512_reduce_add_ps(acc[r][m]) + off[r][m];
+}
+
+template <int64_t K, int M>
+ATTNLAB_AVX512 void rows_avx512(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, const float* xs, float* y,
+                                int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // accumulators R * M <= 8 zmm
+  const int64_t rb = nb * BB;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) rows_pass_avx512<K, M, R>(w + n * rb, rb, nb, x, ldx, xs, y, ldy, n);
+  for (; n < n1; ++n) rows_pass_avx512<K, M, 1>(w + n * rb, rb, nb, x, ldx, xs, y, ldy, n);
+}
+
+template <int64_t K>
+ATTNLAB_AVX512 void dequant_avx512(const uint8_t* w, int64_t blocks, float* out) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 u0, u1;
+    decode_avx512<K>(w + b * BB, u0, u1);
+    _mm512_storeu_ps(out + b * kBlock, u0);
+    _mm512_storeu_ps(out + b * kBlock + 16, u1);
+  }
+}
+
+// ---- AVX2: a block is four 8-float vectors --------------------------------------------------------
+
+#define ATTNLAB_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+ATTNLAB_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int64_t K>
+ATTNLAB_AVX2 inline void decode_avx2(const uint8_t* b, __m256 (&v)[4]) {
+  const __m256 d = _mm256_set1_ps(half_f16c(b));
+  if constexpr (K == Q8_0) {
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * i)))), d);
+  } else {
+    const int off = K == Q4_1 ? 4 : 2;
+    const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + off)));      // bytes 0-7
+    const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + off + 8)));  // bytes 8-15
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    __m256i q[4] = {_mm256_and_si256(q0, mask), _mm256_and_si256(q1, mask), _mm256_srli_epi32(q0, 4),
+                    _mm256_srli_epi32(q1, 4)};  // weights 0-7, 8-15, 16-23, 24-31
+    if constexpr (K == Q4_0) {
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8))));
+    } else {
+      const __m256 m = _mm256_set1_ps(half_f16c(b + 2));
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i])), m);
+    }
+  }
+}
+
+template <int64_t K, int M>
+ATTNLAB_AVX2 void rows_avx2(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, const float*, float* y,
+                            int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * BB;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 v[4];
+      decode_avx2<K>(row + b * BB, v);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * ldx + b * kBlock;
+        for (int i = 0; i < 4; ++i) acc[m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum256(acc[m]);
+  }
+}
+
+template <int64_t K>
+ATTNLAB_AVX2 void dequant_avx2(const uint8_t* w, int64_t blocks, float* out) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4];
+    decode_avx2<K>(w + b * BB, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * kBlock + 8 * i, v[i]);
+  }
+}
+
+template <int64_t K>
+void dequant_scalar(const uint8_t* w, int64_t blocks, float* out) {
+  constexpr int64_t BB = K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34;
+  for (int64_t b = 0; b < blocks; ++b) decode_scalar<K>(w + b * BB, out + b * kBlock);
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------
+
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;  // F16C comes with every AVX2 CPU
+  return SCALAR;
+}
+
+using RowsFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+
+template <int64_t K, int M>
+RowsFn rows_for(int64_t isa) {
+  if (isa == AVX512) return rows_avx512<K, M>;
+  if (isa == AVX2) return rows_avx2<K, M>;
+  return rows_scalar<K, M>;
+}
+
+template <int64_t K>
+RowsFn rows_for_m(int64_t isa, int64_t m) {
+  switch (m) {
+    case 1: return rows_for<K, 1>(isa);
+    case 2: return rows_for<K, 2>(isa);
+    case 3: return rows_for<K, 3>(isa);
+    case 4: return rows_for<K, 4>(isa);
+    case 5: return rows_for<K, 5>(isa);
+    case 6: return rows_for<K, 6>(isa);
+    case 7: return rows_for<K, 7>(isa);
+    default: return rows_for<K, 8>(isa);
+  }
+}
+
+RowsFn pick_rows(int64_t kind, int64_t isa, int64_t m) {
+  if (kind == Q4_0) return rows_for_m<Q4_0>(isa, m);
+  if (kind == Q4_1) return rows_for_m<Q4_1>(isa, m);
+  return rows_for_m<Q8_0>(isa, m);
+}
+
+int64_t resolve_isa(int64_t isa) {
+  const int64_t best = best_isa();
+  if (isa < 0) return best;
+  TORCH_CHECK(isa <= best, "attnlab quant: isa=", isa, " was asked for, but this CPU offers at most ", best,
+              " (0 = plain C++, 1 = AVX2, 2 = AVX-512)");
+  return isa;
+}
+
+void check_weight(const at::Tensor& w, int64_t kind, int64_t in_features) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "attnlab quant: w must be a contiguous 2-D uint8 CPU tensor of GGML blocks, got ", w.scalar_type(), " of ",
+              w.sizes(), " on ", w.device());
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0, "attnlab quant: in_features=", in_features,
+              " must be a positive multiple of 32 (the GGML block)");
+  TORCH_CHECK(w.size(1) == in_features / kBlock * block_bytes(kind), "attnlab quant: w has ", w.size(1),
+              " bytes per row, expected ", in_features / kBlock * block_bytes(kind), " for ", in_features, " inputs");
+}
+
+// y (M, N) = x (M, K) @ dequantize(w (N, K/32 blocks)).T, float32.
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t in_features, int64_t isa) {
+  check_weight(w, kind, in_features);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
+              "attnlab quant: x must be a 2-D float32 CPU tensor with ", in_features, " columns, got ", x.scalar_type(),
+              " of ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), N = w.size(0), nb = in_features / kBlock;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t level = resolve_isa(isa);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // sum of x over each block, for the per-block offset (see ints_avx512)
+  const at::Tensor xs = xc.view({M, nb, kBlock}).sum(-1).contiguous();
+  const float* xsp = xs.data_ptr<float>();
+  // up to 8 rows of x share one pass over the weights; a larger M takes passes of 8
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t mc = std::min<int64_t>(8, M - m0);
+    const RowsFn fn = pick_rows(kind, level, mc);
+    const float* xm = xp + m0 * in_features;
+    const float* xsm = xsp + m0 * nb;
+    float* ym = yp + m0 * N;
+    at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) { fn(wp, nb, xm, in_features, xsm, ym, N, n0, n1); });
+  }
+  return y;
+}
+
+// (N, K) float32 weights, as gguf.quants.dequantize gives them.
+at::Tensor dequantize(const at::Tensor& w, int64_t kind, int64_t in_features, int64_t isa) {
+  check_weight(w, kind, in_features);
+  const int64_t N = w.size(0), nb = in_features / kBlock, bb = block_bytes(kind);
+  at::Tensor out = at::empty({N, in_features}, at::TensorOptions().dtype(at::kFloat));
+  if (N == 0) return out;
+  const int64_t level = resolve_isa(isa);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const uint8_t* src = wp + n0 * nb * bb;
+    float* dst = op + n0 * in_features;
+    const int64_t blocks = (n1 - n0) * nb;
+    if (kind == Q4_0) {
+      level == AVX512 ? dequant_avx512<Q4_0>(src, blocks, dst) : level == AVX2 ? dequant_avx2<Q4_0>(src, blocks, dst) : dequant_scalar<Q4_0>(src, blocks, dst);
+    } else if (kind == Q4_1) {
+      level == AVX512 ? dequant_avx512<Q4_1>(src, blocks, dst) : level == AVX2 ? dequant_avx2<Q4_1>(src, blocks, dst) : dequant_scalar<Q4_1>(src, blocks, dst);
+    } else {
+      level == AVX512 ? dequant_avx512<Q8_0>(src, blocks, dst) : level == AVX2 ? dequant_avx2<Q8_0>(src, blocks, dst) : dequant_scalar<Q8_0>(src, blocks, dst);
+    }
+  });
+  return out;
+}
+
+int64_t cpu_isa() { return best_isa(); }
+
+// ==== the tiled layout and its int8 kernel (AVX-512 VNNI) ==========================================
+//
+// llama.cpp's own CPU route, in attnlab's words: the activations are quantized to int8, one scale per
+// block of 32 (dx = max|x| / 127, q = round(x / dx)), and each block's dot product is an exact
+// integer sum (vpdpbusd: u8 x s8 -> s32, four pairs per lane), scaled once per block:
+//   Q4_1: sum_j (d q_j + m) x_j  ~=  d dx sum_j q_j xq_j + m dx sum_j xq_j
+//   Q4_0: d dx (sum_j q_j xq_j - 8 sum_j xq_j)
+//   Q8_0: d dx (sum_j (q_j + 128) xq_j - 128 sum_j xq_j)                   (vpdpbusd wants u8 weights)
+// that is, exactly the dot product of the file's weights with the rounded x (dx xq_j), up to float32
+// rounding: |x_j - dx xq_j| <= dx / 2 is the only approximation (tests hold each product to its bound).
+// (Using the exact float sum of x for the offset instead measured 2-3x *worse* on SmolLM2's
+// activations: Q4_1's q_j are 0..15, all of one sign, so their rounding errors do not cancel.)
+//
+// For one vpdpbusd to serve 16 weight rows, rows are interleaved in tiles of 16 (a layout of the same
+// bytes as the file's; rows padded to a multiple of 16 with zeros). Per tile, per block b:
+//   Q4_0: d[16] fp16 | qs[4][16][4]                (group g holds bytes 4g..4g+3 of each row's 16)    288 B
+//   Q4_1: d[16] fp16 | m[16] fp16 | qs[4][16][4]                                                      320 B
+//   Q8_0: d[16] fp16 | qs[8][16][4], bytes XOR 0x80 (q + 128 as u8)                                  544 B
+// Lane r of a 64-byte group is row r's 4 bytes; the activations' 4 matching int8s are broadcast.
+
+constexpr int64_t kTile = 16;
+
+int64_t scales_bytes(int64_t kind) { return kind == Q4_1 ? 64 : 32; }
+
+// (N, row bytes) row-major blocks -> tiled, (ceil(N / 16) * 16, row bytes)
+at::Tensor repack_tiles(const at::Tensor& w, int64_t kind, int64_t in_features) {
+  check_weight(w, kind, in_features);
+  const int64_t N = w.size(0), nb = in_features / kBlock, bb = block_bytes(kind), rb = nb * bb;
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  at::Tensor out = at::zeros({tiles * kTile, rb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t qoff = kind == Q4_1 ? 4 : 2, qbytes = kind == Q8_0 ? 32 : 16, sb = scales_bytes(kind);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* tile = dst + (t * nb + b) * kTile * bb;
+        for (int64_t r = 0; r < kTile; ++r) {
+          const int64_t n = t * kTile + r;
+          if (n >= N) {  // padding rows: zero scales, and for Q8_0 the bytes of q = 0
+            if (kind == Q8_0)
+              for (int64_t g = 0; g < qbytes / 4; ++g) std::memset(tile + sb + g * 64 + r * 4, 0x80, 4);
+            continue;
+          }
+          const uint8_t* blk = src + n * rb + b * bb;
+          std::memcpy(tile + 2 * r, blk, 2);                            // d
+          if (kind == Q4_1) std::memcpy(tile + 32 + 2 * r, blk + 2, 2);  // m
+          for (int64_t g = 0; g < qbytes / 4; ++g)
+            for (int64_t k = 0; k < 4; ++k) {
+              const uint8_t q = blk[qoff + 4 * g + k];
+              tile[sb + g * 64 + r * 4 + k] = kind == Q8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
+            }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Row n of a tiled tensor, dequantized into out[0 .. in_features) (the same floats as the row layout gives).
+void dequant_tiled_row(const uint8_t* w, int64_t kind, int64_t nb, int64_t n, float* out) {
+  const int64_t bb = block_bytes(kind), t = n / kTile, r = n % kTile, sb = scales_bytes(kind);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = w + (t * nb + b) * kTile * bb;
+    uint8_t blk[34];
+    std::memcpy(blk, tile + 2 * r, 2);
+    if (kind == Q4_1) std::memcpy(blk + 2, tile + 32 + 2 * r, 2);
+    const int64_t qoff = kind == Q4_1 ? 4 : 2, groups = kind == Q8_0 ? 8 : 4;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t k = 0; k < 4; ++k) {
+        const uint8_t q = tile[sb + g * 64 + r * 4 + k];
+        blk[qoff + 4 * g + k] = kind == Q8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
+      }
+    if (kind == Q4_0) decode_scalar<Q4_0>(blk, out + b * kBlock);
+    else if (kind == Q4_1) decode_scalar<Q4_1>(blk, out + b * kBlock);
+    else decode_scalar<Q8_0>(blk, out + b * kBlock);
+  }
+}
+
+// rows (R,) int64 of a tiled (N, row bytes) tensor -> (R, in_features) float32; rows = None: every row < out_rows
+at::Tensor dequantize_tiles(const at::Tensor& w, int64_t kind, int64_t in_features, const at::Tensor& rows) {
+  check_weight(w, kind, in_features);
+  TORCH_CHECK(w.size(0) % kTile == 0, "attnlab quant: a tiled tensor has a multiple of 16 rows, got ", w.size(0));
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "attnlab quant: rows must be a 1-D int64 tensor");
+  const at::Tensor rc = rows.contiguous();
+  const int64_t R = rc.size(0), nb = in_features / kBlock;
+  at::Tensor out = at::empty({R, in_features}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < w.size(0), "attnlab quant: row ", rp[i], " out of range 0 .. ", w.size(0) - 1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dequant_tiled_row(wp, kind, nb, rp[i], op + i * in_features);
+  });
+  return out;
+}
+
+struct QuantizedX {
+  const int8_t* q;    // (K,) int8
+  const float* dx;    // (nb,) scale per block
+  const float* xs;    // (nb,) dx * sum of q: the sum of the rounded x, for Q4_1's offset
+  const int32_t* qs;  // (nb,) sum of q per block
+};
+
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* dx, float* xs, int32_t* qs) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t qsum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+      q[b * kBlock + j] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
+      qsum += q[b * kBlock + j];
+    }
+    dx[b] = d;
+    xs[b] = d * static_cast<float>(qsum);
+    qs[b] = qsum;
+  }
+}
+
+#define ATTNLAB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+template <int64_t K, int M>
+ATTNLAB_VNNI void tiles_vnni(const uint8_t* w, int64_t nb, const QuantizedX* xq, float* y, int64_t ldy, int64_t t0,
+                             int64_t t1) {
+  constexpr int64_t TB = kTile * (K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34);  // bytes of one block-tile
+  constexpr int64_t SB = K == Q4_1 ? 64 : 32;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* p = w + t * nb * TB;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = p + b * TB;
+      _mm_prefetch((const char*)(blk + 4 * TB), _MM_HINT_T0);
+      _mm_prefetch((const char*)(blk + 4 * TB + 64), _MM_HINT_T0);
+      _mm_prefetch((const char*)(blk + 4 * TB + 128), _MM_HINT_T0);
+      _mm_prefetch((const char*)(blk + 4 * TB + 192), _MM_HINT_T0);
+      _mm_prefetch((const char*)(blk + 4 * TB + 256), _MM_HINT_T0);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+      if constexpr (K == Q8_0) {
+        __m512i wq[8];
+        for (int g = 0; g < 8; ++g) wq[g] = _mm512_loadu_si512((const void*)(blk + SB + 64 * g));
+        if constexpr (true) {
+          _mm_prefetch((const char*)(blk + 4 * TB + 320), _MM_HINT_T0);
+          _mm_prefetch((const char*)(blk + 4 * TB + 384), _MM_HINT_T0);
+          _mm_prefetch((const char*)(blk + 4 * TB + 448), _MM_HINT_T0);
+          _mm_prefetch((const char*)(blk + 4 * TB + 512), _MM_HINT_T0);
+        }
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xb = (const int32_t*)(xq[m].q + b * kBlock);
+          __m512i s = _mm512_set1_epi32(-128 * xq[m].qs[b]);
+          for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wq[g], _mm512_set1_epi32(xb[g]));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xq[m].dx[b])), acc[m]);
+        }
+      } else {
+        __m512i lo[4], hi[4];
+        for (int g = 0; g < 4; ++g) {
+          const __m512i v = _mm512_loadu_si512((const void*)(blk + SB + 64 * g));
+          lo[g] = _mm512_and_si512(v, low4);
+          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        __m512 mv = _mm512_setzero_ps();
+        if constexpr (K == Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xb = (const int32_t*)(xq[m].q + b * kBlock);
+          __m512i s = K == Q4_0 ? _mm512_set1_epi32(-8 * xq[m].qs[b]) : _mm512_setzero_si512();
+          for (int g = 0; g < 4; ++g) {
+            s = _mm512_dpbusd_epi32(s, lo[g], _mm512_set1_epi32(xb[g]));
+            s = _mm512_dpbusd_epi32(s, hi[g], _mm512_set1_epi32(xb[4 + g]));
+          }
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xq[m].dx[b])), acc[m]);
+          if constexpr (K == Q4_1) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq[m].xs[b]), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * ldy + t * kTile, acc[m]);
+  }
+}
+
+using TilesFn = void (*)(const uint8_t*, int64_t, const QuantizedX*, float*, int64_t, int64_t, int64_t);
+
+template <int64_t K>
+TilesFn tiles_for(int64_t m) {
+  switch (m) {
+    case 1: return tiles_vnni<K, 1>;
+    case 2: return tiles_vnni<K, 2>;
+    case 3: return tiles_vnni<K, 3>;
+    default: return tiles_vnni<K, 4>;
+  }
+}
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return best_isa() == AVX512 && __builtin_cpu_supports("avx512vnni");
+}
+
+// y (M, N) = x (M, K) @ W.T for a tiled W of out_features rows; x quantized to int8 per block of 32
+at::Tensor qmatmul_tiles(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t in_features,
+                         int64_t out_features) {
+  check_weight(w, kind, in_features);
+  TORCH_CHECK(has_vnni(), "attnlab quant: the tiled kernel needs AVX-512 VNNI, which this CPU lacks");
+  TORCH_CHECK(w.size(0) % kTile == 0 && out_features <= w.size(0) && out_features > w.size(0) - kTile,
+              "attnlab quant: a tiled tensor of ", w.size(0), " rows cannot hold ", out_features, " outputs");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
+              "attnlab quant: x must be a 2-D float32 CPU tensor with ", in_features, " columns, got ", x.scalar_type(),
+              " of ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), Np = w.size(0), nb = in_features / kBlock, tiles = Np / kTile;
+  at::Tensor y = at::empty({M, Np}, xc.options());
+  if (M == 0) return y.narrow(1, 0, out_features);
+  std::vector<int8_t> q(M * in_features);
+  std::vector<float> dx(M * nb), xs(M * nb);
+  std::vector<int32_t> qs(M * nb);
+  std::vector<QuantizedX> xq(M);
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(xp + m * in_features, nb, q.data() + m * in_features, dx.data() + m * nb, xs.data() + m * nb,
+                 qs.data() + m * nb);
+    xq[m] = {q.data() + m * in_features, dx.data() + m * nb, xs.data() + m * nb, qs.data() + m * nb};
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mc = std::min<int64_t>(4, M - m0);
+    const TilesFn fn = kind == Q4_0 ? tiles_for<Q4_0>(mc) : kind == Q4_1 ? tiles_for<Q4_1>(mc) : tiles_for<Q8_0>(mc);
+    const QuantizedX* xm = xq.data() + m0;
+    float* ym = yp + m0 * Np;
+    const int64_t grain = std::max<int64_t>(1, tiles / (2 * at::get_num_threads()));
+    if (tiles * nb < 2048) {  // too small to be worth waking a second thread
+      fn(wp, nb, xm, ym, Np, 0, tiles);
+    } else {
+      at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { fn(wp, nb, xm, ym, Np, t0, t1); });
+    }
+  }
+  return Np == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+}
+
+bool cpu_has_vnni() { return has_vnni(); }
+
+// ==== one decode step of a Llama whose projections are all tiled (the C++ fast path) ===============
+//
+// The same computation as attnlab.models.llama.Llama.forward for one new token per row, with KV
+// caches in position mode: embedding row, then per block RMSNorm -> Q|K|V (one tiled matmul) ->
+// RoPE (HF's rotate_half pairing) -> K, V written at `slot` -> attention of each query head over
+// its K/V head's slots 0..slot that are not padding -> out_proj -> residual -> RMSNorm -> gate|up ->
+// silu(gate) * up -> down -> residual; final RMSNorm and the output head. It exists because the
+// Python version spends most of a SmolLM2 step (~9 of 14 ms, measured) dispatching ~600 small ops.
+//
+// weights, in order: per block [attn_norm (E), qkv tiles, out tiles, mlp_norm (E), gate_up tiles,
+// down tiles], then [final norm (E), head tiles (the embedding's when tied)], then [embedding tiles].
+// kinds: the GGML type of each tiled weight, in the same order (norms skipped).
+// dims: [n_layer, H, G, D, E, F, V]
+
+void rms_norm(const float* x, const float* w, float eps, int64_t E, float* out) {
+  double ss = 0.0;  // float32 in torch's mean; float64 here changes the last bit at most
+  for (int64_t i = 0; i < E; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float r = 1.0f / std::sqrt(static_cast<float>(ss / E) + eps);
+  for (int64_t i = 0; i < E; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+void rope_row(float* v, const float* cs, const float* sn, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = v[i], b = v[i + h];
+    v[i] = a * cs[i] - b * sn[i];
+    v[i + h] = b * cs[i + h] + a * sn[i + h];
+  }
+}
+
+at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::Tensor& slot, const at::Tensor& pad,
+                        at::TensorList k_caches, at::TensorList v_caches, at::TensorList weights,
+                        at::IntArrayRef kinds, at::IntArrayRef dims, double eps, double rope_base) {
+  TORCH_CHECK(dims.size() == 7, "attnlab quant: dims = [n_layer, H, G, D, E, F, V]");
+  const int64_t L = dims[0], H = dims[1], G = dims[2], D = dims[3], E = dims[4], Fh = dims[5], V = dims[6];
+  const int64_t B = tok.size(0), S = pad.size(1);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L + 3 && static_cast<int64_t>(kinds.size()) == 4 * L + 2,
+              "attnlab quant: llama_decode got ", weights.size(), " weights and ", kinds.size(), " kinds for ", L,
+              " blocks");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+              "attnlab quant: one K and one V cache per block");
+  const at::Tensor tokc = tok.to(at::kLong).contiguous(), posc = pos.to(at::kLong).contiguous();
+  const at::Tensor padc = pad.to(at::kBool).contiguous();
+  const int64_t s = slot.item<int64_t>();
+  TORCH_CHECK(s >= 0 && s < S, "attnlab quant: slot ", s, " outside the cache's ", S, " slots");
+  const int64_t KV = G * D, QKV = E + 2 * KV, rep = H / G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+
+  // x: the residual stream (B, E), from the embedding rows
+  at::Tensor x = dequantize_tiles(weights[6 * L + 2], kinds[4 * L + 1], E, tokc);
+  // cos/sin per row: angle = position * base^(-2i/D), channel c and c + D/2 share it (rope_cos_sin)
+  std::vector<float> cs(B * D), sn(B * D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const float inv = std::pow(static_cast<float>(rope_base), -static_cast<float>(2 * i) / static_cast<float>(D));
+      const float a = static_cast<float>(posc.data_ptr<int64_t>()[b]) * inv;
+      cs[b * D + i] = cs[b * D + i + D / 2] = std::cos(a);
+      sn[b * D + i] = sn[b * D + i + D / 2] = std::sin(a);
+    }
+  at::Tensor h = at::empty({B, E}, opts), ctx = at::empty({B, E}, opts), act = at::empty({B, Fh}, opts);
+  std::vector<float> scores(S);
+  const bool* pp = padc.data_ptr<bool>();
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = &weights[6 * l];
+    const int64_t* k = &kinds[4 * l];
+    for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * E, w[0].data_ptr<float>(), eps, E, hp + b * E);
+    at::Tensor qkv = qmatmul_tiles(h, w[1], k[0], E, QKV);  // (B, E + 2 KV)
+    float* qp = qkv.data_ptr<float>();
+    float* kc = k_caches[l].data_ptr<float>();  // (B, G, S, D)
+    float* vc = v_caches[l].data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = qp + b * QKV;
+      for (int64_t hh = 0; hh < H; ++hh) rope_row(row + hh * D, &cs[b * D], &sn[b * D], D);
+      for (int64_t g = 0; g < G; ++g) {
+        rope_row(row + E + g * D, &cs[b * D], &sn[b * D], D);
+        std::memcpy(kc + ((b * G + g) * S + s) * D, row + E + g * D, D * sizeof(float));
+        std::memcpy(vc + ((b * G + g) * S + s) * D, row + E + KV + g * D, D * sizeof(float));
+      }
+    }
+    float* cp = ctx.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const int64_t g = hh / rep;
+        const float* q = qp + b * QKV + hh * D;
+        const float* K = kc + (b * G + g) * S * D;
+        const float* Vv = vc + (b * G + g) * S * D;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j <= s; ++j) {
+          if (pp[b * S + j]) {
+            scores[j] = -INFINITY;
+            continue;
+          }
+          float dot = 0.0f;
+          for (int64_t c = 0; c < D; ++c) dot += q[c] * K[j * D + c];
+          scores[j] = dot * scale;
+          mx = std::max(mx, scores[j]);
+        }
+        float* out = cp + b * E + hh * D;
+        std::fill(out, out + D, 0.0f);
+        float den = 0.0f;
+        for (int64_t j = 0; j <= s; ++j) {
+          if (scores[j] == -INFINITY) continue;
+          const float e = std::exp(scores[j] - mx);
+          den += e;
+          for (int64_t c = 0; c < D; ++c) out[c] += e * Vv[j * D + c];
+        }
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row with every slot padded attends to nothing
+        for (int64_t c = 0; c < D; ++c) out[c] *= inv;
+      }
+    at::Tensor o = qmatmul_tiles(ctx, w[2], k[1], E, E);
+    const float* op = o.data_ptr<float>();
+    for (int64_t i = 0; i < B * E; ++i) xp[i] += op[i];
+    for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * E, w[3].data_ptr<float>(), eps, E, hp + b * E);
+    at::Tensor gu = qmatmul_tiles(h, w[4], k[2], E, 2 * Fh);  // (B, 2F): gate | up
+    const float* gp = gu.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < Fh; ++i) {
+        const float g = gp[b * 2 * Fh + i];
+        ap[b * Fh + i] = g / (1.0f + std::exp(-g)) * gp[b * 2 * Fh + Fh + i];
+      }
+    at::Tensor dn = qmatmul_tiles(act, w[5], k[3], Fh, E);
+    const float* dp = dn.data_ptr<float>();
+    for (int64_t i = 0; i < B * E; ++i) xp[i] += dp[i];
+  }
+  for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * E, weights[6 * L].data_ptr<float>(), eps, E, hp + b * E);
+  return qmatmul_tiles(h, weights[6 * L + 1], kinds[4 * L], E, V);  // (B, V)
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab_quant, m) {
+  m.def("qmatmul(Tensor x, Tensor w, int kind, int in_features, int isa=-1) -> Tensor");
+  m.def("dequantize(Tensor w, int kind, int in_features, int isa=-1) -> Tensor");
+  m.def("cpu_isa() -> int", &cpu_isa);
+  m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
+  m.def("repack_tiles(Tensor w, int kind, int in_features) -> Tensor");
+  m.def("dequantize_tiles(Tensor w, int kind, int in_features, Tensor rows) -> Tensor");
+  m.def("qmatmul_tiles(Tensor x, Tensor w, int kind, int in_features, int out_features) -> Tensor");
+  m.def(
+      "llama_decode(Tensor tok, Tensor pos, Tensor slot, Tensor pad, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "Tensor[] weights, int[] kinds, int[] dims, float eps, float rope_base) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab_quant, CPU, m) {
+  m.impl("qmatmul", qmatmul);
+  m.impl("dequantize", dequantize);
+  m.impl("repack_tiles", repack_tiles);
+  m.impl("dequantize_tiles", dequantize_tiles);
+  m.impl("qmatmul_tiles", qmatmul_tiles);
+  m.impl("llama_decode", llama_decode);
+}

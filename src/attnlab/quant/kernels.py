@@ -1,0 +1,184 @@
+"""The compiled quantized-matmul kernels (``csrc/qmatmul.cpp``): built once, found at run time, or a stated fallback.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` (a C++ compiler and ``ninja``)
+into a cache directory named after the torch version and the source's hash, so that a rebuild
+happens only when either changes: ``make test`` / ``make demo`` build it during set-up
+(``python -m attnlab.quant build``), and the first use in a fresh environment builds it then
+(about 15 s, said on stderr). It picks AVX-512, AVX2 or plain C++ at run time from the CPU's
+flags, so one build serves any x86-64.
+
+When it cannot be had (no compiler, a failed build, or ``ATTNLAB_QUANT_KERNELS=0``), every
+quantized layer runs :func:`~attnlab.quant.formats.dequantize_blocks` then ``F.linear``: the same
+numbers, much slower; :func:`kernel_status` says which, and why.
+
+Env: ``ATTNLAB_QUANT_KERNELS=0`` (never build or load them), ``ATTNLAB_KERNEL_DIR`` (where to build).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .formats import BlockFormat, dequantize_blocks
+
+__all__ = ["KernelStatus", "kernel_status", "build_kernels", "qmatmul", "dequantize", "ISA_NAMES", "SOURCE"]
+
+SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
+ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-512"}
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the compiled kernels run, on which instruction set, and if not, why (with the fix)."""
+
+    available: bool
+    isa: str  # "AVX-512", "AVX2", "plain C++", or "none" (the PyTorch fallback)
+    vnni: bool  # AVX-512 VNNI: the int8 tiled kernel (llama.cpp's route) runs
+    reason: str  # why they are not available; "" when they are
+    build_dir: str
+
+    def describe(self) -> str:
+        if self.available:
+            route = "int8 activations, VNNI tiles" if self.vnni else "float32 activations"
+            return f"attnlab's quantized kernels: {self.isa}, {route} (built in {self.build_dir})"
+        return f"attnlab's quantized kernels are not in use: {self.reason}"
+
+
+_lock = threading.Lock()
+_status: KernelStatus | None = None
+
+
+def _build_dir() -> Path:
+    chosen = os.environ.get("ATTNLAB_KERNEL_DIR")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
+    base = Path(chosen) if chosen else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnlab"
+    return base / "kernels" / tag
+
+
+def _compile(build_dir: Path, quiet: bool) -> None:
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / "attnlab_quant.so").exists() and not quiet:
+        print(
+            f"attnlab: compiling its quantized-matmul kernels into {build_dir} (once per torch version, ~15 s) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    cpp_extension.load(
+        "attnlab_quant",
+        [str(SOURCE)],
+        extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _register_python_parts() -> None:
+    """Shapes for torch.compile's tracing, and the gradient with respect to x (the weights are frozen)."""
+
+    @torch.library.register_fake("attnlab_quant::qmatmul")
+    def _(x: Tensor, w: Tensor, kind: int, in_features: int, isa: int = -1) -> Tensor:
+        return x.new_empty(x.size(0), w.size(0))
+
+    @torch.library.register_fake("attnlab_quant::dequantize")
+    def _(w: Tensor, kind: int, in_features: int, isa: int = -1) -> Tensor:
+        return w.new_empty(w.size(0), in_features, dtype=torch.float32)
+
+    def setup_context(ctx, inputs, output):
+        _, w, kind, in_features, _ = inputs
+        ctx.save_for_backward(w)
+        ctx.kind, ctx.in_features = kind, in_features
+
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        dx = grad @ torch.ops.attnlab_quant.dequantize(w, ctx.kind, ctx.in_features)  # (M, N) @ (N, K)
+        return dx, None, None, None, None
+
+    torch.library.register_autograd("attnlab_quant::qmatmul", backward, setup_context=setup_context)
+
+    @torch.library.register_fake("attnlab_quant::qmatmul_tiles")
+    def _(x: Tensor, w: Tensor, kind: int, in_features: int, out_features: int) -> Tensor:
+        return x.new_empty(x.size(0), out_features)
+
+    @torch.library.register_fake("attnlab_quant::dequantize_tiles")
+    def _(w: Tensor, kind: int, in_features: int, rows: Tensor) -> Tensor:
+        return w.new_empty(rows.size(0), in_features, dtype=torch.float32)
+
+    def setup_tiles(ctx, inputs, output):
+        _, w, kind, in_features, out_features = inputs
+        ctx.save_for_backward(w)
+        ctx.kind, ctx.in_features, ctx.out_features = kind, in_features, out_features
+
+    def backward_tiles(ctx, grad):
+        (w,) = ctx.saved_tensors
+        rows = torch.arange(ctx.out_features, device=w.device)
+        dx = grad @ torch.ops.attnlab_quant.dequantize_tiles(w, ctx.kind, ctx.in_features, rows)
+        return dx, None, None, None, None
+
+    torch.library.register_autograd("attnlab_quant::qmatmul_tiles", backward_tiles, setup_context=setup_tiles)
+
+
+def build_kernels(quiet: bool = False) -> KernelStatus:
+    """Build (if needed) and load the kernels; the result is kept for the process. Never raises."""
+    global _status
+    with _lock:
+        if _status is not None:
+            return _status
+        build_dir = _build_dir()
+        if os.environ.get("ATTNLAB_QUANT_KERNELS", "1").strip().lower() in _OFF:
+            _status = KernelStatus(
+                False, "none", False, "ATTNLAB_QUANT_KERNELS=0 is set; unset it to build and use them", str(build_dir)
+            )
+            return _status
+        try:
+            _compile(build_dir, quiet)
+            _register_python_parts()
+            isa = ISA_NAMES.get(int(torch.ops.attnlab_quant.cpu_isa()), "plain C++")
+            _status = KernelStatus(True, isa, bool(torch.ops.attnlab_quant.cpu_has_vnni()), "", str(build_dir))
+        except Exception as err:  # no compiler, no ninja, a compile error: the fallback runs, and says why
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            detail = lines[0][:300] if lines else type(err).__name__
+            _status = KernelStatus(
+                False,
+                "none",
+                False,
+                f"building them failed ({type(err).__name__}: {detail}); they need a C++17 compiler (g++ or clang++) "
+                f"and the ninja package (`pip install ninja`); quantized layers run the slower pure-PyTorch path",
+                str(build_dir),
+            )
+        return _status
+
+
+def kernel_status() -> KernelStatus:
+    """:func:`build_kernels`'s result: built on first call, then kept."""
+    return _status if _status is not None else build_kernels()
+
+
+def _use_kernel(x: Tensor) -> bool:
+    return x.device.type == "cpu" and kernel_status().available
+
+
+def qmatmul(x: Tensor, blocks: Tensor, fmt: BlockFormat, in_features: int) -> Tensor:
+    """``(M, N)`` = ``x (M, K) @ dequantize(blocks).T`` in float32: the kernel on a CPU, else dequantize + matmul."""
+    if _use_kernel(x):
+        return torch.ops.attnlab_quant.qmatmul(x, blocks, fmt.ggml_type, in_features)
+    return x @ dequantize_blocks(blocks, fmt, in_features).T
+
+
+def dequantize(blocks: Tensor, fmt: BlockFormat, in_features: int) -> Tensor:
+    """``(N, K)`` float32 weights of ``(N, row_bytes)`` blocks: the kernel on a CPU, else plain PyTorch (same floats)."""
+    if _use_kernel(blocks):
+        return torch.ops.attnlab_quant.dequantize(blocks, fmt.ggml_type, in_features)
+    return dequantize_blocks(blocks, fmt, in_features)
