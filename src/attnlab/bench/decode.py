@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 
 from ..models.generation import generate
+from ..models.gguf import open_gguf
 from ..models.gpt import GPTConfig, TinyGPT
 from ..runtime import (
     INTERRUPTS,
@@ -221,6 +222,7 @@ def bench_decode(
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "processor": platform.processor(),
+            "cpu": cpu_info(),
             "repeats": repeats,
             "partial": partial,
             "results": results,
@@ -389,8 +391,76 @@ def _markdown(results: list[dict[str, Any]], names: list[str], hf: bool) -> str:
 # --model: a real checkpoint (SmolLM2 and other Llama-family or GPT-2 models) against HF generate
 # ---------------------------------------------------------------------------------------------
 
-_MODEL_RUNNERS = ("attnlab", "attnlab compiled", "HF default", "HF static+compile")
-_MODEL_SHORT = {"attnlab": "ours", "attnlab compiled": "ours+c", "HF default": "HF", "HF static+compile": "HF best"}
+_MODEL_RUNNERS = ("attnlab", "attnlab compiled", "attnlab gguf", "HF default", "HF static+compile", "llama.cpp")
+_MODEL_SHORT = {
+    "attnlab": "ours",
+    "attnlab compiled": "ours+c",
+    "attnlab gguf": "gguf",
+    "HF default": "HF",
+    "HF static+compile": "HF best",
+    "llama.cpp": "l.cpp",
+}
+_OURS = ("attnlab", "attnlab compiled", "attnlab gguf")
+_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16")
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU's vendor and model and the ISA flags that decide which kernels run (from /proc/cpuinfo where there is one)."""
+    info: dict[str, Any] = {"vendor": platform.processor() or platform.machine(), "model": "", "flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()[:40]) if v
+    )
+    flags = set(fields.get("flags", "").split())
+    info.update(
+        vendor=fields.get("vendor_id", info["vendor"]),
+        model=fields.get("model name", ""),
+        flags=[f for f in _CPU_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx")),
+    )
+    return info
+
+
+def _gguf_source(source: str) -> Path | None:
+    """The GGUF file ``source`` names ("smollm2" or a .gguf path), or None for another kind of source."""
+    from ..models.pretrained import smollm2_path
+
+    if source.lower() == "smollm2":
+        return smollm2_path()
+    return Path(source) if source.lower().endswith(".gguf") else None
+
+
+def _llama_cpp_available() -> str | None:
+    """None when ``llama_cpp`` (llama-cpp-python) imports, else why not (the note in the report)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as err:  # not installed, or a build that does not load
+        return f"llama_cpp not importable ({type(err).__name__}); `pip install 'attnlab[bench]'` builds it (~15 min)"
+    return None
+
+
+def _llama_cpp_runner(path: Path, n_ctx: int, threads: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, greedy, ``n`` new tokens after the prompt ids; ``(1, T + n)``.
+
+    Batch 1 only: llama-cpp-python's API decodes one sequence at a time. Its log output is silenced.
+    """
+    from llama_cpp import Llama as LlamaCpp
+
+    llm = LlamaCpp(model_path=str(path), n_threads=threads, n_ctx=n_ctx, n_batch=n_ctx, verbose=False)
+
+    def run(idx: torch.Tensor, n: int) -> torch.Tensor:
+        prompt = idx[0].tolist()
+        llm.reset()
+        out: list[int] = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return torch.tensor([prompt + out])
+
+    return run
 
 
 def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
@@ -479,11 +549,23 @@ def bench_decode_model(
     base, _ = from_pretrained(source, dtype=torch.float32, device=device)
     _check_fits(source, base, batch_sizes, dtypes, prompt_len, max_new_tokens, hf, device)  # before HF loads
     hf_base = _load_hf(source, torch.float32, device) if hf else None
+    failures: dict[str, str] = {}  # runner -> why it did not run
+    # The same GGUF as stored (dtype="gguf") and llama.cpp on it, beside the float32 runners
+    gguf_path = _gguf_source(source) if device.type == "cpu" else None
+    extra: dict[str, Any] = {}
+    if gguf_path is not None:
+        extra["gguf_model"], _ = from_pretrained(gguf_path, dtype="gguf", device=device)
+        missing = _llama_cpp_available()
+        if missing is None:
+            n_ctx = prompt_len + max_new_tokens + 8
+            extra["llama_cpp"] = _llama_cpp_runner(gguf_path, n_ctx, torch.get_num_threads())
+            extra["llama_cpp_bytes"] = sum(int(t.n_bytes) for t in open_gguf(gguf_path).tensors)
+        else:
+            failures["llama.cpp"] = missing
     bandwidth = copy_bandwidth(device)
     config = base.config
     vocab = config.vocab_size
     results: list[dict[str, Any]] = []
-    failures: dict[str, str] = {}  # runner -> why it did not run
 
     def write(partial: str | None = None) -> tuple[str, list[str], str]:
         """decode_model.json, .md and .png with every row; ``partial``: the rows so far, as decode_model.partial.*,
@@ -492,7 +574,8 @@ def bench_decode_model(
         title = (
             f"decode benchmark: {source} ({base.num_params() / 1e6:.1f}M params), prompt {prompt_len}, "
             f"{max_new_tokens} new tokens, greedy, {device}; torch {torch.__version__}, {torch.get_num_threads()} "
-            f"threads, {platform.processor() or platform.machine()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+            f"threads, {cpu_info()['model'] or platform.processor() or platform.machine()}; copy bandwidth "
+            f"{bandwidth / 1e9:.1f} GB/s"
         )
         report = {
             "model": source,
@@ -506,6 +589,7 @@ def bench_decode_model(
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "processor": platform.processor(),
+            "cpu": cpu_info(),
             "repeats": repeats,
             "failed": failures,
             "partial": partial,
@@ -537,7 +621,7 @@ def bench_decode_model(
             for batch in batch_sizes:
                 row = _measure_model_row(
                     model, hf_model, dt, batch, vocab, prompt_len, max_new_tokens, repeats, compile, device,
-                    seed, bandwidth, failed_runner,
+                    seed, bandwidth, failed_runner, extra if dt == torch.float32 else {},
                 )  # fmt: skip
                 if row is not None:
                     results.append(row)
@@ -630,8 +714,13 @@ def _measure_model_row(
     seed: int,
     bandwidth: float,
     failed_runner: Callable[[str, Exception, str], None],
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """One (dtype, batch) row: every runner warmed up, then timed interleaved; None when every runner failed."""
+    """One (dtype, batch) row: every runner warmed up, then timed interleaved; None when every runner failed.
+
+    ``extra`` (float32 rows of a GGUF source): ``gguf_model`` (the file's blocks as stored) and ``llama_cpp`` (a
+    runner, batch 1 only) with ``llama_cpp_bytes``, the file's tensor bytes."""
+    extra = extra or {}
     dtype_name = str(dt).removeprefix("torch.")
     gen = torch.Generator().manual_seed(seed + batch)
     idx = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
@@ -640,10 +729,15 @@ def _measure_model_row(
     }
     if compile:
         runners["attnlab compiled"] = partial(generate, model, temperature=0, compile=True)
+    gguf_model = extra.get("gguf_model")
+    if gguf_model is not None:
+        runners["attnlab gguf"] = partial(generate, gguf_model, temperature=0)
     if hf_model is not None:
         runners["HF default"] = _hf_runner(hf_model, best=False)
         if compile:
             runners["HF static+compile"] = _hf_runner(hf_model, best=True)
+    if "llama_cpp" in extra and batch == 1:  # llama-cpp-python decodes one sequence at a time
+        runners["llama.cpp"] = extra["llama_cpp"]
     warmup_s: dict[str, float] = {}
     for name, fn in list(runners.items()):  # warm-up; for the compiled runners the compilation itself
         try:
@@ -670,8 +764,16 @@ def _measure_model_row(
         return None
     # Bytes one decode step must read: every weight once, plus each row's cached K/V at the
     # mean context of the run (the prompt and half the new tokens).
+    # Each runner's own bytes: float weights at their itemsize; the GGUF's blocks as stored (attnlab gguf, and
+    # llama.cpp, whose K/V cache is float16).
     mean_context = prompt_len + max_new_tokens / 2
-    step_bytes = model.num_params() * dt.itemsize + batch * mean_context * model.kv_cache_bytes_per_token
+    kv = batch * mean_context * model.kv_cache_bytes_per_token  # float32 K/V (bf16 rows: at that itemsize)
+    step_bytes = model.num_params() * dt.itemsize + kv
+    own_bytes = {name: step_bytes for name in runners}
+    if gguf_model is not None:
+        own_bytes["attnlab gguf"] = gguf_model.weight_bytes() + kv
+    if "llama.cpp" in runners:
+        own_bytes["llama.cpp"] = extra["llama_cpp_bytes"] + kv / 2
     limit_s = step_bytes / bandwidth
     row: dict[str, Any] = {"dtype": dtype_name, "batch": batch, "step_bytes": step_bytes, "limit_ms": 1e3 * limit_s}
     for name in runners:
@@ -681,7 +783,8 @@ def _measure_model_row(
             "ms_per_token": 1e3 * per_token,
             "tokens_per_s": batch / per_token,  # every row of the batch gains a token per step
             "prefill_tokens_per_s": batch * prompt_len / t1,  # t(1): the prefill and one token
-            "bandwidth_fraction": limit_s / per_token,
+            "bytes_per_token": own_bytes[name],
+            "bandwidth_fraction": own_bytes[name] / bandwidth / per_token,
             "warmup_s": warmup_s[name],
         }
     ref_name = "attnlab" if "attnlab" in outs else next(iter(outs))  # attnlab's tokens, or the first that ran
@@ -691,8 +794,9 @@ def _measure_model_row(
 
 
 def _best(row: dict[str, Any]) -> str | None:
-    """Our fastest runner in the row (compiled if it ran), or None when neither of ours ran."""
-    return next((n for n in ("attnlab compiled", "attnlab") if n in row), None)
+    """Our fastest runner in the row (tokens/s), or None when none of ours ran."""
+    ours = [n for n in _OURS if n in row]
+    return max(ours, key=lambda n: row[n]["tokens_per_s"]) if ours else None
 
 
 def _ratio(row: dict[str, Any], name: str) -> str:
@@ -702,7 +806,7 @@ def _ratio(row: dict[str, Any], name: str) -> str:
 
 def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
     """Decode tokens/s per runner, our best over HF's, and our bandwidth fraction: 80 columns."""
-    hf_names = [n for n in ("HF default", "HF static+compile") if n in names]
+    hf_names = [n for n in ("HF default", "HF static+compile", "llama.cpp") if n in names]
     header = ("dtype", "B", *(_MODEL_SHORT[n] for n in names), *(f"/{_MODEL_SHORT[n]}" for n in hf_names), "%BW")
     rows = []
     for row in results:
@@ -713,8 +817,9 @@ def _model_compact(results: list[dict[str, Any]], names: list[str]) -> str:
         cells.append(f"{100 * row[best]['bandwidth_fraction']:.0f}%" if best else "-")
         rows.append(cells)
     legend = (
-        "decode tokens/s (all rows of the batch); /HF: our best (compiled if run) over HF's; "
-        "%BW: our best's share of the bandwidth limit (weights + K/V read per step / copy rate)"
+        "decode tokens/s (all rows of the batch); /HF, /l.cpp: our fastest over HF's and llama.cpp's (same GGUF, "
+        "batch 1); %BW: our fastest's share of the bandwidth limit for the bytes it reads per step "
+        "(weights as held + K/V, over the copy rate)"
     )
     return wrap(legend) + "\n" + "\n".join(aligned(header, rows, right=[False] + [True] * (len(header) - 1)))
 
@@ -727,9 +832,7 @@ def plot_decode_model(report: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    names = [
-        n for n in ("attnlab", "attnlab compiled", "HF default", "HF static+compile") if any(n in r for r in results)
-    ]
+    names = [n for n in _MODEL_RUNNERS if any(n in r for r in results)]
     fig, ax = plt.subplots(figsize=(8.5, 3.6))
     width = 0.8 / max(len(names), 1)
     for k, name in enumerate(names):

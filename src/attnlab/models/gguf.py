@@ -461,8 +461,8 @@ def _copy_blocks(
     rows of blocks being moved), each slice checked for damaged scales by dequantizing it."""
     path = _path(reader)
     rows = layer.blocks.size(0)
-    raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1))  # (rows, row bytes), read-only map
-    if raw.shape != layer.blocks.shape:
+    raw = np.asarray(tensor.data).reshape(rows, -1)  # (rows, row bytes), a view of the read-only map
+    if raw.shape != tuple(layer.blocks.shape):
         raise GGUFError(
             f"{path!r}: tensor {tensor.name!r} holds {tuple(raw.shape)} bytes of blocks, expected "
             f"{tuple(layer.blocks.shape)} for {layer.fmt.name}; {_FIX_METADATA}."
@@ -470,8 +470,7 @@ def _copy_blocks(
     step = max(1, _ROWS_PER_SLICE_BYTES // (4 * layer.in_features))
     for start in range(0, rows, step):
         piece = layer.blocks[start : start + step]
-        with np.errstate(all="ignore"):
-            piece.copy_(raw[start : start + step])
+        piece.copy_(torch.from_numpy(np.array(raw[start : start + step])))  # a copy: the map is read-only
         check_values(
             dequantize_blocks(piece, layer.fmt, layer.in_features), tensor.name, path, _FIX_DATA, FP16_MAX, GGUFError
         )

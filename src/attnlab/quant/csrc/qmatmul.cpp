@@ -663,6 +663,34 @@ void rope_row(float* v, const float* cs, const float* sn, int64_t D) {
   }
 }
 
+// Attention of one query head over slots 0..s of its K/V head (padding slots skipped), D a multiple of 16.
+ATTNLAB_VNNI void attend_avx512(const float* q, const float* K, const float* V, const bool* pad, int64_t s, int64_t D,
+                                float scale, float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j <= s; ++j) {
+    if (pad[j]) {
+      scores[j] = -INFINITY;
+      continue;
+    }
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(K + j * D + c), acc);
+    scores[j] = _mm512_reduce_add_ps(acc) * scale;
+    mx = std::max(mx, scores[j]);
+  }
+  std::fill(out, out + D, 0.0f);
+  float den = 0.0f;
+  for (int64_t j = 0; j <= s; ++j) {
+    if (scores[j] == -INFINITY) continue;
+    const float e = std::exp(scores[j] - mx);
+    den += e;
+    const __m512 ev = _mm512_set1_ps(e);
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(V + j * D + c), _mm512_loadu_ps(out + c)));
+  }
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row with every slot padded attends to nothing
+  for (int64_t c = 0; c < D; ++c) out[c] *= inv;
+}
+
 at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::Tensor& slot, const at::Tensor& pad,
                         at::TensorList k_caches, at::TensorList v_caches, at::TensorList weights,
                         at::IntArrayRef kinds, at::IntArrayRef dims, double eps, double rope_base) {
@@ -722,6 +750,10 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
         const float* q = qp + b * QKV + hh * D;
         const float* K = kc + (b * G + g) * S * D;
         const float* Vv = vc + (b * G + g) * S * D;
+        if (D % 16 == 0) {
+          attend_avx512(q, K, Vv, pp + b * S, s, D, scale, scores.data(), cp + b * E + hh * D);
+          continue;
+        }
         float mx = -INFINITY;
         for (int64_t j = 0; j <= s; ++j) {
           if (pp[b * S + j]) {
