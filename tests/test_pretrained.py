@@ -131,11 +131,14 @@ def write_llama_gguf(
     add_bos: bool = False,
     sentencepiece: bool = False,
     metadata: Mapping[str, Any] | None = None,
+    all_quantized: Any = None,
 ) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF (GQA 4/2, E=64), quantized as real files are (Q8_0, Q4_1, F32), Q/K rows
     permuted as llama.cpp writes them, with a byte-level BPE vocabulary (or a SentencePiece one).
     ``metadata`` replaces fields (key -> ``gguf.GGUFValue``) or drops them (key -> None), to write the
-    damaged and inconsistent files a loader must refuse. Returns the Q/K weights in HF's order."""
+    damaged and inconsistent files a loader must refuse. ``all_quantized`` (a GGMLQuantizationType): every
+    matrix but the embedding in that type (the embedding stays Q8_0), as fully quantized files are.
+    Returns the Q/K weights in HF's order."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
 
@@ -181,6 +184,8 @@ def write_llama_gguf(
 
     def add(name: str, arr: np.ndarray, qtype=None) -> None:
         arr = arr.astype(np.float32)
+        if all_quantized is not None and arr.ndim == 2 and name != "token_embd.weight":
+            qtype = all_quantized
         if qtype is None:
             w.add_tensor(name, arr)
         else:
