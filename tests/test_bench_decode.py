@@ -144,3 +144,63 @@ def test_column_major_output_head_keeps_logits_and_saves_row_major(tied):
     reloaded = Llama(config)
     reloaded.load_state_dict(state)
     assert reloaded.output_weight.stride() == (1, 96)  # copy_ keeps the layout
+
+
+def test_bench_decode_model_gguf_source_adds_the_stored_model_and_llama_cpp(tmp_path, capsys, monkeypatch):
+    """A GGUF source gets attnlab on the file's blocks and llama.cpp's column; llama.cpp itself is a stand-in here
+    (a real build takes ~15 min): it must be given the file, the context and the threads, and run at batch 1 only."""
+    gguf = pytest.importorskip("gguf")
+    from test_pretrained import write_llama_gguf
+
+    import attnlab.bench.decode as decode
+    from attnlab import from_pretrained, generate
+
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "q.gguf"
+    write_llama_gguf(path, tied=True, all_quantized=gguf.GGMLQuantizationType.Q4_1)
+    reference, _ = from_pretrained(path)
+    asked = {}
+
+    def stand_in(file, n_ctx, threads):
+        asked.update(file=file, n_ctx=n_ctx, threads=threads)
+        return lambda idx, n: generate(reference, idx, n, temperature=0)  # llama.cpp's greedy tokens, as it were
+
+    monkeypatch.setattr(decode, "_llama_cpp_available", lambda: None)
+    monkeypatch.setattr(decode, "_llama_cpp_runner", stand_in)
+    args = ["bench-decode", "--model", str(path), "--batch-sizes", "1", "2", "--prompt-len", "5", "--dtype", "float32"]
+    out_dir = tmp_path / "out"
+    assert main([*args, "--max-new-tokens", "4", "--repeats", "1", "--threads", "1", "--no-hf", "--out-dir", str(out_dir)]) == 0
+    assert asked == {"file": path, "n_ctx": 5 + 4 + 8, "threads": 1}
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines()) <= 80 and "l.cpp" in printed and "gguf" in printed
+    report = json.loads((out_dir / "decode_model.json").read_text())
+    assert report["cpu"]["vendor"] and isinstance(report["cpu"]["flags"], list) and report["failed"] == {}
+    one, two = report["results"]
+    assert set(one["same_tokens"]) == {"attnlab", "attnlab gguf", "llama.cpp"} and one["same_tokens"]["llama.cpp"]
+    assert "llama.cpp" not in two and "attnlab gguf" in two  # llama-cpp-python decodes one sequence at a time
+    quantized, _ = from_pretrained(path, dtype="gguf")
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    kv = 1 * (5 + 4 / 2) * reference.kv_cache_bytes_per_token
+    assert one["attnlab gguf"]["bytes_per_token"] == quantized.weight_bytes() + kv
+    assert one["llama.cpp"]["bytes_per_token"] == file_bytes + kv / 2  # its K/V cache is float16
+    assert one["attnlab"]["bytes_per_token"] == reference.num_params() * 4 + kv
+    for name in ("attnlab", "attnlab gguf", "llama.cpp"):
+        r = one[name]
+        assert r["bandwidth_fraction"] == pytest.approx(r["bytes_per_token"] / (report["copy_GB_per_s"] * 1e9) / (r["ms_per_token"] / 1e3))
+    assert "llama.cpp" in (out_dir / "decode_model.md").read_text()
+
+
+def test_bench_decode_model_says_why_llama_cpp_is_left_out(tmp_path, capsys, monkeypatch):
+    gguf = pytest.importorskip("gguf")
+    from test_pretrained import write_llama_gguf
+
+    import attnlab.bench.decode as decode
+
+    path = tmp_path / "q.gguf"
+    write_llama_gguf(path, tied=True, all_quantized=gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(decode, "_llama_cpp_available", lambda: "llama_cpp not importable (ModuleNotFoundError)")
+    args = ["bench-decode", "--model", str(path), "--batch-sizes", "1", "--prompt-len", "4", "--dtype", "float32"]
+    assert main([*args, "--max-new-tokens", "3", "--repeats", "1", "--no-hf", "--out-dir", str(tmp_path / "o")]) == 0
+    report = json.loads((tmp_path / "o" / "decode_model.json").read_text())
+    assert report["failed"] == {"llama.cpp": "llama_cpp not importable (ModuleNotFoundError)"}
+    assert "llama.cpp left out: llama_cpp not importable" in capsys.readouterr().out
