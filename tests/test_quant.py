@@ -116,13 +116,14 @@ LAYOUTS = ["rows", pytest.param("tiles", marks=needs_vnni)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("tokens", [1, 7, 40])  # direct kernel (<= DIRECT_ROWS rows) and dequantize + GEMM
+@pytest.mark.parametrize("tokens", [1, 7, 40, 60])  # direct kernel, and dequantize + GEMM past (TILED_)DIRECT_ROWS
 def test_quant_linear_forward_and_input_gradient(layout, tokens):
     layer, ref = quant_linear("Q4_1", 48, 64, layout, bias=True)
     x = torch.randn(2, tokens, 64, requires_grad=True)
     y = layer(x)
     want = x.double() @ ref.double().T + layer.bias.double()
-    bound = (int8_bound if layout == "tiles" and 2 * tokens <= 16 else float_bound)(x.reshape(-1, 64).detach(), ref)
+    int8 = layout == "tiles" and 2 * tokens <= layers_module.TILED_DIRECT_ROWS
+    bound = (int8_bound if int8 else float_bound)(x.reshape(-1, 64).detach(), ref)
     assert y.shape == (2, tokens, 48)
     assert ((y.double() - want).abs().reshape(-1, 48) <= bound + 1e-6).all()
     g = torch.randn_like(y)

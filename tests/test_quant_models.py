@@ -43,8 +43,8 @@ def test_every_matrix_kept_as_stored_and_prefill_equals_the_float_model(tmp_path
     for name, m in mq.named_modules():
         if isinstance(m, QuantLinear) and not m.is_fusion:
             assert torch.equal(m.dequantize(), mf.get_parameter(name + ".weight")), name  # Q/K unpermuted too
-    idx = torch.randint(0, mf.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # 40 rows: every matmul dequantizes, then float32 GEMM as the float model does
+    idx = torch.randint(0, mf.config.vocab_size, (2, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # 120 rows: every matmul dequantizes, then float32 GEMM as the float model does
         assert torch.allclose(mq(idx)[:, :-1], mf(idx)[:, :-1], atol=1e-5)
     assert mq.has_fused_decode == VNNI  # tiled, fused Q|K|V and gate|up: the one-call C++ step
 
@@ -110,7 +110,7 @@ def test_gguf_dtype_refusals_name_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_as_stored_memory_speed_path_and_greedy_tokens():
+def test_smollm2_as_stored_memory_speed_path_and_greedy_tokens(monkeypatch):
     from attnlab.models.pretrained import smollm2_path
 
     try:
@@ -125,6 +125,13 @@ def test_smollm2_as_stored_memory_speed_path_and_greedy_tokens():
     idx = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
     # README, "Real models as stored": the first greedy difference on five fixed prompts, ours and llama.cpp's
     assert torch.equal(generate(mq, idx, 32, temperature=0), generate(mf, idx, 32, temperature=0))
-    assert torch.equal(generate(mq, idx, 8, temperature=0, compile=True), generate(mq, idx, 8, temperature=0))
+    import attnlab.models.generation as generation
+
+    def no_compile(device=None):
+        raise AssertionError("the fused C++ step has nothing for torch.compile to do")
+
+    monkeypatch.setattr(generation, "compiled_decode_step", no_compile)
+    assert generate(mq, idx, 8, temperature=0, compile=True).shape == (1, idx.size(1) + 8)
+    long = idx.repeat(1, 4)  # > TILED_DIRECT_ROWS rows: the dequantized GEMM path, the float model's own numbers
     with torch.no_grad():
-        np.testing.assert_array_equal(mq(idx).numpy(), mf(idx).numpy())  # 30+ rows: the dequantized GEMM path
+        np.testing.assert_array_equal(mq(long).numpy(), mf(long).numpy())

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .formats import BLOCK, BlockFormat, format_named
 from .kernels import dequantize, kernel_status, qmatmul
 
-__all__ = ["QuantLinear", "QuantEmbedding", "DIRECT_ROWS", "LAYOUTS", "best_layout", "fuse_rows"]
+__all__ = ["QuantLinear", "QuantEmbedding", "DIRECT_ROWS", "TILED_DIRECT_ROWS", "LAYOUTS", "best_layout", "fuse_rows"]
 
 # "rows": the file's own order, float32 activations (any CPU, any device: the PyTorch fallback reads it).
 # "tiles": rows interleaved 16 at a time, int8 activations, for the AVX-512 VNNI kernel (llama.cpp's route).
@@ -31,9 +31,13 @@ def best_layout() -> str:
     return "tiles" if status.available and status.vnni else "rows"
 
 
-# Rows of x up to which the kernel reads the blocks directly (decode: B rows); beyond it (prefill)
-# the weight is dequantized once per call and float32 GEMM runs, which is faster for many rows.
+# Rows of x up to which the kernel reads the blocks directly (decode: B rows, short prompts); beyond
+# it (long prefills) the weight is dequantized once per call and float32 GEMM runs, which is faster for
+# many rows. SmolLM2 prefill, 2 threads, Xeon (ms; fp32 model / dequantize + GEMM / tiled kernel):
+# 32 rows 66 / 85 / 47, 128 rows 129 / 148 / 138, 256 rows 217 / 224 / 245, 512 rows 421 / 434 / 525.
+# The float32 row kernel passes over the weights once per 8 rows, so it stops sooner.
 DIRECT_ROWS = 16
+TILED_DIRECT_ROWS = 96
 
 
 def _check_shape(name: str, in_features: int) -> None:
@@ -106,7 +110,7 @@ class _Blocks(nn.Module):
             )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.size(0) > DIRECT_ROWS:
+        if x2.size(0) > (TILED_DIRECT_ROWS if self.layout == "tiles" else DIRECT_ROWS):
             y = F.linear(x2, self.dequantize())
         elif self.layout == "tiles":
             y = torch.ops.attnlab_quant.qmatmul_tiles(
