@@ -131,3 +131,16 @@ def test_a_failed_compile_probe_is_not_remembered(monkeypatch):
     main(["doctor"])
     main(["doctor"])
     assert len(calls) == 2
+
+
+def test_doctor_reports_the_quantized_kernels_and_the_fallback(monkeypatch):
+    from attnlab.quant import kernels
+    from attnlab.tools.doctor import diagnose
+
+    found = {f.topic: f for f in diagnose(compile_check=False)}["quantized kernels"]
+    assert found.status == ("ok" if kernels.kernel_status().available else "warn")
+    off = kernels.KernelStatus(False, "none", False, "building them failed (x); they need a C++17 compiler", "/x")
+    monkeypatch.setattr(kernels, "_status", off)
+    found = {f.topic: f for f in diagnose(compile_check=False)}["quantized kernels"]
+    assert (found.status, found.detail) == ("warn", "building them failed (x); they need a C++17 compiler")
+    assert found.fix == "dtype='gguf' models run the slower pure-PyTorch path; they need a C++17 compiler."

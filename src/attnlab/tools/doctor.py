@@ -248,6 +248,20 @@ def iter_findings(
             "eager: attnlab does not need torch.compile.",
         )
 
+    from ..quant import kernel_status
+
+    status = kernel_status()  # builds them if this environment has not yet (about 20 s, said on stderr)
+    yield Finding(
+        "quantized kernels",
+        "ok" if status.available else "warn",
+        status.describe()
+        .removeprefix("attnlab's quantized kernels: ")
+        .removeprefix("attnlab's quantized kernels are not in use: "),
+        ""
+        if status.available
+        else "dtype='gguf' models run the slower pure-PyTorch path; " + status.reason.split("; ")[-1] + ".",
+    )
+
     ok, why = try_attnlab()
     yield Finding(
         "attnlab",
