@@ -150,10 +150,9 @@ def test_bench_decode_model_gguf_source_adds_the_stored_model_and_llama_cpp(tmp_
     """A GGUF source gets attnlab on the file's blocks and llama.cpp's column; llama.cpp itself is a stand-in here
     (a real build takes ~15 min): it must be given the file, the context and the threads, and run at batch 1 only."""
     gguf = pytest.importorskip("gguf")
-    from test_pretrained import write_llama_gguf
-
     import attnlab.bench.decode as decode
     from attnlab import from_pretrained, generate
+    from test_pretrained import write_llama_gguf
 
     monkeypatch.setenv("COLUMNS", "80")
     path = tmp_path / "q.gguf"
@@ -169,7 +168,10 @@ def test_bench_decode_model_gguf_source_adds_the_stored_model_and_llama_cpp(tmp_
     monkeypatch.setattr(decode, "_llama_cpp_runner", stand_in)
     args = ["bench-decode", "--model", str(path), "--batch-sizes", "1", "2", "--prompt-len", "5", "--dtype", "float32"]
     out_dir = tmp_path / "out"
-    assert main([*args, "--max-new-tokens", "4", "--repeats", "1", "--threads", "1", "--no-hf", "--out-dir", str(out_dir)]) == 0
+    assert (
+        main([*args, "--max-new-tokens", "4", "--repeats", "1", "--threads", "1", "--no-hf", "--out-dir", str(out_dir)])
+        == 0
+    )
     assert asked == {"file": path, "n_ctx": 5 + 4 + 8, "threads": 1}
     printed = capsys.readouterr().out
     assert max(len(line) for line in printed.splitlines()) <= 80 and "l.cpp" in printed and "gguf" in printed
@@ -186,15 +188,16 @@ def test_bench_decode_model_gguf_source_adds_the_stored_model_and_llama_cpp(tmp_
     assert one["attnlab"]["bytes_per_token"] == reference.num_params() * 4 + kv
     for name in ("attnlab", "attnlab gguf", "llama.cpp"):
         r = one[name]
-        assert r["bandwidth_fraction"] == pytest.approx(r["bytes_per_token"] / (report["copy_GB_per_s"] * 1e9) / (r["ms_per_token"] / 1e3))
+        assert r["bandwidth_fraction"] == pytest.approx(
+            r["bytes_per_token"] / (report["copy_GB_per_s"] * 1e9) / (r["ms_per_token"] / 1e3)
+        )
     assert "llama.cpp" in (out_dir / "decode_model.md").read_text()
 
 
 def test_bench_decode_model_says_why_llama_cpp_is_left_out(tmp_path, capsys, monkeypatch):
     gguf = pytest.importorskip("gguf")
-    from test_pretrained import write_llama_gguf
-
     import attnlab.bench.decode as decode
+    from test_pretrained import write_llama_gguf
 
     path = tmp_path / "q.gguf"
     write_llama_gguf(path, tied=True, all_quantized=gguf.GGMLQuantizationType.Q8_0)

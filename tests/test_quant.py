@@ -171,7 +171,10 @@ def test_without_kernels_the_pytorch_fallback_runs_and_says_why(monkeypatch):
     assert layers_module.best_layout() == "rows"
     with pytest.raises(RuntimeError, match=r"layout='tiles' needs the AVX-512 VNNI kernel: ATTNLAB_QUANT_KERNELS=0"):
         layer.pack("tiles")
-    assert kernel_status().describe() == "attnlab's quantized kernels are not in use: ATTNLAB_QUANT_KERNELS=0 is set; unset it"
+    assert (
+        kernel_status().describe()
+        == "attnlab's quantized kernels are not in use: ATTNLAB_QUANT_KERNELS=0 is set; unset it"
+    )
 
 
 def test_kernels_switched_off_by_environment(monkeypatch):

@@ -20,6 +20,7 @@ from attnlab.runtime import UsageError
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+
 from test_pretrained import hf_llama, write_llama_gguf  # noqa: E402
 
 VNNI = kernel_status().vnni
@@ -64,7 +65,13 @@ def test_fused_cpp_step_equals_the_python_step(tmp_path):
     for fused in (True, False):
         caches = model.setup_caches(B, S)
         with torch.no_grad():
-            model(idx[:, :10], positions=positions[:, :10], key_padding_mask=pad, caches=caches, cache_positions=torch.arange(10))
+            model(
+                idx[:, :10],
+                positions=positions[:, :10],
+                key_padding_mask=pad,
+                caches=caches,
+                cache_positions=torch.arange(10),
+            )
             if not fused:
                 model.__dict__["_fused_cache"] = (None,)  # the Python forward, the same weights
             steps = [

@@ -411,9 +411,7 @@ def cpu_info() -> dict[str, Any]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return info
-    fields = dict(
-        (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()[:40]) if v
-    )
+    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()[:40]) if v)
     flags = set(fields.get("flags", "").split())
     info.update(
         vendor=fields.get("vendor_id", info["vendor"]),
