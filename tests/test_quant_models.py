@@ -117,7 +117,7 @@ def test_gguf_dtype_refusals_name_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_as_stored_memory_speed_path_and_greedy_tokens(monkeypatch):
+def test_smollm2_as_stored_memory_decode_logits_and_fast_path(monkeypatch):
     from attnlab.models.pretrained import smollm2_path
 
     try:
@@ -128,17 +128,33 @@ def test_smollm2_as_stored_memory_speed_path_and_greedy_tokens(monkeypatch):
     mf, _ = from_pretrained("smollm2")
     assert mq.weight_bytes() <= 1.2 * file_tensor_bytes(path)  # 96.6 MB for a 96.6 MB file (fp32: 538 MB)
     assert mf.weight_bytes() / mq.weight_bytes() > 5
-    chat = [{"role": "user", "content": "What is 12 times 7?"}]
-    idx = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
-    # README, "Real models as stored": the first greedy difference on five fixed prompts, ours and llama.cpp's
-    assert torch.equal(generate(mq, idx, 32, temperature=0), generate(mf, idx, 32, temperature=0))
+    text = "The capital of France is Paris. It is known for the Eiffel Tower, museums and its long history."
+    idx = torch.tensor([tok(text)["input_ids"]])
+    T = idx.size(1)
+    # teacher-forced decode steps, each model on its own cache: the int8 route against the float32 model.
+    # Measured on this prompt family: mean |dlogit| ~0.2, max ~1.2, the same argmax; llama.cpp on the same
+    # file: mean 0.28, max 1.43 (README, "Real models as stored").
+    steps = {}
+    for name, m in (("gguf", mq), ("fp32", mf)):
+        caches = m.setup_caches(1, T)
+        pad = torch.zeros(1, T, dtype=torch.bool)
+        with torch.no_grad():
+            m(idx[:, :4], key_padding_mask=pad, caches=caches, cache_positions=torch.arange(4))
+            steps[name] = torch.cat([
+                m(idx[:, s : s + 1], positions=torch.tensor([[s]]), key_padding_mask=pad, caches=caches,
+                  cache_positions=torch.tensor([s]), only_last=True)[0]
+                for s in range(4, T)
+            ])  # fmt: skip
+    diff = (steps["gguf"] - steps["fp32"]).abs()
+    assert diff.mean() < 0.5 and diff.max() < 3.0, (diff.mean(), diff.max())
+    assert (steps["gguf"].argmax(-1) == steps["fp32"].argmax(-1)).float().mean() >= 0.9
     import attnlab.models.generation as generation
 
     def no_compile(device=None):
         raise AssertionError("the fused C++ step has nothing for torch.compile to do")
 
     monkeypatch.setattr(generation, "compiled_decode_step", no_compile)
-    assert generate(mq, idx, 8, temperature=0, compile=True).shape == (1, idx.size(1) + 8)
-    long = idx.repeat(1, 4)  # > TILED_DIRECT_ROWS rows: the dequantized GEMM path, the float model's own numbers
+    assert generate(mq, idx, 8, temperature=0, compile=True).shape == (1, T + 8)
+    long = idx.repeat(1, 5)  # > TILED_DIRECT_ROWS rows: the dequantized GEMM path, the float model's own numbers
     with torch.no_grad():
         np.testing.assert_array_equal(mq(long).numpy(), mf(long).numpy())

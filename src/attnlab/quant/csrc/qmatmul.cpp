@@ -663,32 +663,53 @@ void rope_row(float* v, const float* cs, const float* sn, int64_t D) {
   }
 }
 
-// Attention of one query head over slots 0..s of its K/V head (padding slots skipped), D a multiple of 16.
-ATTNLAB_VNNI void attend_avx512(const float* q, const float* K, const float* V, const bool* pad, int64_t s, int64_t D,
-                                float scale, float* scores, float* out) {
+// Softmax over scores[0..s] in place (-inf = a padding slot, weight 0); returns 1 / the sum of the weights
+// (0 when every slot is padding: such a row attends to nothing).
+float softmax_weights(float* scores, int64_t s) {
   float mx = -INFINITY;
+  for (int64_t j = 0; j <= s; ++j) mx = std::max(mx, scores[j]);
+  float den = 0.0f;
+  for (int64_t j = 0; j <= s; ++j) {
+    scores[j] = scores[j] == -INFINITY ? 0.0f : std::exp(scores[j] - mx);
+    den += scores[j];
+  }
+  return den > 0.0f ? 1.0f / den : 0.0f;
+}
+
+// Attention of one query head over slots 0..s of its K/V head (padding slots skipped): out (D,).
+// AVX-512 when D is a multiple of 16 (every Llama's head dim), else plain loops.
+ATTNLAB_VNNI void attend_one(const float* q, const float* K, const float* V, const bool* pad, int64_t s, int64_t D,
+                             float scale, float* scores, float* out) {
+  const bool wide = D % 16 == 0;
   for (int64_t j = 0; j <= s; ++j) {
     if (pad[j]) {
       scores[j] = -INFINITY;
       continue;
     }
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(K + j * D + c), acc);
-    scores[j] = _mm512_reduce_add_ps(acc) * scale;
-    mx = std::max(mx, scores[j]);
+    float dot = 0.0f;
+    if (wide) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(K + j * D + c), acc);
+      dot = _mm512_reduce_add_ps(acc);
+    } else {
+      for (int64_t c = 0; c < D; ++c) dot += q[c] * K[j * D + c];
+    }
+    scores[j] = dot * scale;
   }
+  const float inv = softmax_weights(scores, s);
   std::fill(out, out + D, 0.0f);
-  float den = 0.0f;
   for (int64_t j = 0; j <= s; ++j) {
-    if (scores[j] == -INFINITY) continue;
-    const float e = std::exp(scores[j] - mx);
-    den += e;
-    const __m512 ev = _mm512_set1_ps(e);
-    for (int64_t c = 0; c < D; c += 16)
-      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(V + j * D + c), _mm512_loadu_ps(out + c)));
+    const float e = scores[j] * inv;
+    if (e == 0.0f) continue;
+    if (wide) {
+      const __m512 ev = _mm512_set1_ps(e);
+      for (int64_t c = 0; c < D; c += 16)
+        _mm512_storeu_ps(out + c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(V + j * D + c), _mm512_loadu_ps(out + c)));
+    } else {
+      for (int64_t c = 0; c < D; ++c) out[c] += e * V[j * D + c];
+    }
   }
-  const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row with every slot padded attends to nothing
-  for (int64_t c = 0; c < D; ++c) out[c] *= inv;
 }
 
 at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::Tensor& slot, const at::Tensor& pad,
@@ -750,32 +771,7 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
         const float* q = qp + b * QKV + hh * D;
         const float* K = kc + (b * G + g) * S * D;
         const float* Vv = vc + (b * G + g) * S * D;
-        if (D % 16 == 0) {
-          attend_avx512(q, K, Vv, pp + b * S, s, D, scale, scores.data(), cp + b * E + hh * D);
-          continue;
-        }
-        float mx = -INFINITY;
-        for (int64_t j = 0; j <= s; ++j) {
-          if (pp[b * S + j]) {
-            scores[j] = -INFINITY;
-            continue;
-          }
-          float dot = 0.0f;
-          for (int64_t c = 0; c < D; ++c) dot += q[c] * K[j * D + c];
-          scores[j] = dot * scale;
-          mx = std::max(mx, scores[j]);
-        }
-        float* out = cp + b * E + hh * D;
-        std::fill(out, out + D, 0.0f);
-        float den = 0.0f;
-        for (int64_t j = 0; j <= s; ++j) {
-          if (scores[j] == -INFINITY) continue;
-          const float e = std::exp(scores[j] - mx);
-          den += e;
-          for (int64_t c = 0; c < D; ++c) out[c] += e * Vv[j * D + c];
-        }
-        const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row with every slot padded attends to nothing
-        for (int64_t c = 0; c < D; ++c) out[c] *= inv;
+        attend_one(q, K, Vv, pp + b * S, s, D, scale, scores.data(), cp + b * E + hh * D);
       }
     at::Tensor o = qmatmul_tiles(ctx, w[2], k[1], E, E);
     const float* op = o.data_ptr<float>();
