@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from attnlab.runtime import cpu_info as runtime_cpu_info
 
 FLOAT_ROUTES = ("fp32_linear", "fp32_kn", "fallback", "inductor", "attnlab_avx2", "attnlab_avx512")
 ROUTES = (*FLOAT_ROUTES[:4], "int8pack", "int4pack", *FLOAT_ROUTES[4:], "attnlab_tiles")
@@ -55,23 +56,14 @@ def find_gguf() -> Path:
 
 
 def cpu_info() -> dict:
-    info = {"vendor_id": "", "model_name": platform.processor(), "flags": {}}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key, val = key.strip(), val.strip()
-        if key == "vendor_id" and not info["vendor_id"]:
-            info["vendor_id"] = val
-        elif key == "model name" and info["model_name"] in ("", platform.processor()):
-            info["model_name"] = val
-        elif key == "flags" and not flags:
-            flags = set(val.split())
-    info["flags"] = {f: f in flags for f in FLAGS} | {f: True for f in sorted(flags) if f.startswith("amx")}
-    return info
+    """This script's view of :func:`attnlab.runtime.cpu_info`: each flag of FLAGS as present or not, and the AMX ones."""
+    info = runtime_cpu_info()
+    flags = set(info["flags"])
+    return {
+        "vendor_id": info["vendor"],
+        "model_name": info["model"],
+        "flags": {f: f in flags for f in FLAGS} | {f: True for f in sorted(flags) if f.startswith("amx")},
+    }
 
 
 class Mat:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from ..runtime import (
     atomic_write_text,
     check_range,
     check_writable_dir,
+    cpu_info,
     resolve_device,
     resolve_dtype,
 )
@@ -240,15 +240,8 @@ class CPResult:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, as lscpu reads it), else what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    """The CPU's model name (:func:`attnlab.runtime.cpu_info`)."""
+    return str(cpu_info()["model"])
 
 
 # -- measuring on one rank -------------------------------------------------------------------

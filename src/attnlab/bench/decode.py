@@ -33,6 +33,7 @@ from ..runtime import (
     available_bytes,
     check_range,
     check_writable_dir,
+    cpu_info,
     gib,
     import_advice,
     interrupt_exit,
@@ -222,7 +223,7 @@ def bench_decode(
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "processor": platform.processor(),
-            "cpu": cpu_info(),
+            "cpu": cpu_report(),
             "repeats": repeats,
             "partial": partial,
             "results": results,
@@ -404,21 +405,11 @@ _OURS = ("attnlab", "attnlab compiled", "attnlab gguf")
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16")
 
 
-def cpu_info() -> dict[str, Any]:
-    """The CPU's vendor and model and the ISA flags that decide which kernels run (from /proc/cpuinfo where there is one)."""
-    info: dict[str, Any] = {"vendor": platform.processor() or platform.machine(), "model": "", "flags": []}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()[:40]) if v)
-    flags = set(fields.get("flags", "").split())
-    info.update(
-        vendor=fields.get("vendor_id", info["vendor"]),
-        model=fields.get("model name", ""),
-        flags=[f for f in _CPU_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx")),
-    )
-    return info
+def cpu_report() -> dict[str, Any]:
+    """The CPU's vendor and model, and the ISA flags that decide which kernels run."""
+    info = cpu_info()
+    flags = set(info["flags"])
+    return info | {"flags": [f for f in _CPU_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx"))}
 
 
 def _gguf_source(source: str) -> Path | None:
@@ -572,7 +563,7 @@ def bench_decode_model(
         title = (
             f"decode benchmark: {source} ({base.num_params() / 1e6:.1f}M params), prompt {prompt_len}, "
             f"{max_new_tokens} new tokens, greedy, {device}; torch {torch.__version__}, {torch.get_num_threads()} "
-            f"threads, {cpu_info()['model'] or platform.processor() or platform.machine()}; copy bandwidth "
+            f"threads, {cpu_info()['model']}; copy bandwidth "
             f"{bandwidth / 1e9:.1f} GB/s"
         )
         report = {
@@ -587,7 +578,7 @@ def bench_decode_model(
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "processor": platform.processor(),
-            "cpu": cpu_info(),
+            "cpu": cpu_report(),
             "repeats": repeats,
             "failed": failures,
             "partial": partial,

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quant import FORMATS, QuantEmbedding, QuantLinear
-from ..quant import dequantize as dequantize_blocks
+from ..quant import dequantize as dequantize_kept
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
 from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
 from .llama_config import LlamaConfig
@@ -472,7 +472,7 @@ def _copy_blocks(
         piece = layer.blocks[start : start + step]
         piece.copy_(torch.from_numpy(np.array(raw[start : start + step])))  # a copy: the map is read-only
         check_values(
-            dequantize_blocks(piece, layer.fmt, layer.in_features), tensor.name, path, _FIX_DATA, FP16_MAX, GGUFError
+            dequantize_kept(piece, layer.fmt, layer.in_features), tensor.name, path, _FIX_DATA, FP16_MAX, GGUFError
         )
     if heads is not None:
         layer.blocks.copy_(unpermute_qk(layer.blocks.clone(), heads))

@@ -179,7 +179,7 @@ class Llama(nn.Module):
     @property
     def quantized(self) -> bool:
         """Whether layers hold GGUF blocks (``from_pretrained(..., dtype="gguf")``) rather than float weights."""
-        return isinstance(self.embed, QuantEmbedding) or any(isinstance(m, QuantLinear) for m in self.modules())
+        return bool(self._quantized_layers())
 
     @property
     def output_weight(self) -> Tensor:
@@ -191,11 +191,12 @@ class Llama(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         """``(B, T, E)`` -> ``(B, T, V)``: the output head, tied or its own, float or quantized."""
-        if self.lm_head is None:
-            if isinstance(self.embed, QuantEmbedding):
-                return self.embed.logits(x)
-            return F.linear(x, self.embed.weight)  # (B, T, E) @ (E, V)
-        return self.lm_head(x) if isinstance(self.lm_head, QuantLinear) else F.linear(x, self.lm_head.weight)
+        head = self.embed if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantEmbedding):
+            return head.logits(x)
+        if isinstance(head, QuantLinear):
+            return head(x)
+        return F.linear(x, head.weight)  # (B, T, E) @ (E, V)
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
@@ -430,9 +431,7 @@ def fuse_quantized(model: Llama) -> int:
     Numbers do not change: each output row is the same dot product as before.
     """
     fused = 0
-    for block in model.layers:
-        if not isinstance(block, Block):
-            continue
+    for block in cast(list[Block], list(model.layers)):
         attn, mlp = block.attn, block.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [mlp.gate_proj, mlp.up_proj]

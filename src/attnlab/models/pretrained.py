@@ -140,9 +140,9 @@ def _from_gguf(path: Path, dtype: torch.dtype | str, device: torch.device) -> tu
                 f"dtype='gguf' keeps the file's quantized blocks, which attnlab computes with on a CPU only; got "
                 f"device={str(device)!r}: pass device='cpu', or dtype=torch.bfloat16 for {device.type}."
             )
-        check_fits_in_memory(
-            sum(int(t.n_bytes) for t in reader.tensors) // 4,
-            torch.float32,
+        check_fits_in_memory(  # the blocks are held as the file's bytes
+            sum(int(t.n_bytes) for t in reader.tensors),
+            torch.uint8,
             device,
             f"the GGUF file {str(path)!r}",
             sizes,

@@ -166,7 +166,8 @@ def fuse_rows(layers: list[QuantLinear]) -> QuantLinear:
     """
     first = layers[0]
     same = all(
-        (m.in_features, m.fmt, m.layout, m.bias) == (first.in_features, first.fmt, first.layout, None) for m in layers
+        (m.in_features, m.fmt, m.layout) == (first.in_features, first.fmt, first.layout) and m.bias is None
+        for m in layers
     )
     if not same or (first.layout == "tiles" and any(m.rows % 16 for m in layers)):
         raise ValueError(

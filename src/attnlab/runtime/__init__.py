@@ -3,7 +3,7 @@ use, output directories that can be written, files written atomically, and the o
 class for a user's mistake. Below every other layer but ``core``'s peers: it imports no attnlab code.
 """
 
-from .devices import DEVICE_HELP, DTYPE_HELP, resolve_device, resolve_dtype
+from .devices import DEVICE_HELP, DTYPE_HELP, cpu_info, resolve_device, resolve_dtype
 from .errors import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, check_range
 from .files import atomic_write_bytes, atomic_write_text, check_writable_dir
 from .memory import available_bytes, gib
@@ -13,6 +13,7 @@ from .signals import INTERRUPTS, Terminated, interrupt_exit, keep, kept
 __all__ = [
     "DEVICE_HELP",
     "DTYPE_HELP",
+    "cpu_info",
     "INTERRUPTS",
     "LimitError",
     "ModelFileError",

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from .errors import UsageError
 
-__all__ = ["DEVICE_HELP", "DTYPE_HELP", "resolve_device", "resolve_dtype"]
+__all__ = ["DEVICE_HELP", "DTYPE_HELP", "resolve_device", "resolve_dtype", "cpu_info"]
+
+
+def cpu_info() -> dict[str, Any]:
+    """``{"vendor", "model", "flags"}`` of this machine's CPU from ``/proc/cpuinfo`` (as lscpu reads it), the
+    flags sorted; where there is none, what ``platform`` knows and no flags."""
+    info: dict[str, Any] = {"vendor": "", "model": platform.processor() or platform.machine() or "unknown", "flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    fields: dict[str, str] = {}
+    for line in text.splitlines():  # the first processor's fields are enough: every core is the same model
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    info["vendor"] = fields.get("vendor_id", "")
+    info["model"] = fields.get("model name") or info["model"]
+    info["flags"] = sorted(fields.get("flags", "").split())
+    return info
+
 
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps"
 DTYPE_HELP = "auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16 or float64"
