@@ -11,7 +11,8 @@ Routes (x is (B, K) float32):
                    the Q8_0 head is re-quantized to 4 bits (lossy: a speed reference for it)
   attnlab_avx2     attnlab's rows kernel, isa=1
   attnlab_avx512   attnlab's rows kernel, isa=2
-  attnlab_tiles    attnlab's VNNI tiles kernel (int8 activations)
+  attnlab_tiles_vnni  attnlab's tiles kernel (int8 activations, llama.cpp's route) on AVX-512 VNNI, isa=2
+  attnlab_tiles_avx2  the same tiles on AVX2 (vpmaddubsw), isa=1: what AMD Zen 1-3 and Intel before Ice Lake run
 
 Two measurements: a hot loop per matrix shape (weights stay in cache where they fit), and "stream": one pass
 over all 210 block matrices of the 30 layers plus the tied head, in model order, as a decode step reads them
@@ -37,7 +38,8 @@ import torch.nn.functional as F
 from attnlab.runtime import cpu_info as runtime_cpu_info
 
 FLOAT_ROUTES = ("fp32_linear", "fp32_kn", "fallback", "inductor", "attnlab_avx2", "attnlab_avx512")
-ROUTES = (*FLOAT_ROUTES[:4], "int8pack", "int4pack", *FLOAT_ROUTES[4:], "attnlab_tiles")
+TILE_ROUTES = {"attnlab_tiles_avx2": 1, "attnlab_tiles_vnni": 2}
+ROUTES = (*FLOAT_ROUTES[:4], "int8pack", "int4pack", *FLOAT_ROUTES[4:], *TILE_ROUTES)
 BLOCK_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
 QUICK_SHAPES = ("576x576", "1536x576")
@@ -173,11 +175,14 @@ def build_route(route: str, mats: list[Mat], dense: list[torch.Tensor]) -> list[
         elif route in ("attnlab_avx2", "attnlab_avx512"):
             isa = 1 if route == "attnlab_avx2" else 2
             out.append(((lambda x, m=mat, isa=isa: ops.qmatmul(x, m.blocks, m.fmt.ggml_type, m.k, isa)), qbytes))
-        elif route == "attnlab_tiles":
-            if not ops.cpu_has_vnni():
-                raise RuntimeError("this CPU lacks AVX-512 VNNI")
+        elif route in TILE_ROUTES:
+            isa = TILE_ROUTES[route]
+            if int(ops.cpu_tile_isa()) < isa:
+                raise RuntimeError(f"this CPU lacks {'AVX-512 VNNI' if isa == 2 else 'AVX2'}")
             t = ops.repack_tiles(mat.blocks, mat.fmt.ggml_type, mat.k)
-            out.append(((lambda x, m=mat, t=t: ops.qmatmul_tiles(x, t, m.fmt.ggml_type, m.k, m.n)), t.numel()))
+            out.append(
+                ((lambda x, m=mat, t=t, isa=isa: ops.qmatmul_tiles(x, t, m.fmt.ggml_type, m.k, m.n, isa)), t.numel())
+            )
         else:
             raise ValueError(route)
     return out

@@ -26,8 +26,9 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 STATUS = build_kernels(quiet=True)
 needs_kernels = pytest.mark.skipif(not STATUS.available, reason=f"kernels not built: {STATUS.reason}")
-needs_vnni = pytest.mark.skipif(not STATUS.vnni, reason="the tiled kernel needs AVX-512 VNNI")
 ISAS = [] if not STATUS.available else list(range(int(torch.ops.attnlab_quant.cpu_isa()) + 1))
+# the tiled int8 kernel's levels on this CPU: 0 plain C++, 1 AVX2, 2 AVX-512 VNNI
+TILE_ISAS = [] if not STATUS.available else list(range(int(torch.ops.attnlab_quant.cpu_tile_isa()) + 1))
 QTYPES = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0}
 
 
@@ -68,10 +69,10 @@ def test_kernel_dequantize_and_row_matmul_on_every_isa(name):
             assert (err <= float_bound(x, ref)).all(), (isa, m, err.max())
 
 
-@needs_vnni
+@needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rows", [16, 45, 200])  # a whole tile, padding rows, a parallel split
-def test_tiles_keep_every_weight_and_the_int8_product_meets_its_bound(name, rows):
+def test_tiles_keep_every_weight_and_the_int8_product_meets_its_bound_on_every_isa(name, rows):
     blocks, ref = blocks_of(name, rows, 192, seed=rows)
     ops, kind = torch.ops.attnlab_quant, FORMATS[name].ggml_type
     tiled = ops.repack_tiles(blocks, kind, 192)
@@ -82,9 +83,54 @@ def test_tiles_keep_every_weight_and_the_int8_product_meets_its_bound(name, rows
     for m in (1, 3, 4, 5, 9):
         x = torch.randn(m, 192) * torch.linspace(0.1, 3, 192)  # uneven magnitudes across blocks
         x[0, :32] = 0  # an all-zero block: dx = 0
-        y = ops.qmatmul_tiles(x, tiled, kind, 192, rows)
+        y = ops.qmatmul_tiles(x, tiled, kind, 192, rows)  # the best kernel this CPU has
         err = (y.double() - x.double() @ ref.double().T).abs()
         assert y.shape == (m, rows) and (err <= int8_bound(x, ref)).all(), (m, (err / int8_bound(x, ref)).max())
+        for isa in TILE_ISAS:  # every level sums the same integers and scales them alike: the same floats
+            assert torch.equal(ops.qmatmul_tiles(x, tiled, kind, 192, rows, isa), y), (isa, m)
+
+
+@needs_kernels
+def test_tiles_at_the_int8_extremes_on_every_isa():
+    # Q8_0 weights of -128 and 127 against x rounded to +-127: the AVX2 route's int16 pairs are at their
+    # widest there (|q| * 127 * 2 = 32512), and Q4 nibbles of 15 summed over a whole block (8 * 3810)
+    ops = torch.ops.attnlab_quant
+    raw = torch.zeros(32, 34, dtype=torch.uint8)
+    raw[:, 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # d = 1.0 (fp16 0x3C00)
+    q = torch.full((32, 32), -128, dtype=torch.int8)
+    q[1::2] = 127
+    q[5, ::3] = -127
+    raw[:, 2:] = q.view(torch.uint8)
+    ref = dequantize_blocks(raw, FORMATS["Q8_0"], 32)
+    x = torch.full((3, 32), 127.0)  # dx = 1: x rounds to itself, and every sum is an exact integer
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    tiled = ops.repack_tiles(raw, 8, 32)
+    want = x.double() @ ref.double().T
+    for isa in TILE_ISAS:
+        assert torch.equal(ops.qmatmul_tiles(x, tiled, 8, 32, 32, isa).double(), want), isa
+    raw4 = torch.zeros(16, 20, dtype=torch.uint8)
+    raw4[:, 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)
+    raw4[:, 4:] = 0xFF  # every nibble 15, m = 0
+    ref4 = dequantize_blocks(raw4, FORMATS["Q4_1"], 32)
+    tiled4 = ops.repack_tiles(raw4, 3, 32)
+    for isa in TILE_ISAS:
+        assert torch.equal(ops.qmatmul_tiles(x, tiled4, 3, 32, 16, isa).double(), x.double() @ ref4.double().T), isa
+
+
+@needs_kernels
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1.0, 3e4, 1e30])
+def test_activation_rounding_is_the_same_on_every_isa(scale):
+    ops = torch.ops.attnlab_quant
+    x = torch.randn(8 * 32, generator=torch.Generator().manual_seed(5)) * scale
+    x[40] = 0.5 * x[32:64].abs().max()  # a tie after division: rounds to even
+    xb = x.reshape(-1, 32)
+    dx = xb.abs().amax(-1) / 127  # float32, as the kernel computes it
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    want = torch.round(xb * inv[:, None]).clamp(-127, 127).to(torch.int8).reshape(-1)  # round half to even
+    for isa in TILE_ISAS:
+        q, d = ops.quantize_x(x, isa)
+        assert torch.equal(d, dx) and torch.equal(q, want), isa
 
 
 @needs_kernels
@@ -100,6 +146,12 @@ def test_kernel_errors_name_the_argument():
     if ISAS and ISAS[-1] < 2:
         with pytest.raises(RuntimeError, match=r"this CPU offers at most"):
             ops.qmatmul(torch.randn(1, 64), blocks, 3, 64, 2)
+    tiled = ops.repack_tiles(blocks, 3, 64)
+    if TILE_ISAS[-1] < 2:
+        with pytest.raises(RuntimeError, match=r"tiles isa=2 was asked for, but this CPU offers at most 1 \(0 = plain"):
+            ops.qmatmul_tiles(torch.randn(1, 64), tiled, 3, 64, 4, 2)
+    with pytest.raises(RuntimeError, match=r"a tiled tensor of 16 rows cannot hold 17 outputs"):
+        ops.qmatmul_tiles(torch.randn(1, 64), tiled, 3, 64, 17)
 
 
 def quant_linear(name: str, rows: int, cols: int, layout: str, bias: bool = False) -> tuple[QuantLinear, torch.Tensor]:
@@ -112,7 +164,7 @@ def quant_linear(name: str, rows: int, cols: int, layout: str, bias: bool = Fals
     return layer, ref
 
 
-LAYOUTS = ["rows", pytest.param("tiles", marks=needs_vnni)]
+LAYOUTS = ["rows", pytest.param("tiles", marks=needs_kernels)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -122,7 +174,8 @@ def test_quant_linear_forward_and_input_gradient(layout, tokens):
     x = torch.randn(2, tokens, 64, requires_grad=True)
     y = layer(x)
     want = x.double() @ ref.double().T + layer.bias.double()
-    int8 = layout == "tiles" and 2 * tokens <= layers_module.TILED_DIRECT_ROWS
+    limit = layers_module.direct_rows(layout)
+    int8 = layout == "tiles" and (limit is None or 2 * tokens <= limit)
     bound = (int8_bound if int8 else float_bound)(x.reshape(-1, 64).detach(), ref)
     assert y.shape == (2, tokens, 48)
     assert ((y.double() - want).abs().reshape(-1, 48) <= bound + 1e-6).all()
@@ -169,7 +222,7 @@ def test_without_kernels_the_pytorch_fallback_runs_and_says_why(monkeypatch):
     assert ((layer(x).double() - x.double() @ ref.double().T).abs() <= float_bound(x, ref)).all()
     assert torch.equal(layer.dequantize(), ref)
     assert layers_module.best_layout() == "rows"
-    with pytest.raises(RuntimeError, match=r"layout='tiles' needs the AVX-512 VNNI kernel: ATTNLAB_QUANT_KERNELS=0"):
+    with pytest.raises(RuntimeError, match=r"layout='tiles' needs attnlab's compiled kernels: ATTNLAB_QUANT_KERNELS=0"):
         layer.pack("tiles")
     assert (
         kernel_status().describe()

@@ -4,8 +4,9 @@ The extension is compiled with ``torch.utils.cpp_extension.load`` (a C++ compile
 into a cache directory named after the torch version and the source's hash, so that a rebuild
 happens only when either changes: ``make test`` / ``make demo`` build it during set-up
 (``python -m attnlab.quant build``), and the first use in a fresh environment builds it then
-(about 15 s, said on stderr). It picks AVX-512, AVX2 or plain C++ at run time from the CPU's
-flags, so one build serves any x86-64.
+(about 15 s, said on stderr). It picks its instruction set at run time from the CPU's flags, so
+one build serves any x86-64: AVX-512 VNNI, else AVX2, else plain C++ for the int8 tiles (the route
+quantized models take), and AVX-512, AVX2 or plain C++ for the float32 rows.
 
 When it cannot be had (no compiler, a failed build, or ``ATTNLAB_QUANT_KERNELS=0``), every
 quantized layer runs :func:`~attnlab.quant.formats.dequantize_blocks` then ``F.linear``: the same
@@ -28,10 +29,20 @@ from torch import Tensor
 
 from .formats import BlockFormat, dequantize_blocks
 
-__all__ = ["KernelStatus", "kernel_status", "build_kernels", "qmatmul", "dequantize", "ISA_NAMES", "SOURCE"]
+__all__ = [
+    "KernelStatus",
+    "kernel_status",
+    "build_kernels",
+    "qmatmul",
+    "dequantize",
+    "ISA_NAMES",
+    "TILE_ISA_NAMES",
+    "SOURCE",
+]
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
-ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-512"}
+ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-512"}  # the row kernel's levels (qmatmul's isa=)
+TILE_ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-512 VNNI"}  # the tiled int8 kernel's (qmatmul_tiles's isa=)
 _OFF = ("0", "false", "no", "off")
 
 
@@ -40,15 +51,18 @@ class KernelStatus:
     """Whether the compiled kernels run, on which instruction set, and if not, why (with the fix)."""
 
     available: bool
-    isa: str  # "AVX-512", "AVX2", "plain C++", or "none" (the PyTorch fallback)
-    vnni: bool  # AVX-512 VNNI: the int8 tiled kernel (llama.cpp's route) runs
+    isa: str  # the float32 row kernel's: "AVX-512", "AVX2", "plain C++", or "none" (the PyTorch fallback)
+    vnni: bool  # AVX-512 VNNI: the int8 tiles run on vpdpbusd
     reason: str  # why they are not available; "" when they are
     build_dir: str
+    tiles_isa: str = "none"  # the int8 tiled kernel's (llama.cpp's route): "AVX-512 VNNI", "AVX2", "plain C++"
 
     def describe(self) -> str:
         if self.available:
-            route = "int8 activations, VNNI tiles" if self.vnni else "float32 activations"
-            return f"attnlab's quantized kernels: {self.isa}, {route} (built in {self.build_dir})"
+            return (
+                f"attnlab's quantized kernels: int8 tiles on {self.tiles_isa}, float32 rows on {self.isa} "
+                f"(built in {self.build_dir})"
+            )
         return f"attnlab's quantized kernels are not in use: {self.reason}"
 
 
@@ -109,7 +123,7 @@ def _register_python_parts() -> None:
     torch.library.register_autograd("attnlab_quant::qmatmul", backward, setup_context=setup_context)
 
     @torch.library.register_fake("attnlab_quant::qmatmul_tiles")
-    def _(x: Tensor, w: Tensor, kind: int, in_features: int, out_features: int) -> Tensor:
+    def _(x: Tensor, w: Tensor, kind: int, in_features: int, out_features: int, isa: int = -1) -> Tensor:
         return x.new_empty(x.size(0), out_features)
 
     @torch.library.register_fake("attnlab_quant::dequantize_tiles")
@@ -117,7 +131,7 @@ def _register_python_parts() -> None:
         return w.new_empty(rows.size(0), in_features, dtype=torch.float32)
 
     def setup_tiles(ctx, inputs, output):
-        _, w, kind, in_features, out_features = inputs
+        _, w, kind, in_features, out_features, _ = inputs
         ctx.save_for_backward(w)
         ctx.kind, ctx.in_features, ctx.out_features = kind, in_features, out_features
 
@@ -125,7 +139,7 @@ def _register_python_parts() -> None:
         (w,) = ctx.saved_tensors
         rows = torch.arange(ctx.out_features, device=w.device)
         dx = grad @ torch.ops.attnlab_quant.dequantize_tiles(w, ctx.kind, ctx.in_features, rows)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
     torch.library.register_autograd("attnlab_quant::qmatmul_tiles", backward_tiles, setup_context=setup_tiles)
 
@@ -145,8 +159,10 @@ def build_kernels(quiet: bool = False) -> KernelStatus:
         try:
             _compile(build_dir, quiet)
             _register_python_parts()
-            isa = ISA_NAMES.get(int(torch.ops.attnlab_quant.cpu_isa()), "plain C++")
-            _status = KernelStatus(True, isa, bool(torch.ops.attnlab_quant.cpu_has_vnni()), "", str(build_dir))
+            ops = torch.ops.attnlab_quant
+            isa = ISA_NAMES.get(int(ops.cpu_isa()), "plain C++")
+            tiles = TILE_ISA_NAMES.get(int(ops.cpu_tile_isa()), "plain C++")
+            _status = KernelStatus(True, isa, bool(ops.cpu_has_vnni()), "", str(build_dir), tiles)
         except Exception as err:  # no compiler, no ninja, a compile error: the fallback runs, and says why
             lines = [line for line in str(err).splitlines() if line.strip()]
             detail = lines[0][:300] if lines else type(err).__name__

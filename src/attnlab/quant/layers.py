@@ -17,27 +17,49 @@ from torch import Tensor, nn
 from .formats import BLOCK, BlockFormat, format_named
 from .kernels import dequantize, kernel_status, qmatmul
 
-__all__ = ["QuantLinear", "QuantEmbedding", "DIRECT_ROWS", "TILED_DIRECT_ROWS", "LAYOUTS", "best_layout", "fuse_rows"]
+__all__ = [
+    "QuantLinear",
+    "QuantEmbedding",
+    "DIRECT_ROWS",
+    "TILED_DIRECT_ROWS",
+    "direct_rows",
+    "LAYOUTS",
+    "best_layout",
+    "fuse_rows",
+]
 
 # "rows": the file's own order, float32 activations (any CPU, any device: the PyTorch fallback reads it).
-# "tiles": rows interleaved 16 at a time, int8 activations, for the AVX-512 VNNI kernel (llama.cpp's route).
+# "tiles": rows interleaved 16 at a time, int8 activations (llama.cpp's route), for the compiled kernels
+# (AVX-512 VNNI, AVX2 or plain C++, chosen at run time).
 LAYOUTS = ("rows", "tiles")
 
 
 def best_layout() -> str:
-    """ "tiles" where the VNNI kernel runs (AVX-512 VNNI: Intel Ice Lake / Sapphire Rapids and later, AMD Zen 4 and
-    later), else "rows"."""
-    status = kernel_status()
-    return "tiles" if status.available and status.vnni else "rows"
+    """ "tiles" where the compiled kernels run (any x86-64 CPU with a C++ compiler at set-up), else "rows" (the
+    PyTorch fallback reads the file's own order)."""
+    return "tiles" if kernel_status().available else "rows"
 
 
-# Rows of x up to which the kernel reads the blocks directly (decode: B rows, short prompts); beyond
-# it (long prefills) the weight is dequantized once per call and float32 GEMM runs, which is faster for
-# many rows. SmolLM2 prefill, 2 threads, Xeon (ms; fp32 model / dequantize + GEMM / tiled kernel):
-# 32 rows 66 / 85 / 47, 128 rows 129 / 148 / 138, 256 rows 217 / 224 / 245, 512 rows 421 / 434 / 525.
-# The float32 row kernel passes over the weights once per 8 rows, so it stops sooner.
+# Rows of x up to which the kernel reads the blocks directly (decode: B rows, prompts); beyond it the
+# weight is dequantized once per call and float32 GEMM runs. The float32 row kernel passes over the
+# weights once per 8 rows, so it stops soon. The tiled int8 kernel's limit depends on its instruction set
+# and on how fast the CPU's float32 GEMM is against it, so each figure names where it was measured
+# (SmolLM2's matrices, 2 threads, ms):
+# - AVX-512 VNNI, Intel Xeon (MKL's GEMM at its best): the whole prefill, fp32 model / dequantize + GEMM /
+#   tiles: 32 rows 66 / 85 / 47, 128 rows 129 / 148 / 138, 256 rows 217 / 224 / 245: 96.
+# - AVX2, AMD EPYC (Zen 3): the tiles were faster than dequantize + GEMM at every size tried, 32 to 1024
+#   rows (e.g. 3072x576 at 1024 rows 22.8 / 30.3, 576x1536 12.2 / 13.1; the 49152x576 head at 256 rows
+#   159 / 262): no limit. (Not measured: an Intel CPU with AVX2 but no AVX-512 VNNI.)
+# - plain C++: the row kernel's.
 DIRECT_ROWS = 16
-TILED_DIRECT_ROWS = 96
+TILED_DIRECT_ROWS: dict[str, int | None] = {"AVX-512 VNNI": 96, "AVX2": None, "plain C++": DIRECT_ROWS}
+
+
+def direct_rows(layout: str) -> int | None:
+    """Rows of x up to which a layer of ``layout`` reads its blocks directly on this CPU (None: any number)."""
+    if layout != "tiles":
+        return DIRECT_ROWS
+    return TILED_DIRECT_ROWS.get(kernel_status().tiles_isa, DIRECT_ROWS)
 
 
 def _check_shape(name: str, in_features: int) -> None:
@@ -84,9 +106,10 @@ class _Blocks(nn.Module):
             return
         if layout == "tiles":
             status = kernel_status()
-            if not (status.available and status.vnni):
-                why = status.reason or f"this CPU's kernels are {status.isa} without AVX-512 VNNI"
-                raise RuntimeError(f"layout='tiles' needs the AVX-512 VNNI kernel: {why}. Use layout='rows'.")
+            if not status.available:
+                raise RuntimeError(
+                    f"layout='tiles' needs attnlab's compiled kernels: {status.reason}. Use layout='rows'."
+                )
             self.blocks = torch.ops.attnlab_quant.repack_tiles(self.blocks, self.fmt.ggml_type, self.in_features)
         else:
             raise ValueError(
@@ -110,7 +133,8 @@ class _Blocks(nn.Module):
             )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.size(0) > (TILED_DIRECT_ROWS if self.layout == "tiles" else DIRECT_ROWS):
+        limit = direct_rows(self.layout)
+        if limit is not None and x2.size(0) > limit:
             y = F.linear(x2, self.dequantize())
         elif self.layout == "tiles":
             y = torch.ops.attnlab_quant.qmatmul_tiles(

@@ -28,6 +28,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
+#include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <vector>
 
 namespace {
@@ -411,6 +417,9 @@ int64_t cpu_isa() { return best_isa(); }
 // Lane r of a 64-byte group is row r's 4 bytes; the activations' 4 matching int8s are broadcast.
 
 constexpr int64_t kTile = 16;
+// A tiled matmul of fewer block-tiles (tiles x blocks per row) than this runs on one thread: waking the
+// second costs more than it saves there (SmolLM2's Q|K|V, out and down projections are below it).
+constexpr int64_t kSerialBlockTiles = 2048;
 
 int64_t scales_bytes(int64_t kind) { return kind == Q4_1 ? 64 : 32; }
 
@@ -494,7 +503,8 @@ struct QuantizedX {
   const int32_t* qs;  // (nb,) sum of q per block
 };
 
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* dx, int32_t* qs) {
+// x rounded to int8 per block of 32: dx = max|x| / 127, q = round-half-even(x / dx), |q| <= 127.
+void quantize_row_scalar(const float* x, int64_t nb, int8_t* q, float* dx, int32_t* qs) {
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
@@ -508,6 +518,40 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* dx, int32_t* qs)
     }
     dx[b] = d;
     qs[b] = qsum;
+  }
+}
+
+// The same rounding, 8 lanes at a time (the same bytes as quantize_row_scalar: tests compare them).
+ATTNLAB_AVX2 void quantize_row_avx2(const float* x, int64_t nb, int8_t* q, float* dx, int32_t* qs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      n[i] = _mm256_max_epi32(nlim, _mm256_min_epi32(lim, _mm256_cvtps_epi32(r)));
+    }
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    // packs interleave the two 128-bit lanes; the permute puts the 32 bytes back in order
+    const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)(q + b * kBlock), ordered);
+    dx[b] = d;
+    qs[b] = _mm_cvtsi128_si32(t4);
   }
 }
 
@@ -572,15 +616,109 @@ ATTNLAB_VNNI void tiles_vnni(const uint8_t* w, int64_t nb, const QuantizedX* xq,
   }
 }
 
-using TilesFn = void (*)(const uint8_t*, int64_t, const QuantizedX*, float*, int64_t, int64_t, int64_t);
+// The same tiles and the same integer sums with AVX2 (Intel Haswell and later, AMD Zen 1-3: no VNNI).
+// A 64-byte group (16 rows x 4 bytes) is two 32-byte halves, rows 0-7 and 8-15. vpmaddubsw multiplies
+// u8 by s8 and adds pairs into int16, vpmaddwd(., 1) adds those pairs into int32: 4 products per row.
+//   Q4: nibbles 0..15 times |xq| <= 127: a pair is at most 3810, so the 8 groups of a block add up in
+//       int16 (<= 30480) before one widening.
+//   Q8_0: signed q times signed xq: |q| as u8 against xq * sign(q) (vpsignb), a pair at most 32512,
+//       widened per group. The tiles hold q + 128 (for VNNI), so the sign bit is flipped back first.
+// Every block's integer sum is exact and scaled exactly as tiles_vnni scales it, so the two kernels
+// give the same floats bit for bit (tests compare them, and the plain C++ tiles_scalar).
+template <int64_t K, int M>
+ATTNLAB_AVX2 void tiles_avx2(const uint8_t* w, int64_t nb, const QuantizedX* xq, float* y, int64_t ldy, int64_t t0,
+                             int64_t t1) {
+  constexpr int64_t TB = kTile * (K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34);
+  constexpr int64_t SB = K == Q4_1 ? 64 : 32;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* p = w + t * nb * TB;
+    __m256 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = p + b * TB;
+      for (int64_t line = 0; line < TB; line += 64) _mm_prefetch((const char*)(blk + 4 * TB + line), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {  // rows 0-7, then rows 8-15
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
+        if constexpr (K == Q8_0) {
+          __m256i wq[8], wa[8];
+          for (int g = 0; g < 8; ++g) {
+            wq[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + SB + 64 * g + 32 * h)), flip);
+            wa[g] = _mm256_abs_epi8(wq[g]);
+          }
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xb = (const int32_t*)(xq[m].q + b * kBlock);
+            __m256i s = _mm256_setzero_si256();
+            for (int g = 0; g < 8; ++g) {
+              const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xb[g]), wq[g]);
+              s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[g], sx), ones));
+            }
+            acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xq[m].dx[b])), acc[m][h]);
+          }
+        } else {
+          __m256i lo[4], hi[4];
+          for (int g = 0; g < 4; ++g) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + SB + 64 * g + 32 * h));
+            lo[g] = _mm256_and_si256(v, low4);
+            hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          }
+          __m256 mv = _mm256_setzero_ps();
+          if constexpr (K == Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h)));
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xb = (const int32_t*)(xq[m].q + b * kBlock);
+            __m256i s16 = _mm256_setzero_si256();
+            for (int g = 0; g < 4; ++g) {
+              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(xb[g])));
+              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(xb[4 + g])));
+            }
+            __m256i s = _mm256_madd_epi16(s16, ones);
+            if constexpr (K == Q4_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(-8 * xq[m].qs[b]));
+            acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xq[m].dx[b])), acc[m][h]);
+            if constexpr (K == Q4_1)
+              acc[m][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq[m].dx[b] * static_cast<float>(xq[m].qs[b])), acc[m][h]);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      _mm256_storeu_ps(y + m * ldy + t * kTile, acc[m][0]);
+      _mm256_storeu_ps(y + m * ldy + t * kTile + 8, acc[m][1]);
+    }
+  }
+}
 
-template <int64_t K>
-TilesFn tiles_for(int64_t m) {
-  switch (m) {
-    case 1: return tiles_vnni<K, 1>;
-    case 2: return tiles_vnni<K, 2>;
-    case 3: return tiles_vnni<K, 3>;
-    default: return tiles_vnni<K, 4>;
+// Plain C++: the reference for both vector kernels (the same integer sums, the same fused multiply-adds).
+template <int64_t K, int M>
+void tiles_scalar(const uint8_t* w, int64_t nb, const QuantizedX* xq, float* y, int64_t ldy, int64_t t0, int64_t t1) {
+  constexpr int64_t TB = kTile * (K == Q4_0 ? 18 : K == Q4_1 ? 20 : 34);
+  constexpr int64_t SB = K == Q4_1 ? 64 : 32;
+  constexpr int groups = K == Q8_0 ? 8 : 4;
+  for (int64_t t = t0; t < t1; ++t) {
+    float acc[M][kTile] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (t * nb + b) * TB;
+      for (int64_t r = 0; r < kTile; ++r) {
+        const float d = half_at(blk + 2 * r);
+        const float mval = K == Q4_1 ? half_at(blk + 32 + 2 * r) : 0.0f;
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xb = xq[m].q + b * kBlock;
+          int32_t s = K == Q4_0 ? -8 * xq[m].qs[b] : 0;
+          for (int g = 0; g < groups; ++g)
+            for (int k = 0; k < 4; ++k) {
+              const uint8_t byte = blk[SB + 64 * g + 4 * r + k];
+              if constexpr (K == Q8_0) {
+                s += static_cast<int8_t>(byte ^ 0x80) * xb[4 * g + k];
+              } else {
+                s += (byte & 0xF) * xb[4 * g + k] + (byte >> 4) * xb[16 + 4 * g + k];
+              }
+            }
+          const float dx = xq[m].dx[b];
+          acc[m][r] = std::fma(static_cast<float>(s), d * dx, acc[m][r]);
+          if constexpr (K == Q4_1) acc[m][r] = std::fma(mval, dx * static_cast<float>(xq[m].qs[b]), acc[m][r]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + t * kTile, acc[m], sizeof(acc[m]));
   }
 }
 
@@ -589,11 +727,66 @@ bool has_vnni() {
   return best_isa() == AVX512 && __builtin_cpu_supports("avx512vnni");
 }
 
+// The tiled kernel's instruction sets: 0 plain C++, 1 AVX2, 2 AVX-512 VNNI (an AVX-512 CPU without VNNI runs AVX2).
+enum TileIsa : int64_t { TILES_SCALAR = 0, TILES_AVX2 = 1, TILES_VNNI = 2 };
+
+int64_t best_tile_isa() {
+  if (has_vnni()) return TILES_VNNI;
+  return best_isa() >= AVX2 ? TILES_AVX2 : TILES_SCALAR;
+}
+
+int64_t resolve_tile_isa(int64_t isa) {
+  const int64_t best = best_tile_isa();
+  if (isa < 0) return best;
+  TORCH_CHECK(isa <= best, "attnlab quant: tiles isa=", isa, " was asked for, but this CPU offers at most ", best,
+              " (0 = plain C++, 1 = AVX2, 2 = AVX-512 VNNI)");
+  return isa;
+}
+
+using TilesFn = void (*)(const uint8_t*, int64_t, const QuantizedX*, float*, int64_t, int64_t, int64_t);
+
+template <int64_t K, int M>
+TilesFn tiles_on(int64_t isa) {
+  if (isa == TILES_VNNI) return tiles_vnni<K, M>;
+  if (isa == TILES_AVX2) return tiles_avx2<K, M>;
+  return tiles_scalar<K, M>;
+}
+
+template <int64_t K>
+TilesFn tiles_for(int64_t isa, int64_t m) {
+  switch (m) {
+    case 1: return tiles_on<K, 1>(isa);
+    case 2: return tiles_on<K, 2>(isa);
+    case 3: return tiles_on<K, 3>(isa);
+    default: return tiles_on<K, 4>(isa);
+  }
+}
+
+// Tiles [t0, t1) of y (M, ldy) = xq (M rows) @ W.T. The tiles go in chunks of about 128 KiB of weights,
+// and every 4 rows of x pass over a chunk while it is in cache: passing over the whole range once per 4
+// rows would read a large weight (SmolLM2's 30 MB head) from memory M / 4 times (measured on AMD EPYC:
+// 256 rows through the head took 221 ms that way).
+void tiles_range(int64_t kind, int64_t level, const uint8_t* w, int64_t nb, const QuantizedX* xq, int64_t M, float* y,
+                 int64_t ldy, int64_t t0, int64_t t1) {
+  const int64_t tile_bytes = nb * kTile * block_bytes(kind);
+  const int64_t chunk = M <= 4 ? t1 - t0 : std::max<int64_t>(1, (128 << 10) / tile_bytes);
+  for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+    const int64_t c1 = std::min(t1, c0 + chunk);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t mc = std::min<int64_t>(4, M - m0);
+      const TilesFn fn = kind == Q4_0   ? tiles_for<Q4_0>(level, mc)
+                         : kind == Q4_1 ? tiles_for<Q4_1>(level, mc)
+                                        : tiles_for<Q8_0>(level, mc);
+      fn(w, nb, xq + m0, y + m0 * ldy, ldy, c0, c1);
+    }
+  }
+}
+
 // y (M, N) = x (M, K) @ W.T for a tiled W of out_features rows; x quantized to int8 per block of 32
 at::Tensor qmatmul_tiles(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t in_features,
-                         int64_t out_features) {
+                         int64_t out_features, int64_t isa) {
   check_weight(w, kind, in_features);
-  TORCH_CHECK(has_vnni(), "attnlab quant: the tiled kernel needs AVX-512 VNNI, which this CPU lacks");
+  const int64_t level = resolve_tile_isa(isa);
   TORCH_CHECK(w.size(0) % kTile == 0 && out_features <= w.size(0) && out_features > w.size(0) - kTile,
               "attnlab quant: a tiled tensor of ", w.size(0), " rows cannot hold ", out_features, " outputs");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
@@ -609,25 +802,44 @@ at::Tensor qmatmul_tiles(const at::Tensor& x, const at::Tensor& w, int64_t kind,
   std::vector<QuantizedX> xq(M);
   const float* xp = xc.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row(xp + m * in_features, nb, q.data() + m * in_features, dx.data() + m * nb, qs.data() + m * nb);
-    xq[m] = {q.data() + m * in_features, dx.data() + m * nb, qs.data() + m * nb};
+    int8_t* qm = q.data() + m * in_features;
+    if (level >= TILES_AVX2) {
+      quantize_row_avx2(xp + m * in_features, nb, qm, dx.data() + m * nb, qs.data() + m * nb);
+    } else {
+      quantize_row_scalar(xp + m * in_features, nb, qm, dx.data() + m * nb, qs.data() + m * nb);
+    }
+    xq[m] = {qm, dx.data() + m * nb, qs.data() + m * nb};
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mc = std::min<int64_t>(4, M - m0);
-    const TilesFn fn = kind == Q4_0 ? tiles_for<Q4_0>(mc) : kind == Q4_1 ? tiles_for<Q4_1>(mc) : tiles_for<Q8_0>(mc);
-    const QuantizedX* xm = xq.data() + m0;
-    float* ym = yp + m0 * Np;
+  const int64_t passes = (M + 3) / 4;  // the kernels take up to 4 rows of x per pass over a tile
+  if (tiles * nb * passes < kSerialBlockTiles) {  // too small to be worth waking a second thread
+    tiles_range(kind, level, wp, nb, xq.data(), M, yp, Np, 0, tiles);
+  } else {
     const int64_t grain = std::max<int64_t>(1, tiles / (2 * at::get_num_threads()));
-    if (tiles * nb < 2048) {  // too small to be worth waking a second thread
-      fn(wp, nb, xm, ym, Np, 0, tiles);
-    } else {
-      at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { fn(wp, nb, xm, ym, Np, t0, t1); });
-    }
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      tiles_range(kind, level, wp, nb, xq.data(), M, yp, Np, t0, t1);
+    });
   }
   return Np == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }
+
+// The quantize_row that the tiled kernel runs at `isa`, on one row (for the tests: both give the same bytes).
+std::tuple<at::Tensor, at::Tensor> quantize_x(const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 1 && x.size(0) % kBlock == 0,
+              "attnlab quant: x must be a 1-D float32 CPU tensor of a multiple of 32 values, got ", x.scalar_type(),
+              " of ", x.sizes());
+  const int64_t level = resolve_tile_isa(isa), nb = x.size(0) / kBlock;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor q = at::empty({x.size(0)}, xc.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({nb}, xc.options());
+  std::vector<int32_t> qs(nb);
+  (level >= TILES_AVX2 ? quantize_row_avx2 : quantize_row_scalar)(xc.data_ptr<float>(), nb, q.data_ptr<int8_t>(),
+                                                                   dx.data_ptr<float>(), qs.data());
+  return {q, dx};
+}
+
+int64_t cpu_tile_isa() { return best_tile_isa(); }
 
 bool cpu_has_vnni() { return has_vnni(); }
 
@@ -676,44 +888,125 @@ float softmax_weights(float* scores, int64_t s) {
 }
 
 // Attention of one query head over slots 0..s of its K/V head (padding slots skipped): out (D,).
-// AVX-512 when D is a multiple of 16 (every Llama's head dim), else plain loops.
-ATTNLAB_VNNI void attend_one(const float* q, const float* K, const float* V, const bool* pad, int64_t s, int64_t D,
-                             float scale, float* scores, float* out) {
-  const bool wide = D % 16 == 0;
-  for (int64_t j = 0; j <= s; ++j) {
-    if (pad[j]) {
-      scores[j] = -INFINITY;
-      continue;
-    }
-    float dot = 0.0f;
-    if (wide) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D; c += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(K + j * D + c), acc);
-      dot = _mm512_reduce_add_ps(acc);
-    } else {
-      for (int64_t c = 0; c < D; ++c) dot += q[c] * K[j * D + c];
-    }
-    scores[j] = dot * scale;
-  }
+// The dot products and the weighted sum run 16 (AVX-512) or 8 (AVX2) floats at a time where D is a
+// multiple of that (every Llama's head dim), else in plain loops.
+ATTNLAB_AVX512 float dot_avx512(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+ATTNLAB_AVX512 void axpy_avx512(float e, const float* v, float* out, int64_t D) {
+  const __m512 ev = _mm512_set1_ps(e);
+  for (int64_t c = 0; c < D; c += 16)
+    _mm512_storeu_ps(out + c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(v + c), _mm512_loadu_ps(out + c)));
+}
+
+ATTNLAB_AVX2 float dot_avx2(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  return hsum256(acc);
+}
+
+ATTNLAB_AVX2 void axpy_avx2(float e, const float* v, float* out, int64_t D) {
+  const __m256 ev = _mm256_set1_ps(e);
+  for (int64_t c = 0; c < D; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_fmadd_ps(ev, _mm256_loadu_ps(v + c), _mm256_loadu_ps(out + c)));
+}
+
+float dot_scalar(const float* a, const float* b, int64_t D) {
+  float dot = 0.0f;
+  for (int64_t c = 0; c < D; ++c) dot += a[c] * b[c];
+  return dot;
+}
+
+void axpy_scalar(float e, const float* v, float* out, int64_t D) {
+  for (int64_t c = 0; c < D; ++c) out[c] += e * v[c];
+}
+
+struct AttendOps {
+  float (*dot)(const float*, const float*, int64_t);
+  void (*axpy)(float, const float*, float*, int64_t);
+};
+
+AttendOps attend_ops(int64_t isa, int64_t D) {
+  if (isa >= AVX512 && D % 16 == 0) return {dot_avx512, axpy_avx512};
+  if (isa >= AVX2 && D % 8 == 0) return {dot_avx2, axpy_avx2};
+  return {dot_scalar, axpy_scalar};
+}
+
+void attend_one(const AttendOps& ops, const float* q, const float* K, const float* V, const bool* pad, int64_t s,
+                int64_t D, float scale, float* scores, float* out) {
+  for (int64_t j = 0; j <= s; ++j) scores[j] = pad[j] ? -INFINITY : ops.dot(q, K + j * D, D) * scale;
   const float inv = softmax_weights(scores, s);
   std::fill(out, out + D, 0.0f);
   for (int64_t j = 0; j <= s; ++j) {
     const float e = scores[j] * inv;
-    if (e == 0.0f) continue;
-    if (wide) {
-      const __m512 ev = _mm512_set1_ps(e);
-      for (int64_t c = 0; c < D; c += 16)
-        _mm512_storeu_ps(out + c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(V + j * D + c), _mm512_loadu_ps(out + c)));
-    } else {
-      for (int64_t c = 0; c < D; ++c) out[c] += e * V[j * D + c];
-    }
+    if (e != 0.0f) ops.axpy(e, V + j * D, out, D);
   }
+}
+
+// Rows of x rounded to int8 (quantize_row_*), kept for the matmuls that read them.
+struct QuantBuf {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int32_t> qs;
+  std::vector<QuantizedX> rows;
+  int64_t K = 0;
+
+  QuantBuf(int64_t B, int64_t K_) : q(B * K_), dx(B * K_ / kBlock), qs(B * K_ / kBlock), rows(B), K(K_) {
+    const int64_t nb = K / kBlock;
+    for (int64_t b = 0; b < B; ++b) rows[b] = {q.data() + b * K, dx.data() + b * nb, qs.data() + b * nb};
+  }
+
+  // blocks [b0, b1) of row r of x (K floats per row); each block is rounded on its own
+  void quantize(const float* x, int64_t r, int64_t b0, int64_t b1, int64_t level) {
+    const int64_t nb = K / kBlock;
+    auto fn = level >= TILES_AVX2 ? quantize_row_avx2 : quantize_row_scalar;
+    fn(x + r * K + b0 * kBlock, b1 - b0, q.data() + r * K + b0 * kBlock, dx.data() + r * nb + b0, qs.data() + r * nb + b0);
+  }
+};
+
+// [lo, hi) of n items for worker `tid` of `nt` (the first n % nt workers take one more)
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
+  const int64_t base = n / nt, extra = n % nt;
+  const int64_t lo = tid * base + std::min<int64_t>(tid, extra);
+  return {lo, lo + base + (tid < extra ? 1 : 0)};
+}
+
+// This worker's share of the tiles of y (B, ldy) = xq (B rows) @ W.T, W tiled of kind `kind`
+void tiles_share(const at::Tensor& w, int64_t kind, int64_t level, const QuantBuf& xq, int64_t B, float* y,
+                 int64_t ldy, int tid, int nt) {
+  const int64_t nb = xq.K / kBlock;
+  const auto [t0, t1] = share(w.size(0) / kTile, tid, nt);
+  tiles_range(kind, level, w.data_ptr<uint8_t>(), nb, xq.rows.data(), B, y, ldy, t0, t1);
+}
+
+inline int worker_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline int worker_count() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+inline void all_workers_meet() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
 }
 
 at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::Tensor& slot, const at::Tensor& pad,
                         at::TensorList k_caches, at::TensorList v_caches, at::TensorList weights,
-                        at::IntArrayRef kinds, at::IntArrayRef dims, double eps, double rope_base) {
+                        at::IntArrayRef kinds, at::IntArrayRef dims, double eps, double rope_base, int64_t isa) {
   TORCH_CHECK(dims.size() == 7, "attnlab quant: dims = [n_layer, H, G, D, E, F, V]");
   const int64_t L = dims[0], H = dims[1], G = dims[2], D = dims[3], E = dims[4], Fh = dims[5], V = dims[6];
   const int64_t B = tok.size(0), S = pad.size(1);
@@ -722,13 +1015,35 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
               " blocks");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
               "attnlab quant: one K and one V cache per block");
+  TORCH_CHECK(G > 0 && H % G == 0 && D % 2 == 0 && E % kBlock == 0 && Fh % kBlock == 0,
+              "attnlab quant: dims ", dims, " are not a Llama the fused step runs");
+  for (int64_t l = 0; l < L; ++l)
+    for (const at::Tensor& c : {k_caches[l], v_caches[l]})
+      TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.sizes() == at::IntArrayRef({B, G, S, D}),
+                  "attnlab quant: block ", l, "'s K/V cache must be a contiguous float32 (", B, ", ", G, ", ", S, ", ",
+                  D, ") tensor, got ", c.scalar_type(), " of ", c.sizes());
+  for (int64_t i = 0; i < static_cast<int64_t>(weights.size()); ++i) {
+    const bool norm = i < 6 * L ? (i % 6 == 0 || i % 6 == 3) : i == 6 * L;
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.scalar_type() == (norm ? at::kFloat : at::kByte),
+                "attnlab quant: llama_decode's weight ", i, " must be a contiguous CPU ", norm ? "float32" : "uint8",
+                " tensor, got ", w.scalar_type());
+    if (!norm) TORCH_CHECK(w.size(0) % kTile == 0, "attnlab quant: weight ", i, " is not tiled (", w.size(0), " rows)");
+  }
   const at::Tensor tokc = tok.to(at::kLong).contiguous(), posc = pos.to(at::kLong).contiguous();
   const at::Tensor padc = pad.to(at::kBool).contiguous();
   const int64_t s = slot.item<int64_t>();
   TORCH_CHECK(s >= 0 && s < S, "attnlab quant: slot ", s, " outside the cache's ", S, " slots");
   const int64_t KV = G * D, QKV = E + 2 * KV, rep = H / G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  auto opts = at::TensorOptions().dtype(at::kFloat);
+  const int64_t level = resolve_tile_isa(isa);
+  const AttendOps attend = attend_ops(level == TILES_SCALAR ? SCALAR : best_isa(), D);
+  const auto rows_of = [&](int64_t i) { return weights[i].size(0); };  // padded to 16
+  const int64_t ldqkv = rows_of(1), ldo = rows_of(2), ldgu = rows_of(4), lddn = rows_of(5), ldv = rows_of(6 * L + 1);
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(rows_of(6 * l + 1) == ldqkv && rows_of(6 * l + 2) == ldo && rows_of(6 * l + 4) == ldgu &&
+                    rows_of(6 * l + 5) == lddn && ldqkv >= QKV && ldo >= E && ldgu >= 2 * Fh && lddn >= E && ldv >= V,
+                "attnlab quant: block ", l, "'s tiled weights do not have the rows dims ", dims, " call for");
 
   // x: the residual stream (B, E), from the embedding rows
   at::Tensor x = dequantize_tiles(weights[6 * L + 2], kinds[4 * L + 1], E, tokc);
@@ -741,55 +1056,86 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
       cs[b * D + i] = cs[b * D + i + D / 2] = std::cos(a);
       sn[b * D + i] = sn[b * D + i + D / 2] = std::sin(a);
     }
-  at::Tensor h = at::empty({B, E}, opts), ctx = at::empty({B, E}, opts), act = at::empty({B, Fh}, opts);
-  std::vector<float> scores(S);
+  // Buffers shared by the workers; each matmul writes its own, so that no worker overwrites what another
+  // may still be reading between two barriers.
+  std::vector<float> qkv(B * ldqkv), ctx(B * E), o(B * ldo), gu(B * ldgu), act(B * Fh), dn(B * lddn);
+  at::Tensor logits = at::empty({B, ldv}, at::TensorOptions().dtype(at::kFloat));
+  QuantBuf act_q(B, Fh);
   const bool* pp = padc.data_ptr<bool>();
-  float* xp = x.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = &weights[6 * l];
-    const int64_t* k = &kinds[4 * l];
-    for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * E, w[0].data_ptr<float>(), eps, E, hp + b * E);
-    at::Tensor qkv = qmatmul_tiles(h, w[1], k[0], E, QKV);  // (B, E + 2 KV)
-    float* qp = qkv.data_ptr<float>();
-    float* kc = k_caches[l].data_ptr<float>();  // (B, G, S, D)
-    float* vc = v_caches[l].data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      float* row = qp + b * QKV;
-      for (int64_t hh = 0; hh < H; ++hh) rope_row(row + hh * D, &cs[b * D], &sn[b * D], D);
-      for (int64_t g = 0; g < G; ++g) {
-        rope_row(row + E + g * D, &cs[b * D], &sn[b * D], D);
-        std::memcpy(kc + ((b * G + g) * S + s) * D, row + E + g * D, D * sizeof(float));
-        std::memcpy(vc + ((b * G + g) * S + s) * D, row + E + KV + g * D, D * sizeof(float));
+  const float* x0 = x.data_ptr<float>();
+  float* lp = logits.data_ptr<float>();
+  std::vector<float*> kc(L), vc(L);
+  for (int64_t l = 0; l < L; ++l) kc[l] = k_caches[l].data_ptr<float>(), vc[l] = v_caches[l].data_ptr<float>();
+
+  // One team of workers for the whole step (waking threads per matmul cost more than the small matmuls
+  // gained, measured). Each worker keeps its own copy of the residual stream and of the rounded inputs:
+  // they are the same floats in every worker (the same operations on the same data), so only the
+  // matmuls, the attention heads and the SwiGLU are split, and a barrier follows each of those.
+  const int threads = std::max(1, at::get_num_threads());
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+  {
+    const int tid = worker_id(), nt = worker_count();
+    std::vector<float> xr(x0, x0 + B * E), h(B * E), scores(S), q(D);
+    QuantBuf hq(B, E), cq(B, E);
+    const auto norm_and_round = [&](const float* w) {
+      for (int64_t b = 0; b < B; ++b) {
+        rms_norm(xr.data() + b * E, w, eps, E, h.data() + b * E);
+        hq.quantize(h.data(), b, 0, E / kBlock, level);
       }
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = &weights[6 * l];
+      const int64_t* k = &kinds[4 * l];
+      norm_and_round(w[0].data_ptr<float>());
+      tiles_share(w[1], k[0], level, hq, B, qkv.data(), ldqkv, tid, nt);
+      all_workers_meet();
+      // attention, split by (row, K/V head): RoPE on its query heads and its K, the cache write, attend
+      const auto [g0, g1] = share(B * G, tid, nt);
+      for (int64_t bg = g0; bg < g1; ++bg) {
+        const int64_t b = bg / G, g = bg % G;
+        const float* row = qkv.data() + b * ldqkv;
+        float* kdst = kc[l] + ((b * G + g) * S + s) * D;
+        std::memcpy(kdst, row + E + g * D, D * sizeof(float));
+        rope_row(kdst, &cs[b * D], &sn[b * D], D);
+        std::memcpy(vc[l] + ((b * G + g) * S + s) * D, row + E + KV + g * D, D * sizeof(float));
+        const float* K = kc[l] + (b * G + g) * S * D;
+        const float* Vv = vc[l] + (b * G + g) * S * D;
+        for (int64_t hh = g * rep; hh < (g + 1) * rep; ++hh) {
+          std::memcpy(q.data(), row + hh * D, D * sizeof(float));
+          rope_row(q.data(), &cs[b * D], &sn[b * D], D);
+          attend_one(attend, q.data(), K, Vv, pp + b * S, s, D, scale, scores.data(), ctx.data() + b * E + hh * D);
+        }
+      }
+      all_workers_meet();
+      for (int64_t b = 0; b < B; ++b) cq.quantize(ctx.data(), b, 0, E / kBlock, level);
+      tiles_share(w[2], k[1], level, cq, B, o.data(), ldo, tid, nt);
+      all_workers_meet();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < E; ++i) xr[b * E + i] += o[b * ldo + i];
+      norm_and_round(w[3].data_ptr<float>());
+      tiles_share(w[4], k[2], level, hq, B, gu.data(), ldgu, tid, nt);  // (B, 2F): gate | up
+      all_workers_meet();
+      const auto [c0, c1] = share(B * (Fh / kBlock), tid, nt);  // SwiGLU and its rounding, by blocks of 32
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b = c / (Fh / kBlock), j0 = (c % (Fh / kBlock)) * kBlock;
+        for (int64_t i = j0; i < j0 + kBlock; ++i) {
+          const float g = gu[b * ldgu + i];
+          act[b * Fh + i] = g / (1.0f + std::exp(-g)) * gu[b * ldgu + Fh + i];
+        }
+        act_q.quantize(act.data(), b, j0 / kBlock, j0 / kBlock + 1, level);
+      }
+      all_workers_meet();
+      tiles_share(w[5], k[3], level, act_q, B, dn.data(), lddn, tid, nt);
+      all_workers_meet();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < E; ++i) xr[b * E + i] += dn[b * lddn + i];
     }
-    float* cp = ctx.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t hh = 0; hh < H; ++hh) {
-        const int64_t g = hh / rep;
-        const float* q = qp + b * QKV + hh * D;
-        const float* K = kc + (b * G + g) * S * D;
-        const float* Vv = vc + (b * G + g) * S * D;
-        attend_one(q, K, Vv, pp + b * S, s, D, scale, scores.data(), cp + b * E + hh * D);
-      }
-    at::Tensor o = qmatmul_tiles(ctx, w[2], k[1], E, E);
-    const float* op = o.data_ptr<float>();
-    for (int64_t i = 0; i < B * E; ++i) xp[i] += op[i];
-    for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * E, w[3].data_ptr<float>(), eps, E, hp + b * E);
-    at::Tensor gu = qmatmul_tiles(h, w[4], k[2], E, 2 * Fh);  // (B, 2F): gate | up
-    const float* gp = gu.data_ptr<float>();
-    float* ap = act.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < Fh; ++i) {
-        const float g = gp[b * 2 * Fh + i];
-        ap[b * Fh + i] = g / (1.0f + std::exp(-g)) * gp[b * 2 * Fh + Fh + i];
-      }
-    at::Tensor dn = qmatmul_tiles(act, w[5], k[3], Fh, E);
-    const float* dp = dn.data_ptr<float>();
-    for (int64_t i = 0; i < B * E; ++i) xp[i] += dp[i];
+    norm_and_round(weights[6 * L].data_ptr<float>());
+    tiles_share(weights[6 * L + 1], kinds[4 * L], level, hq, B, lp, ldv, tid, nt);
   }
-  for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * E, weights[6 * L].data_ptr<float>(), eps, E, hp + b * E);
-  return qmatmul_tiles(h, weights[6 * L + 1], kinds[4 * L], E, V);  // (B, V)
+  return ldv == V ? logits : logits.narrow(1, 0, V).contiguous();  // (B, V)
 }
 
 }  // namespace
@@ -801,10 +1147,12 @@ TORCH_LIBRARY(attnlab_quant, m) {
   m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
   m.def("repack_tiles(Tensor w, int kind, int in_features) -> Tensor");
   m.def("dequantize_tiles(Tensor w, int kind, int in_features, Tensor rows) -> Tensor");
-  m.def("qmatmul_tiles(Tensor x, Tensor w, int kind, int in_features, int out_features) -> Tensor");
+  m.def("qmatmul_tiles(Tensor x, Tensor w, int kind, int in_features, int out_features, int isa=-1) -> Tensor");
+  m.def("quantize_x(Tensor x, int isa=-1) -> (Tensor, Tensor)");
+  m.def("cpu_tile_isa() -> int", &cpu_tile_isa);
   m.def(
       "llama_decode(Tensor tok, Tensor pos, Tensor slot, Tensor pad, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-      "Tensor[] weights, int[] kinds, int[] dims, float eps, float rope_base) -> Tensor");
+      "Tensor[] weights, int[] kinds, int[] dims, float eps, float rope_base, int isa=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_quant, CPU, m) {
@@ -814,4 +1162,5 @@ TORCH_LIBRARY_IMPL(attnlab_quant, CPU, m) {
   m.impl("dequantize_tiles", dequantize_tiles);
   m.impl("qmatmul_tiles", qmatmul_tiles);
   m.impl("llama_decode", llama_decode);
+  m.impl("quantize_x", quantize_x);
 }
