@@ -498,10 +498,9 @@ at::Tensor dequantize_tiles(const at::Tensor& w, int64_t kind, int64_t in_featur
 }
 
 struct QuantizedX {
-  const int8_t* q;     // (K,) int8
-  const float* dx;     // (nb,) scale per block
-  const int32_t* qs;   // (nb,) sum of q per block
-  const int8_t* wide;  // (nb, 8, 32): each 4 bytes of a block repeated 8 times (the AVX2 Q4 kernel's operands)
+  const int8_t* q;    // (K,) int8
+  const float* dx;    // (nb,) scale per block
+  const int32_t* qs;  // (nb,) sum of q per block
 };
 
 // x rounded to int8 per block of 32: dx = max|x| / 127, q = round-half-even(x / dx), |q| <= 127.
@@ -554,12 +553,6 @@ ATTNLAB_AVX2 void quantize_row_avx2(const float* x, int64_t nb, int8_t* q, float
     dx[b] = d;
     qs[b] = _mm_cvtsi128_si32(t4);
   }
-}
-
-// Each 4 bytes of q repeated 8 times: a vpmaddubsw can then read its x operand straight from memory.
-ATTNLAB_AVX2 void widen_avx2(const int8_t* q, int64_t nb, int8_t* out) {
-  const int32_t* q32 = reinterpret_cast<const int32_t*>(q);
-  for (int64_t i = 0; i < nb * 8; ++i) _mm256_storeu_si256((__m256i*)(out + 32 * i), _mm256_set1_epi32(q32[i]));
 }
 
 #define ATTNLAB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -770,17 +763,17 @@ TilesFn tiles_for(int64_t isa, int64_t m) {
 
 // Rows of x rounded to int8 (quantize_row_*), kept for the matmuls that read them.
 struct QuantBuf {
-  std::vector<int8_t> q, wide;
+  std::vector<int8_t> q;
   std::vector<float> dx;
   std::vector<int32_t> qs;
   std::vector<QuantizedX> rows;
   int64_t K = 0;
 
-  QuantBuf(int64_t B, int64_t K_, int64_t level)
-      : q(B * K_), wide(level == TILES_AVX2 ? 8 * B * K_ : 0), dx(B * K_ / kBlock), qs(B * K_ / kBlock), rows(B), K(K_) {
+  QuantBuf(int64_t B, int64_t K_)
+      : q(B * K_), dx(B * K_ / kBlock), qs(B * K_ / kBlock), rows(B), K(K_) {
     const int64_t nb = K / kBlock;
     for (int64_t b = 0; b < B; ++b)
-      rows[b] = {q.data() + b * K, dx.data() + b * nb, qs.data() + b * nb, wide.empty() ? nullptr : wide.data() + 8 * b * K};
+      rows[b] = {q.data() + b * K, dx.data() + b * nb, qs.data() + b * nb};
   }
 
   // blocks [b0, b1) of row r of x (K floats per row); each block is rounded on its own
@@ -792,7 +785,6 @@ struct QuantBuf {
     } else {
       quantize_row_scalar(x + r * K + b0 * kBlock, b1 - b0, qr, dx.data() + r * nb + b0, qs.data() + r * nb + b0);
     }
-    if (!wide.empty()) widen_avx2(qr, b1 - b0, wide.data() + 8 * (r * K + b0 * kBlock));
   }
 };
 
@@ -830,7 +822,7 @@ at::Tensor qmatmul_tiles(const at::Tensor& x, const at::Tensor& w, int64_t kind,
   const int64_t M = xc.size(0), Np = w.size(0), nb = in_features / kBlock, tiles = Np / kTile;
   at::Tensor y = at::empty({M, Np}, xc.options());
   if (M == 0) return y.narrow(1, 0, out_features);
-  QuantBuf xq(M, in_features, level);
+  QuantBuf xq(M, in_features);
   const float* xp = xc.data_ptr<float>();
   at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) xq.quantize(xp, m, 0, nb, level);
@@ -1064,7 +1056,7 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
   // may still be reading between two barriers.
   std::vector<float> qkv(B * ldqkv), ctx(B * E), o(B * ldo), gu(B * ldgu), act(B * Fh), dn(B * lddn);
   at::Tensor logits = at::empty({B, ldv}, at::TensorOptions().dtype(at::kFloat));
-  QuantBuf act_q(B, Fh, level);
+  QuantBuf act_q(B, Fh);
   const bool* pp = padc.data_ptr<bool>();
   const float* x0 = x.data_ptr<float>();
   float* lp = logits.data_ptr<float>();
@@ -1082,7 +1074,7 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
   {
     const int tid = worker_id(), nt = worker_count();
     std::vector<float> xr(x0, x0 + B * E), h(B * E), scores(S), q(D);
-    QuantBuf hq(B, E, level), cq(B, E, level);
+    QuantBuf hq(B, E), cq(B, E);
     const auto norm_and_round = [&](const float* w) {
       for (int64_t b = 0; b < B; ++b) {
         rms_norm(xr.data() + b * E, w, eps, E, h.data() + b * E);
