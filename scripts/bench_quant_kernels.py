@@ -210,8 +210,11 @@ def run_batch(mats, dense, batch: int, args, cpu_flags: dict, copy_gbs: float) -
         if route == "attnlab_avx512" and not (cpu_flags.get("avx512f") and cpu_flags.get("avx512bw")):
             entry["error"] = "skipped: this CPU lacks AVX-512 F/BW"
             continue
-        if route == "attnlab_avx2" and not cpu_flags.get("avx2"):
+        if route in ("attnlab_avx2", "attnlab_tiles_avx2") and not cpu_flags.get("avx2"):
             entry["error"] = "skipped: this CPU lacks AVX2"
+            continue
+        if route == "attnlab_tiles_vnni" and not cpu_flags.get("avx512_vnni"):
+            entry["error"] = "skipped: this CPU lacks AVX-512 VNNI"
             continue
         try:
             t0 = time.perf_counter()

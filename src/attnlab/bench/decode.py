@@ -836,9 +836,13 @@ def plot_decode_model(report: dict[str, Any], path: Path) -> Path:
     groups = [f"{r['dtype'].replace('bfloat', 'bf').replace('float', 'fp')}, batch {r['batch']}" for r in results]
     ax.set_xticks(range(len(results)), groups)
     ax.set_ylabel("decode tokens/s (all rows)")
+    cpu = report.get("cpu") or {}
+    generation = f"family {cpu['family']} model {cpu['model_number']}; " if cpu.get("family") else ""
+    machine = f"{cpu.get('model') or report['device']} ({generation}{', '.join(cpu.get('flags', [])[:8])})"
     ax.set_title(
         f"{report['model']}: greedy decode, prompt {report['prompt_len']}, {report['max_new_tokens']} new tokens, "
-        f"{report['device']}, {report['threads']} threads (labels: share of the bandwidth limit)",
+        f"{report['threads']} threads (labels: share of the bandwidth limit)\n{machine}, copy bandwidth "
+        f"{report.get('copy_GB_per_s', 0):.1f} GB/s",
         fontsize=8,
     )
     ax.legend(fontsize=7)

@@ -14,9 +14,16 @@ __all__ = ["DEVICE_HELP", "DTYPE_HELP", "resolve_device", "resolve_dtype", "cpu_
 
 
 def cpu_info() -> dict[str, Any]:
-    """``{"vendor", "model", "flags"}`` of this machine's CPU from ``/proc/cpuinfo`` (as lscpu reads it), the
-    flags sorted; where there is none, what ``platform`` knows and no flags."""
-    info: dict[str, Any] = {"vendor": "", "model": platform.processor() or platform.machine() or "unknown", "flags": []}
+    """``{"vendor", "model", "family", "model_number", "flags"}`` of this machine's CPU from ``/proc/cpuinfo`` (as
+    lscpu reads it), the flags sorted; where there is none, what ``platform`` knows and no flags. Family and model
+    number name the generation where a VM hides the model name's tail (AMD family 25, model 1: Zen 3, Milan)."""
+    info: dict[str, Any] = {
+        "vendor": "",
+        "model": platform.processor() or platform.machine() or "unknown",
+        "family": "",
+        "model_number": "",
+        "flags": [],
+    }
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -27,6 +34,7 @@ def cpu_info() -> dict[str, Any]:
         fields.setdefault(key.strip(), value.strip())
     info["vendor"] = fields.get("vendor_id", "")
     info["model"] = fields.get("model name") or info["model"]
+    info["family"], info["model_number"] = fields.get("cpu family", ""), fields.get("model", "")
     info["flags"] = sorted(fields.get("flags", "").split())
     return info
 

@@ -3,14 +3,18 @@
 // Why it exists: a decode step is a chain of matrix-vector products whose cost is the bytes of the
 // weights. Kept in the file's 4.5-8.5 bits per weight, they are 4-7x fewer bytes than float32.
 //
-// What it computes: every weight is dequantized in registers exactly as the gguf package (and
-// llama.cpp's reference code) does: Q4_0 d * (q - 8), Q4_1 d * q + m (a multiply, then an add: no
-// FMA, so each weight is the same float32 as `gguf.quants.dequantize` gives), Q8_0 d * q. The
-// activations stay float32. The products are summed in float32, 16 (AVX-512) or 8 (AVX2) lanes at
-// a time, so the result differs from `x @ W_fp32.T` only by the order of the float32 additions.
+// Two routes over the same bytes:
+// - the file's row order ("rows"): every weight is dequantized in registers exactly as the gguf package
+//   (and llama.cpp's reference code) does: Q4_0 d * (q - 8), Q4_1 d * q + m (a multiply, then an add: no
+//   FMA, so each weight is the same float32 as `gguf.quants.dequantize` gives), Q8_0 d * q. The
+//   activations stay float32, summed 16 (AVX-512) or 8 (AVX2) lanes at a time, so the result differs
+//   from `x @ W_fp32.T` only by the order of the float32 additions.
+// - tiles of 16 interleaved rows ("tiles", what quantized models use): llama.cpp's route, int8
+//   activations and exact integer block sums (see "the tiled layout" below), on AVX-512 VNNI, AVX2 or
+//   plain C++, which give the same floats bit for bit.
 //
-// The ISA is chosen at run time (__builtin_cpu_supports), so one build runs on any x86-64: AVX-512
-// (F + BW + VL), else AVX2 + FMA + F16C, else plain C++. The library is compiled without -march.
+// The ISA is chosen at run time (__builtin_cpu_supports), so one build runs on any x86-64. The library
+// is compiled without -march.
 //
 // Block layouts (ggml-common.h), 32 weights of one row per block:
 //   Q4_0: fp16 d, 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble   18 bytes
@@ -396,7 +400,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t kind, int64_t in_features, in
 
 int64_t cpu_isa() { return best_isa(); }
 
-// ==== the tiled layout and its int8 kernel (AVX-512 VNNI) ==========================================
+// ==== the tiled layout and its int8 kernels (AVX-512 VNNI, AVX2, plain C++) ==========================
 //
 // llama.cpp's own CPU route, in attnlab's words: the activations are quantized to int8, one scale per
 // block of 32 (dx = max|x| / 127, q = round(x / dx)), and each block's dot product is an exact
@@ -868,7 +872,7 @@ bool cpu_has_vnni() { return has_vnni(); }
 // its K/V head's slots 0..slot that are not padding -> out_proj -> residual -> RMSNorm -> gate|up ->
 // silu(gate) * up -> down -> residual; final RMSNorm and the output head. It exists because the
 // Python step is made of many small ops: for SmolLM2 it took 14 ms compiled and 24 ms eager, this one
-// 4.3 ms (measured on a 2-core Xeon).
+// 4.3 ms (measured on a 2-core Xeon with VNNI; 5.3-6 ms with AVX2 on a 2-core AMD EPYC).
 //
 // weights, in order: per block [attn_norm (E), qkv tiles, out tiles, mlp_norm (E), gate_up tiles,
 // down tiles], then [final norm (E), head tiles (the embedding's when tied)], then [embedding tiles].
