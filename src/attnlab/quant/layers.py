@@ -42,17 +42,18 @@ def best_layout() -> str:
 
 # Rows of x up to which the kernel reads the blocks directly (decode: B rows, prompts); beyond it the
 # weight is dequantized once per call and float32 GEMM runs. The float32 row kernel passes over the
-# weights once per 8 rows, so it stops soon. The tiled int8 kernel's limit depends on its instruction set
-# and on how fast the CPU's float32 GEMM is against it, so each figure names where it was measured
-# (SmolLM2's matrices, 2 threads, ms):
-# - AVX-512 VNNI, Intel Xeon (MKL's GEMM at its best): the whole prefill, fp32 model / dequantize + GEMM /
-#   tiles: 32 rows 66 / 85 / 47, 128 rows 129 / 148 / 138, 256 rows 217 / 224 / 245: 96.
-# - AVX2, AMD EPYC (Zen 3): the tiles were faster than dequantize + GEMM at every size tried, 32 to 1024
-#   rows (e.g. 3072x576 at 1024 rows 22.8 / 30.3, 576x1536 12.2 / 13.1; the 49152x576 head at 256 rows
-#   159 / 262): no limit. (Not measured: an Intel CPU with AVX2 but no AVX-512 VNNI.)
+# weights once per 8 rows, so it stops soon. The int8 tiles are faster than dequantize + GEMM at any
+# row count where they run vectorised (SmolLM2's matrices, 2 threads, ms, tiles / dequantize + GEMM):
+# - AVX2, AMD EPYC (Zen 3), measured: 3072x576 at 1024 rows 22.8 / 30.3, 576x1536 12.2 / 13.1, the
+#   49152x576 head at 256 rows 159 / 262; every size from 32 to 1024 rows alike.
+# - AVX-512 VNNI, Intel Xeon: the limit was 96 rows from a whole-prefill measurement (fp32 model /
+#   dequantize + GEMM / tiles: 128 rows 129 / 148 / 138, 256 rows 217 / 224 / 245) in which the tiles
+#   rounded x in scalar code on one thread, 4.1 ns a value: ~100 ms of the 245 at 256 rows. They now
+#   round it 8 lanes at a time (0.36 ns a value, measured on the AMD EPYC) on every thread, so the same
+#   prefill is estimated at ~150 ms, under the fp32 model's 217: no limit. (Not yet re-measured on a Xeon.)
 # - plain C++: the row kernel's.
 DIRECT_ROWS = 16
-TILED_DIRECT_ROWS: dict[str, int | None] = {"AVX-512 VNNI": 96, "AVX2": None, "plain C++": DIRECT_ROWS}
+TILED_DIRECT_ROWS: dict[str, int | None] = {"AVX-512 VNNI": None, "AVX2": None, "plain C++": DIRECT_ROWS}
 
 
 def direct_rows(layout: str) -> int | None:
