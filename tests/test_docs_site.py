@@ -1,0 +1,205 @@
+"""The documentation site (mkdocs.yml, docs/) builds strictly, offline, in both languages.
+
+One module-scoped fixture runs ``mkdocs build --strict`` once into a scratch directory, as
+``make docs`` does; the tests then read what it wrote. Every code block with ``exec="on"`` runs
+during that build (markdown-exec), so a renamed function or a changed trace shows up here.
+Skipped, with the command that installs them, when the ``docs`` extra is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "mkdocs.yml"
+SOURCES = REPO / "docs"
+
+# what mkdocs.yml loads: mkdocs, its theme and plugins
+DOCS_MODULES = (
+    "mkdocs",
+    "material",
+    "mkdocstrings",
+    "mkdocstrings_handlers.python",
+    "mkdocs_static_i18n",
+    "markdown_exec",
+)
+
+# the tags whose src/href the browser fetches by itself (an <a href> is only followed when clicked)
+RESOURCE_ATTRS = {
+    "script": ("src",),
+    "link": ("href",),
+    "img": ("src", "srcset"),
+    "iframe": ("src",),
+    "source": ("src", "srcset"),
+    "video": ("src", "poster"),
+    "audio": ("src",),
+}
+EXTERNAL = re.compile(r"^\s*(?:https?:)?//", re.IGNORECASE)
+CSS_URL = re.compile(r"""(?:url\(\s*['"]?|@import\s+['"])\s*((?:https?:)?//[^'")\s]+)""", re.IGNORECASE)
+
+pytestmark = pytest.mark.slow  # one strict build: about 12 s on two cores
+
+
+def _missing_docs_modules() -> list[str]:
+    missing = []
+    for name in DOCS_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # the parent package of a dotted name is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The site built once: its directory and the build's log (stdout and stderr together)."""
+    missing = _missing_docs_modules()
+    if missing:
+        pytest.skip(
+            f"the docs extra is not installed (no {', '.join(missing)}): pip install -c constraints.txt -e '.[docs]'"
+        )
+    site = tmp_path_factory.mktemp("site")
+    # Material's banner about its end of life is not a build problem
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(CONFIG), "-d", str(site)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=site.parent,  # not the repository: mkdocs.yml's paths must hold from anywhere
+        timeout=300,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"mkdocs build --strict failed (exit {proc.returncode}):\n{log[-6000:]}"
+    return site, log
+
+
+def test_strict_build_has_no_warnings(built: tuple[Path, str]) -> None:
+    site, log = built
+    warnings = [line for line in log.splitlines() if line.lstrip().startswith(("WARNING", "ERROR"))]
+    assert not warnings, "the build logged:\n" + "\n".join(warnings)
+    for page in ("index.html", "learn/shapes.html", "reference/api.html", "reference/cli.html"):
+        assert (site / page).is_file(), f"the English site has no {page}"
+    for page in ("index.html", "learn/shapes.html"):
+        assert (site / "zh" / page).is_file(), f"the Chinese site has no zh/{page}"
+
+
+class _Resources(HTMLParser):
+    """Collects (tag, attribute, value) of every resource reference in one page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str, str]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        wanted = RESOURCE_ATTRS.get(tag, ())
+        for name, value in attrs:
+            if name in wanted and value:
+                self.found.append((tag, name, value))
+        if tag != "a":
+            self.found.extend(_css_urls(dict(attrs).get("style") or "", tag))
+
+    def handle_data(self, data: str) -> None:
+        if self.lasttag == "style":
+            self.found.extend(_css_urls(data, "style"))
+
+
+def _css_urls(css: str, where: str) -> list[tuple[str, str, str]]:
+    return [(where, "url", url) for url in CSS_URL.findall(css)]
+
+
+def test_no_resource_from_an_external_host(built: tuple[Path, str]) -> None:
+    site, _ = built
+    external = []
+    pages = sorted(site.rglob("*.html"))
+    assert pages
+    for page in pages:
+        parser = _Resources()
+        parser.feed(page.read_text(encoding="utf-8"))
+        for tag, attr, value in parser.found:
+            urls = [part.strip().split(" ")[0] for part in value.split(",")] if attr == "srcset" else [value]
+            external += [f"{page.relative_to(site)}: <{tag} {attr}={url!r}>" for url in urls if EXTERNAL.match(url)]
+    for sheet in sorted(site.rglob("*.css")):
+        external += [f"{sheet.relative_to(site)}: url({url})" for url in CSS_URL.findall(sheet.read_text("utf-8"))]
+    assert not external, "the site fetches from other hosts (it must work offline):\n" + "\n".join(external)
+
+
+def test_search_index_holds_the_api_words(built: tuple[Path, str]) -> None:
+    site, _ = built
+    index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+    text = " ".join(doc["title"] + " " + doc["text"] for doc in index["docs"])
+    assert "key_padding_mask" in text
+    locations = {doc["location"].split("#")[0] for doc in index["docs"]}
+    assert {"learn/shapes.html", "zh/learn/shapes.html"} <= locations, sorted(locations)
+    # file:// pages read the index from the script the offline plugin writes beside it
+    assert (site / "search" / "search_index.js").read_text(encoding="utf-8").startswith("var __index =")
+
+
+FENCE = re.compile(r"^(?P<fence>`{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def _code_blocks(path: Path) -> list[tuple[str, str]]:
+    return [(m["info"].strip(), m["body"]) for m in FENCE.finditer(path.read_text(encoding="utf-8"))]
+
+
+def test_chinese_shapes_page_runs_the_same_code() -> None:
+    english = _code_blocks(SOURCES / "learn" / "shapes.md")
+    chinese = _code_blocks(SOURCES / "learn" / "shapes.zh.md")
+    assert english, "docs/learn/shapes.md has no code block"
+    assert len(chinese) == len(english), f"{len(english)} code blocks in English, {len(chinese)} in Chinese"
+    for number, (en, zh) in enumerate(zip(english, chinese, strict=True), 1):
+        assert zh == en, f"code block {number} differs between shapes.md and shapes.zh.md"
+    assert all('exec="on"' in info for info, _ in english), "every block on the shapes page runs at build time"
+
+
+def test_chinese_pages_use_the_seeds_terms() -> None:
+    text = (SOURCES / "index.zh.md").read_text("utf-8") + (SOURCES / "learn" / "shapes.zh.md").read_text("utf-8")
+    for term in ("多头注意力", "掩码", "头维度", "张量形状"):
+        assert term in text, f"the Chinese pages never say {term}"
+
+
+@pytest.mark.parametrize("page", ["learn/shapes.html", "zh/learn/shapes.html"])
+def test_shapes_page_shows_the_real_trace(built: tuple[Path, str], page: str) -> None:
+    site, _ = built
+    html = (site / page).read_text(encoding="utf-8")
+    # printed by trace while the site was built: the page's source has none of these strings
+    for printed in (
+        "MultiHeadAttention  (backend: math)",
+        "[2, 8, 10, 8]",
+        "[2, 8, 10, 10]",
+        "scale by 1/sqrt(d) = 0.3536",
+        "zero padded keys/values",
+        "second sequence unchanged: True",
+    ):
+        assert printed in html, f"{page} lacks the trace output {printed!r}"
+    source = (SOURCES / "learn" / "shapes.md").read_text(encoding="utf-8")
+    assert "[2, 8, 10, 8]" not in source
+
+
+def test_cli_page_shows_each_commands_help(built: tuple[Path, str]) -> None:
+    site, _ = built
+    html = (site / "reference" / "cli.html").read_text(encoding="utf-8")
+    for command in ("trace", "check", "bench-decode"):
+        assert f"usage: attnlab {command} [-h]" in html, f"reference/cli.html lacks `attnlab {command} --help`"
+
+
+def test_api_page_documents_the_classes(built: tuple[Path, str]) -> None:
+    site, _ = built
+    html = (site / "reference" / "api.html").read_text(encoding="utf-8")
+    for anchor in (
+        'id="attnlab.MultiHeadAttention"',
+        'id="attnlab.MultiHeadAttention.forward"',
+        'id="attnlab.quant.QuantLinear"',
+    ):
+        assert anchor in html, f"reference/api.html has no {anchor}"
