@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -22,6 +23,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "mkdocs.yml"
 SOURCES = REPO / "docs"
+# the Learn pages, in the nav's order; each has a Chinese twin, page.zh.md
+LEARN_HTML = ("learn/shapes.html", "learn/why-each-line.html", "learn/errors.html")
+# every English page under docs/learn/ that has a Chinese twin: both must run the same code
+LEARN_TWINS = sorted(
+    page.stem
+    for page in (SOURCES / "learn").glob("*.md")
+    if not page.name.endswith(".zh.md") and page.with_suffix(".zh.md").is_file()
+)
 
 # what mkdocs.yml loads: mkdocs, its theme and plugins
 DOCS_MODULES = (
@@ -89,9 +98,9 @@ def test_strict_build_has_no_warnings(built: tuple[Path, str]) -> None:
     site, log = built
     warnings = [line for line in log.splitlines() if line.lstrip().startswith(("WARNING", "ERROR"))]
     assert not warnings, "the build logged:\n" + "\n".join(warnings)
-    for page in ("index.html", "learn/shapes.html", "reference/api.html", "reference/cli.html"):
+    for page in ("index.html", *LEARN_HTML, "reference/api.html", "reference/cli.html"):
         assert (site / page).is_file(), f"the English site has no {page}"
-    for page in ("index.html", "learn/shapes.html"):
+    for page in ("index.html", *LEARN_HTML):
         assert (site / "zh" / page).is_file(), f"the Chinese site has no zh/{page}"
 
 
@@ -153,19 +162,26 @@ def _code_blocks(path: Path) -> list[tuple[str, str]]:
     return [(m["info"].strip(), m["body"]) for m in FENCE.finditer(path.read_text(encoding="utf-8"))]
 
 
-def test_chinese_shapes_page_runs_the_same_code() -> None:
-    english = _code_blocks(SOURCES / "learn" / "shapes.md")
-    chinese = _code_blocks(SOURCES / "learn" / "shapes.zh.md")
-    assert english, "docs/learn/shapes.md has no code block"
+def test_every_learn_page_has_a_chinese_twin() -> None:
+    expected = {Path(page).stem for page in LEARN_HTML}
+    assert expected <= set(LEARN_TWINS), f"Learn pages without a .zh.md twin: {sorted(expected - set(LEARN_TWINS))}"
+
+
+@pytest.mark.parametrize("name", LEARN_TWINS)
+def test_chinese_learn_page_runs_the_same_code(name: str) -> None:
+    english = _code_blocks(SOURCES / "learn" / f"{name}.md")
+    chinese = _code_blocks(SOURCES / "learn" / f"{name}.zh.md")
+    assert english, f"docs/learn/{name}.md has no code block"
     assert len(chinese) == len(english), f"{len(english)} code blocks in English, {len(chinese)} in Chinese"
     for number, (en, zh) in enumerate(zip(english, chinese, strict=True), 1):
-        assert zh == en, f"code block {number} differs between shapes.md and shapes.zh.md"
-    assert all('exec="on"' in info for info, _ in english), "every block on the shapes page runs at build time"
+        assert zh == en, f"code block {number} differs between {name}.md and {name}.zh.md"
+    assert all('exec="on"' in info for info, _ in english), f"every block on the {name} page runs at build time"
 
 
 def test_chinese_pages_use_the_seeds_terms() -> None:
-    text = (SOURCES / "index.zh.md").read_text("utf-8") + (SOURCES / "learn" / "shapes.zh.md").read_text("utf-8")
-    for term in ("多头注意力", "掩码", "头维度", "张量形状"):
+    pages = [SOURCES / "index.zh.md", *(SOURCES / "learn" / f"{name}.zh.md" for name in LEARN_TWINS)]
+    text = "".join(page.read_text("utf-8") for page in pages)
+    for term in ("多头注意力", "掩码", "头维度", "张量形状", "缩放点积注意力", "填充掩码", "因果掩码"):
         assert term in text, f"the Chinese pages never say {term}"
 
 
@@ -185,6 +201,62 @@ def test_shapes_page_shows_the_real_trace(built: tuple[Path, str], page: str) ->
         assert printed in html, f"{page} lacks the trace output {printed!r}"
     source = (SOURCES / "learn" / "shapes.md").read_text(encoding="utf-8")
     assert "[2, 8, 10, 8]" not in source
+
+
+def _page_text(site: Path, page: str) -> str:
+    """The built page with its HTML entities decoded: printed quotes and '<=' read as printed."""
+    return unescape((site / page).read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("page", ["learn/why-each-line.html", "zh/learn/why-each-line.html"])
+def test_why_each_line_page_shows_what_each_line_prevents(built: tuple[Path, str], page: str) -> None:
+    site, _ = built
+    text = _page_text(site, page)
+    for printed in (
+        "RuntimeError: view size is not compatible with input tensor's size and stride",
+        ".transpose(1, 2).contiguous().view(B, T_q, H * D)",  # read from attnlab's forward at build time
+        "largest weight on the padded key: 0.0",
+        "-inf fill: [nan, nan, nan, nan]",  # naive softmax over a fully masked row
+        "-1e9 fill: [0.25, 0.25, 0.25, 0.25]",
+        "first outputs of the padded sequence: tensor([0., 0., 0., 0.])",
+    ):
+        assert printed in text, f"{page} lacks the output {printed!r}"
+    # attnlab's fully masked row, on both backends: zeros, no NaN, finite gradients
+    for backend in ("math", "sdpa"):
+        line = f"{backend}: padded sequence all zeros: True, any NaN: False, gradient finite: True"
+        assert line in text, f"{page} lacks {line!r}"
+    # without the scale the softmax saturates: the largest weight of a row grows
+    scaled, unscaled = (float(w) for w in re.findall(r"mean largest weight (\d\.\d+)", text)[:2])
+    assert unscaled > scaled + 0.3, (scaled, unscaled)
+    sums = [float(x) for x in re.findall(r"then (?:softmax|mask): \[[^]]*\]  sum (\d\.\d+)", text)]
+    assert sums[0] == 1.0 and sums[1] < 1.0, sums  # mask, then softmax vs softmax, then mask
+    assert "tensor([0., 0., 0., 0.])" not in (SOURCES / "learn" / "why-each-line.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("page", ["learn/errors.html", "zh/learn/errors.html"])
+def test_errors_page_prints_attnlabs_messages(built: tuple[Path, str], page: str) -> None:
+    site, _ = built
+    text = _page_text(site, page)
+    # the start of each message attnlab raised while the site was built
+    for printed in (
+        "RuntimeError: view size is not compatible",  # PyTorch's own, for comparison
+        "ValueError: query is on meta but the module's weights are on cpu; move one of them",
+        "ValueError: key_padding_mask is on meta but the query is on cpu",
+        "TypeError: query has dtype torch.float64 but the module's weights are torch.float32",
+        "ValueError: query has shape (5, 16), an unbatched (T, embed_dim) input",
+        "ValueError: embed_dim=64 is not divisible by num_heads=6",
+        "(nearest: [4, 8])",
+        "TypeError: attn_mask has dtype torch.int64; expected torch.bool",
+        "ValueError: attn_mask is a float tensor holding only 0s and 1s",
+        "TypeError: key_padding_mask has dtype torch.float32; expected torch.bool",
+        "ValueError: attn_mask has shape (5, 6), which does not broadcast",
+        "ValueError: key_padding_mask has shape (5, 2); expected (B, T_k) = (2, 5)",
+        "ValueError: is_causal=True needs T_q <= T_k, got T_q=6 queries and T_k=5 keys",
+        "first sequence all zeros: True  any NaN: False",
+        "gradient finite: True",
+    ):
+        assert printed in text, f"{page} lacks the output {printed!r}"
+    assert "nearest: [4, 8]" not in (SOURCES / "learn" / "errors.md").read_text(encoding="utf-8")
 
 
 def test_cli_page_shows_each_commands_help(built: tuple[Path, str]) -> None:
