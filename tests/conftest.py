@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# -- the documentation site -------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The documentation site built once (``mkdocs build --strict``) for every docs test: its directory
+    and the build's log (stdout and stderr together). Skipped, with the install command, without the
+    ``docs`` extra."""
+    from docs_site import DOCS_INSTALL, build_site, missing_docs_modules
+
+    missing = missing_docs_modules()
+    if missing:
+        pytest.skip(f"the docs extra is not installed (no {', '.join(missing)}): {DOCS_INSTALL}")
+    site = tmp_path_factory.mktemp("site")
+    return site, build_site(site)

@@ -1,19 +1,16 @@
 """The documentation site (mkdocs.yml, docs/) builds strictly, offline, in both languages.
 
-One module-scoped fixture runs ``mkdocs build --strict`` once into a scratch directory, as
-``make docs`` does; the tests then read what it wrote. Every code block with ``exec="on"`` runs
+The session fixture ``built`` (tests/conftest.py, tests/docs_site.py) runs ``mkdocs build --strict``
+once into a scratch directory, as ``make docs`` does; the tests then read what it wrote (and so do
+the browser tests in tests/test_docs_browser.py). Every code block with ``exec="on"`` runs
 during that build (markdown-exec), so a renamed function or a changed trace shows up here.
 Skipped, with the command that installs them, when the ``docs`` extra is missing.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
@@ -21,25 +18,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "mkdocs.yml"
 SOURCES = REPO / "docs"
 # the Learn pages, in the nav's order; each has a Chinese twin, page.zh.md
-LEARN_HTML = ("learn/shapes.html", "learn/why-each-line.html", "learn/errors.html")
+LEARN_HTML = (
+    "learn/shapes.html",
+    "learn/why-each-line.html",
+    "learn/errors.html",
+    "learn/experiment.html",
+    "learn/kv-cache.html",
+)
 # every English page under docs/learn/ that has a Chinese twin: both must run the same code
 LEARN_TWINS = sorted(
     page.stem
     for page in (SOURCES / "learn").glob("*.md")
     if not page.name.endswith(".zh.md") and page.with_suffix(".zh.md").is_file()
-)
-
-# what mkdocs.yml loads: mkdocs, its theme and plugins
-DOCS_MODULES = (
-    "mkdocs",
-    "material",
-    "mkdocstrings",
-    "mkdocstrings_handlers.python",
-    "mkdocs_static_i18n",
-    "markdown_exec",
 )
 
 # the tags whose src/href the browser fetches by itself (an <a href> is only followed when clicked)
@@ -55,43 +47,7 @@ RESOURCE_ATTRS = {
 EXTERNAL = re.compile(r"^\s*(?:https?:)?//", re.IGNORECASE)
 CSS_URL = re.compile(r"""(?:url\(\s*['"]?|@import\s+['"])\s*((?:https?:)?//[^'")\s]+)""", re.IGNORECASE)
 
-pytestmark = pytest.mark.slow  # one strict build: about 12 s on two cores
-
-
-def _missing_docs_modules() -> list[str]:
-    missing = []
-    for name in DOCS_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:  # the parent package of a dotted name is missing
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The site built once: its directory and the build's log (stdout and stderr together)."""
-    missing = _missing_docs_modules()
-    if missing:
-        pytest.skip(
-            f"the docs extra is not installed (no {', '.join(missing)}): pip install -c constraints.txt -e '.[docs]'"
-        )
-    site = tmp_path_factory.mktemp("site")
-    # Material's banner about its end of life is not a build problem
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(CONFIG), "-d", str(site)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=site.parent,  # not the repository: mkdocs.yml's paths must hold from anywhere
-        timeout=300,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"mkdocs build --strict failed (exit {proc.returncode}):\n{log[-6000:]}"
-    return site, log
+pytestmark = pytest.mark.slow  # one strict build (shared with tests/test_docs_browser.py): about 12 s on two cores
 
 
 def test_strict_build_has_no_warnings(built: tuple[Path, str]) -> None:
@@ -275,3 +231,47 @@ def test_api_page_documents_the_classes(built: tuple[Path, str]) -> None:
         'id="attnlab.quant.QuantLinear"',
     ):
         assert anchor in html, f"reference/api.html has no {anchor}"
+
+
+@pytest.mark.parametrize("page", ["learn/experiment.html", "zh/learn/experiment.html"])
+def test_experiment_page_shows_the_loss_falling_and_gradcheck_passing(built: tuple[Path, str], page: str) -> None:
+    site, _ = built
+    text = _page_text(site, page)
+    assert "vocabulary: 13 characters; samples: (199, 16)" in text, f"{page} lacks the dataset's size"
+    # the training loop's lines, printed while the site was built: step 0, 10, ..., 50 and the last
+    logged = [(int(step), float(loss)) for step, loss in re.findall(r"step +(\d+)  loss (\d+\.\d+)", text)]
+    assert [step for step, _ in logged] == [0, 10, 20, 30, 40, 50, 59], logged
+    losses = [loss for _, loss in logged]
+    assert losses[-1] < losses[0] / 2, f"{page}: the loss did not fall: {losses}"
+    assert losses[0] > 2.0, f"{page}: the first loss should be near or above ln(13) = 2.565: {losses}"
+    for case in ("no mask", "causal", "key_padding_mask"):
+        line = f"gradcheck, {case}: True"
+        assert line in text, f"{page} lacks {line!r}"
+    assert "step 59  loss" not in (SOURCES / "learn" / "experiment.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("page", ["learn/kv-cache.html", "zh/learn/kv-cache.html"])
+def test_kv_cache_page_shows_cached_equals_recomputed(built: tuple[Path, str], page: str) -> None:
+    site, _ = built
+    text = _page_text(site, page)
+    # the cache's (B, H_kv, S, D) as it fills: a prefill of 3 positions, then one per step
+    assert "cache buffers: (1, 2, 8, 8) = (B, H_kv, max_len, D)" in text, f"{page} lacks the cache's shape"
+    for filled in (3, 4, 5, 6):
+        assert f"filled {filled}  keys attended (1, 2, {filled}, 8)" in text, f"{page} lacks the fill {filled}"
+    assert "caches: 2 layers, each k and v (1, 4, 14, 8)" in text
+    for label in ("cached - full", "cached logits - recomputed logits"):
+        found = re.findall(rf"max \|{re.escape(label)}\|: (\d\.\de[-+]\d+)", text)
+        assert len(found) == 1, f"{page} lacks the printed value of max |{label}|"
+        assert float(found[0]) < 1e-5, f"{page}: cached and recomputed differ by {found[0]}"
+    # the work saved, counted in positions: prefill T = 8, then 1 per step instead of the whole sequence
+    assert "step 0  sequence  8  positions run: cached 8, recomputed 8" in text
+    assert "step 5  sequence 13  positions run: cached 1, recomputed 13" in text
+    assert "positions run in all: cached 13, recomputed 63" in text
+    assert "recomputed 63" not in (SOURCES / "learn" / "kv-cache.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", ["experiment", "kv-cache"])
+def test_new_chinese_learn_pages_each_use_the_seeds_terms(name: str) -> None:
+    text = (SOURCES / "learn" / f"{name}.zh.md").read_text("utf-8")
+    for term in ("多头注意力", "掩码", "头维度", "张量形状", "缩放点积注意力", "填充掩码", "因果掩码"):
+        assert term in text, f"docs/learn/{name}.zh.md never says {term}"
