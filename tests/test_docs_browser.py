@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-CHROMIUM_INSTALL = "apt-get install -y chromium"
-PLAYWRIGHT_INSTALL = "pip install -c constraints.txt playwright"
+from chromium import launch_chromium
+
 SHOTS_VARIABLE = "ATTNLAB_DOCS_SHOTS"
 # the same switches as a CI browser: no sandbox (containers), no GPU, nothing fetched behind the page's back
 CHROMIUM_ARGS = [
@@ -65,17 +65,7 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip(f"the playwright package is missing: {PLAYWRIGHT_INSTALL}")
-    executable = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-    if executable is None:
-        pytest.skip(f"Debian's chromium is missing: {CHROMIUM_INSTALL}")
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+    yield from launch_chromium(CHROMIUM_ARGS)
 
 
 @pytest.fixture(scope="module")

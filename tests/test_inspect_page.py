@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +28,8 @@ from attnlab.heads import HeadReport, inspect
 from attnlab.heads.page import SHARP_SCORES, write_page
 from attnlab.models.gpt import GPTConfig, TinyGPT
 from attnlab.models.llama import Llama, LlamaConfig
+from chromium import launch_chromium
 
-CHROMIUM_INSTALL = "apt-get install -y chromium"
-PLAYWRIGHT_INSTALL = "pip install -c constraints.txt playwright"
 LONG_T, LONG_BUDGET_MB = 1000, 4.0
 
 
@@ -82,17 +80,7 @@ def _meta(path: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip(f"the playwright package is missing: {PLAYWRIGHT_INSTALL}")
-    executable = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-    if executable is None:
-        pytest.skip(f"Debian's chromium is missing: {CHROMIUM_INSTALL}")
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=executable, headless=True)
-        yield chromium
-        chromium.close()
+    yield from launch_chromium()
 
 
 @dataclass
