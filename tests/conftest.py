@@ -10,9 +10,11 @@ draws exactly the numbers it always drew. A test that only means something on a 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -194,3 +196,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         pytest.skip(f"the docs extra is not installed (no {', '.join(missing)}): {DOCS_INSTALL}")
     site = tmp_path_factory.mktemp("site")
     return site, build_site(site)
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (the scripts folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant_kernels.py"
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_quant_kernels", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_quant_kernels")
 
 
 @pytest.mark.slow

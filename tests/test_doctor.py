@@ -139,7 +139,7 @@ def test_doctor_reports_the_quantized_kernels_and_the_fallback(monkeypatch):
 
     found = {f.topic: f for f in diagnose(compile_check=False)}["quantized kernels"]
     assert found.status == ("ok" if kernels.kernel_status().available else "warn")
-    off = kernels.KernelStatus(False, "none", False, "building them failed (x); they need a C++17 compiler", "/x")
+    off = kernels.KernelStatus(False, "none", "building them failed (x); they need a C++17 compiler", "/x")
     monkeypatch.setattr(kernels, "_status", off)
     found = {f.topic: f for f in diagnose(compile_check=False)}["quantized kernels"]
     assert (found.status, found.detail) == ("warn", "building them failed (x); they need a C++17 compiler")

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gguf_greedy_agreement.py"
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gguf_greedy_agreement", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gguf_greedy_agreement")
 
 
 def test_first_difference_counts_the_agreeing_prefix():

@@ -215,7 +215,7 @@ def test_quant_embedding_rows_and_tied_head(layout):
 
 
 def test_without_kernels_the_pytorch_fallback_runs_and_says_why(monkeypatch):
-    off = kernels_module.KernelStatus(False, "none", False, "ATTNLAB_QUANT_KERNELS=0 is set; unset it", "/x")
+    off = kernels_module.KernelStatus(False, "none", "ATTNLAB_QUANT_KERNELS=0 is set; unset it", "/x")
     monkeypatch.setattr(kernels_module, "_status", off)
     layer, ref = quant_linear("Q4_0", 32, 96, "rows")
     x = torch.randn(3, 96)

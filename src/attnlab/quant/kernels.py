@@ -52,10 +52,14 @@ class KernelStatus:
 
     available: bool
     isa: str  # the float32 row kernel's: "AVX-512", "AVX2", "plain C++", or "none" (the PyTorch fallback)
-    vnni: bool  # AVX-512 VNNI: the int8 tiles run on vpdpbusd
     reason: str  # why they are not available; "" when they are
     build_dir: str
     tiles_isa: str = "none"  # the int8 tiled kernel's (llama.cpp's route): "AVX-512 VNNI", "AVX2", "plain C++"
+
+    @property
+    def vnni(self) -> bool:
+        """Whether the int8 tiles run on AVX-512 VNNI (vpdpbusd)."""
+        return self.tiles_isa == TILE_ISA_NAMES[2]
 
     def describe(self) -> str:
         if self.available:
@@ -153,7 +157,7 @@ def build_kernels(quiet: bool = False) -> KernelStatus:
         build_dir = _build_dir()
         if os.environ.get("ATTNLAB_QUANT_KERNELS", "1").strip().lower() in _OFF:
             _status = KernelStatus(
-                False, "none", False, "ATTNLAB_QUANT_KERNELS=0 is set; unset it to build and use them", str(build_dir)
+                False, "none", "ATTNLAB_QUANT_KERNELS=0 is set; unset it to build and use them", str(build_dir)
             )
             return _status
         try:
@@ -162,14 +166,13 @@ def build_kernels(quiet: bool = False) -> KernelStatus:
             ops = torch.ops.attnlab_quant
             isa = ISA_NAMES.get(int(ops.cpu_isa()), "plain C++")
             tiles = TILE_ISA_NAMES.get(int(ops.cpu_tile_isa()), "plain C++")
-            _status = KernelStatus(True, isa, bool(ops.cpu_has_vnni()), "", str(build_dir), tiles)
+            _status = KernelStatus(True, isa, "", str(build_dir), tiles)
         except Exception as err:  # no compiler, no ninja, a compile error: the fallback runs, and says why
             lines = [line for line in str(err).splitlines() if line.strip()]
             detail = lines[0][:300] if lines else type(err).__name__
             _status = KernelStatus(
                 False,
                 "none",
-                False,
                 f"building them failed ({type(err).__name__}: {detail}); they need a C++17 compiler (g++ or clang++) "
                 f"and the ninja package (`pip install ninja`); quantized layers run the slower pure-PyTorch path",
                 str(build_dir),

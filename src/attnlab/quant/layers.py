@@ -48,9 +48,10 @@ def best_layout() -> str:
 #   49152x576 head at 256 rows 159 / 262; every size from 32 to 1024 rows alike.
 # - AVX-512 VNNI, Intel Xeon: the limit was 96 rows from a whole-prefill measurement (fp32 model /
 #   dequantize + GEMM / tiles: 128 rows 129 / 148 / 138, 256 rows 217 / 224 / 245) in which the tiles
-#   rounded x in scalar code on one thread, 4.1 ns a value: ~100 ms of the 245 at 256 rows. They now
-#   round it 8 lanes at a time (0.36 ns a value, measured on the AMD EPYC) on every thread, so the same
-#   prefill is estimated at ~150 ms, under the fp32 model's 217: no limit. (Not yet re-measured on a Xeon.)
+#   rounded x in scalar code on one thread: ~25M values at 4.1 ns each (the old routine's rate, measured
+#   on the AMD EPYC), an estimated ~100 ms of the 245 at 256 rows. They now round it 8 lanes at a time
+#   (0.36 ns a value, same machine) on every thread, so that prefill is estimated at ~150 ms, under the
+#   fp32 model's 217: no limit. (An estimate: not yet measured on a Xeon.)
 # - plain C++: the row kernel's.
 DIRECT_ROWS = 16
 TILED_DIRECT_ROWS: dict[str, int | None] = {"AVX-512 VNNI": None, "AVX2": None, "plain C++": DIRECT_ROWS}

@@ -653,35 +653,35 @@ ATTNLAB_AVX2 void tiles_avx2(const uint8_t* w, int64_t nb, const QuantizedX* xq,
         if (hp == 0)
           for (int64_t line = 0; line < TB; line += 64) _mm_prefetch((const char*)(blk + 4 * TB + line), _MM_HINT_T0);
         for (int h = h0; h < h1; ++h) {
-        __m256i s[M];  // Q4: int16 pair sums over the block; Q8_0: int32 sums
-        for (int m = 0; m < M; ++m) s[m] = _mm256_setzero_si256();
-        for (int g = 0; g < groups; ++g) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + SB + 64 * g + 32 * h));
-          if constexpr (K == Q8_0) {
-            const __m256i wq = _mm256_xor_si256(v, flip), wa = _mm256_abs_epi8(wq);
-            for (int m = 0; m < M; ++m) {
-              const __m256i bx = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq[m].q + b * kBlock)[g]);
-              s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(bx, wq)), ones));
-            }
-          } else {
-            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            for (int m = 0; m < M; ++m) {
-              const int32_t* xb = reinterpret_cast<const int32_t*>(xq[m].q + b * kBlock);
-              s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xb[g])));
-              s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb[4 + g])));
+          __m256i s[M];  // Q4: int16 pair sums over the block; Q8_0: int32 sums
+          for (int m = 0; m < M; ++m) s[m] = _mm256_setzero_si256();
+          for (int g = 0; g < groups; ++g) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + SB + 64 * g + 32 * h));
+            if constexpr (K == Q8_0) {
+              const __m256i wq = _mm256_xor_si256(v, flip), wa = _mm256_abs_epi8(wq);
+              for (int m = 0; m < M; ++m) {
+                const __m256i bx = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq[m].q + b * kBlock)[g]);
+                s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(bx, wq)), ones));
+              }
+            } else {
+              const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+              for (int m = 0; m < M; ++m) {
+                const int32_t* xb = reinterpret_cast<const int32_t*>(xq[m].q + b * kBlock);
+                s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xb[g])));
+                s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb[4 + g])));
+              }
             }
           }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
-        __m256 mv = _mm256_setzero_ps();
-        if constexpr (K == Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h)));
-        for (int m = 0; m < M; ++m) {
-          __m256i si = K == Q8_0 ? s[m] : _mm256_madd_epi16(s[m], ones);
-          if constexpr (K == Q4_0) si = _mm256_add_epi32(si, _mm256_set1_epi32(-8 * xq[m].qs[b]));
-          acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(xq[m].dx[b])), acc[h][m]);
-          if constexpr (K == Q4_1)
-            acc[h][m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq[m].dx[b] * static_cast<float>(xq[m].qs[b])), acc[h][m]);
-        }
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
+          __m256 mv = _mm256_setzero_ps();
+          if constexpr (K == Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h)));
+          for (int m = 0; m < M; ++m) {
+            __m256i si = K == Q8_0 ? s[m] : _mm256_madd_epi16(s[m], ones);
+            if constexpr (K == Q4_0) si = _mm256_add_epi32(si, _mm256_set1_epi32(-8 * xq[m].qs[b]));
+            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(xq[m].dx[b])), acc[h][m]);
+            if constexpr (K == Q4_1)
+              acc[h][m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq[m].dx[b] * static_cast<float>(xq[m].qs[b])), acc[h][m]);
+          }
         }
       }
       for (int h = h0; h < h1; ++h)
@@ -851,18 +851,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_x(const at::Tensor& x, int64_t isa) 
               "attnlab quant: x must be a 1-D float32 CPU tensor of a multiple of 32 values, got ", x.scalar_type(),
               " of ", x.sizes());
   const int64_t level = resolve_tile_isa(isa), nb = x.size(0) / kBlock;
-  const at::Tensor xc = x.contiguous();
-  at::Tensor q = at::empty({x.size(0)}, xc.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({nb}, xc.options());
-  std::vector<int32_t> qs(nb);
-  (level >= TILES_AVX2 ? quantize_row_avx2 : quantize_row_scalar)(xc.data_ptr<float>(), nb, q.data_ptr<int8_t>(),
-                                                                   dx.data_ptr<float>(), qs.data());
-  return {q, dx};
+  QuantBuf xq(1, x.size(0));
+  xq.quantize(x.contiguous().data_ptr<float>(), 0, 0, nb, level);
+  at::Tensor q = at::empty({x.size(0)}, x.options().dtype(at::kChar));
+  std::memcpy(q.data_ptr<int8_t>(), xq.q.data(), xq.q.size());
+  return {q, at::tensor(xq.dx, x.options())};
 }
 
 int64_t cpu_tile_isa() { return best_tile_isa(); }
-
-bool cpu_has_vnni() { return has_vnni(); }
 
 // ==== one decode step of a Llama whose projections are all tiled (the C++ fast path) ===============
 //
@@ -1144,7 +1140,6 @@ TORCH_LIBRARY(attnlab_quant, m) {
   m.def("qmatmul(Tensor x, Tensor w, int kind, int in_features, int isa=-1) -> Tensor");
   m.def("dequantize(Tensor w, int kind, int in_features, int isa=-1) -> Tensor");
   m.def("cpu_isa() -> int", &cpu_isa);
-  m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
   m.def("repack_tiles(Tensor w, int kind, int in_features) -> Tensor");
   m.def("dequantize_tiles(Tensor w, int kind, int in_features, Tensor rows) -> Tensor");
   m.def("qmatmul_tiles(Tensor x, Tensor w, int kind, int in_features, int out_features, int isa=-1) -> Tensor");
