@@ -75,7 +75,7 @@ def section(stem: str, title: str) -> str:
     verdict = out[out.index("FAILED:") :].rstrip()
     return (
         f"\n## {title}\n\n{mistake.group(1) if mistake else ''} The changed line:\n\n"
-        f"```python\n{line.group(1) if line else ''}\n```\n\n"
+        f"```diff\n+ {line.group(1) if line else ''}\n```\n\n"
         f"```\n$ attnlab check --target {path.relative_to(ROOT)}:MultiHeadAttention\n...\n{verdict}\n```\n"
         f"\nExit code {code}.\n"
     )

@@ -61,7 +61,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _encoder_pair(batch_first: bool, norm_first: bool, device) -> tuple[nn.TransformerEncoder, nn.TransformerEncoder]:
-    """torch's encoder, and a deep copy with every layer's self_attn swapped for ours (the README's recipe)."""
+    """torch's encoder, and a deep copy with every layer's self_attn swapped for ours (the recipe in docs/howto/swap.md)."""
     layer = nn.TransformerEncoderLayer(
         E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first, norm_first=norm_first
     )

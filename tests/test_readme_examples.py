@@ -1,24 +1,32 @@
-"""Every example in README.md runs as written.
+"""Every example in README.md and on every page of the documentation site runs as written.
 
-README.md is read when the tests run, so a renamed flag breaks this test, not a reader. What counts
-as an example:
+The README and the English pages of ``docs/`` (in the site's nav order, then any page outside the
+nav) are read when the tests run, so a renamed flag breaks this test, not a reader. The Chinese
+twins (``*.zh.md``, ``README.zh-CN.md``) hold the same code blocks (tests/test_docs_site.py and
+tests/test_readme_zh.py check that), so they are not run twice. What counts as an example:
 
 * each line of a ```` ```bash ```` block (``&&`` chains run in order; ``# comments`` dropped);
 * each ``$ command`` line of any other non-Python block; when the lines after it start with
   ``attnlab: error:``, they are the command's documented error: it must exit 2 printing exactly that;
+  when the line after the block says ``Exit code N.`` (a check that finds mistakes exits 1), it must
+  exit N;
 * each inline code span of the prose that is an ``attnlab`` command with at least one flag and no
   placeholder (``--checkpoint DIR`` is syntax, not an example);
 * each ```` ```python ```` block, run with :data:`STAND_INS` for the names it uses without defining
   them (``torch_mha``, ``hf_model``, ``x``, ...).
 
-The commands run in README order in one scratch directory, as a reader pasting them would (the
+A docs page's ```` ```python exec="on" ```` blocks are not run here: the site's strict build runs
+them and shows their output (tests/test_docs_site.py), so a failing one fails the suite there.
+
+The commands run in reading order (README first) in one scratch directory, as a reader pasting them would (the
 generate example reads the demo's ``runs/demo/model``), through ``attnlab.cli.main`` in-process;
 ``torchrun`` in a subprocess. Where a command as written takes minutes, :data:`SMALL` adds or
 shrinks flags (documented there, one line each); nothing else is changed. Skipped, each with the
 reason printed: commands that need a GPU (none on this machine) or the network (``make`` creates
 ``.venv`` with pip); ``make demo`` runs what it wraps, ``attnlab demo``.
 
-``ATTNLAB_README=path/to/draft.md pytest tests/test_readme_examples.py`` runs a draft instead.
+``ATTNLAB_README=path/to/draft.md pytest tests/test_readme_examples.py`` runs one file (a draft, or
+one page) instead.
 """
 
 from __future__ import annotations
@@ -37,26 +45,56 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from attnlab.cli import main
 from smollm2_fixtures import attnlab_smollm2  # imported before any patch: it binds the real loader
 
 ROOT = Path(__file__).resolve().parents[1]
-README = Path(os.environ.get("ATTNLAB_README", ROOT / "README.md"))  # another file: try a README edit before saving it
+DRAFT = os.environ.get("ATTNLAB_README")  # one file alone: try an edit before saving it
+
+
+def _nav_pages(nav: object) -> list[str]:
+    """The page paths of mkdocs.yml's nav, in reading order."""
+    if isinstance(nav, str):
+        return [nav] if nav.endswith(".md") else []
+    if isinstance(nav, dict):
+        return [p for v in nav.values() for p in _nav_pages(v)]
+    if isinstance(nav, list):
+        return [p for v in nav for p in _nav_pages(v)]
+    return []
+
+
+def sources() -> list[Path]:
+    """README.md, then the English docs pages: the nav's order, then the pages outside it."""
+    if DRAFT:
+        return [Path(DRAFT).resolve()]
+    docs = ROOT / "docs"
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+    in_nav = [docs / p for p in _nav_pages(config["nav"])]
+    rest = sorted(p for p in docs.rglob("*.md") if not p.name.endswith(".zh.md") and p not in in_nav)
+    return [ROOT / "README.md", *in_nav, *rest]
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    line: int  # 1-based line of README.md
+    line: int  # 1-based line of its file
     argv: tuple[str, ...]  # the command as written
     expected_error: str | None = None  # documented `attnlab: error: ...` output, if any
+    expected_code: int = 0  # the exit status the page states: 2 with an error, else "Exit code N." or 0
+    source: str = "README.md"  # the file, relative to the repository
 
     @property
     def id(self) -> str:
         text = re.sub(r"[^\w.=:/|-]+", "_", " ".join(self.argv))
-        return f"L{self.line}-{text[:70]}"
+        return f"{_short(self.source)}:L{self.line}-{text[:70]}"
+
+
+def _short(source: str) -> str:
+    return source.removeprefix("docs/").removesuffix(".md")
 
 
 def _commands(line: str) -> list[list[str]]:
@@ -72,22 +110,24 @@ def _commands(line: str) -> list[list[str]]:
 
 
 def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
-    """``(commands, python blocks)`` in README order; commands deduplicated (first kept)."""
+    """``(commands, python blocks)`` of one Markdown file, in its order; commands deduplicated (first kept)."""
     lines = text.splitlines()
     commands: list[Example] = []
     python: list[tuple[int, str]] = []
     prose: list[tuple[int, str]] = []  # (line, text) outside fences, for inline code spans
     i = 0
     while i < len(lines):
-        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        fence = re.match(r"^(\s*)```(\w*)(.*)$", lines[i])
         if not fence:
             prose.append((i + 1, lines[i]))
             i += 1
             continue
-        lang, start = fence.group(1), i + 1
-        end = next(j for j in range(start, len(lines)) if lines[j].startswith("```"))
-        body = lines[start:end]
-        if lang == "python":
+        indent, lang, start = fence.group(1), fence.group(2), i + 1
+        end = next(j for j in range(start, len(lines)) if lines[j].strip() == "```")
+        body = [ln.removeprefix(indent) for ln in lines[start:end]]
+        if re.search(r"\bexec=\"(on|true|1)\"", fence.group(3)):
+            pass  # a docs page's markdown-exec block: the site's build runs it and shows its output
+        elif lang == "python":
             python.append((start + 1, "\n".join(body)))
         elif lang in ("bash", "sh", "shell", "console"):
             for k, ln in enumerate(body):
@@ -102,7 +142,14 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
                             break
                         after.append(nxt)
                     error = "\n".join(after) if after and after[0].startswith("attnlab: error:") else None
-                    commands += [Example(start + k + 1, tuple(c), error) for c in _commands(ln[2:])]
+                    code = 2 if error is not None else 0
+                    commands += [Example(start + k + 1, tuple(c), error, code) for c in _commands(ln[2:])]
+        after_block = next((ln for ln in lines[end + 1 :] if ln.strip()), "")
+        stated = re.fullmatch(r"Exit code (\d+)\.", after_block.strip())
+        if stated and not lang == "python":
+            for k, e in enumerate(commands):
+                if e.line > start:
+                    commands[k] = dataclasses.replace(e, expected_code=int(stated.group(1)))
         i = end + 1
     # inline spans, possibly broken over two lines of prose: `attnlab train --data.task random ...`
     joined = "\n".join(t for _, t in prose)
@@ -110,7 +157,7 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
     for m in re.finditer(r"`(attnlab [^`]*--[^`]*)`", joined):
         line = starts[joined.count("\n", 0, m.start())]
         for c in _commands(" ".join(m.group(1).split())):
-            if not any(re.fullmatch(r"[A-Z][A-Z_]+", w) for w in c):  # `--checkpoint DIR`: syntax, not an example
+            if not any(re.fullmatch(r"[A-Z][A-Z_]+(:\w+)?", w) for w in c):  # `--checkpoint DIR`, `FILE:Name`: syntax
                 commands.append(Example(line, tuple(c)))
     commands.sort(key=lambda e: e.line)
     seen: set[tuple[str, ...]] = set()
@@ -127,7 +174,7 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
 # attnlab train              --steps 20 (400 by default; a larger --steps N in the README becomes 20)
 # torchrun ... attnlab train  the same, plus OMP_NUM_THREADS=1 per process
 # attnlab ablate-heads       --train.steps 10 --heads 1 2 (500 steps x 4 head counts x 3 seeds by default)
-# attnlab check              --checks parity_self no_causal_leak (24 checks per backend by default)
+# attnlab check              --checks parity_self no_causal_leak mask_semantics (24 checks per backend by default)
 # attnlab bench              --lengths 64 --repeats 1 --warmup 0 --no-memory --no-train --gemm-size 256
 # attnlab bench-decode       --contexts 16 --repeats 1 --no-hf, and 4 new tokens
 # attnlab doctor             --no-compile (compiling a function takes ~10 s)
@@ -166,7 +213,7 @@ def _help(command: str) -> str:
 SMALL: dict[str, Callable[[list[str]], list[str]]] = {
     "train": lambda argv: _cap_steps(argv, "--steps", 20),
     "ablate-heads": lambda argv: _add("--heads 1 2")(_cap_steps(argv, "--train.steps", 10)),
-    "check": _add("--checks parity_self no_causal_leak"),
+    "check": _add("--checks parity_self no_causal_leak mask_semantics"),
     "bench": _add("--lengths 64", "--repeats 1", "--warmup 0", "--no-memory", "--no-train", "--gemm-size 256"),
     "bench-decode": _bench_decode,
     "doctor": _add("--no-compile"),
@@ -176,6 +223,10 @@ SMALL: dict[str, Callable[[list[str]], list[str]]] = {
 FILES = {
     "book.txt": "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 40,
     "mine.py": (ROOT / "tests" / "mistake_corpus" / "seed002_as_published.py").read_text(),  # seed 002's module
+    **{  # the mistakes the check pages run `attnlab check --target` on, at the paths they name
+        f"tests/mistake_corpus/{f.name}": f.read_text()
+        for f in sorted((ROOT / "tests" / "mistake_corpus").glob("*.py"))
+    },
     "mypkg/__init__.py": "",
     "mypkg/layers.py": (
         "from attnlab import MultiHeadAttention\n\n\n"
@@ -208,7 +259,25 @@ def _stand_ins() -> dict[str, object]:
 
 
 STAND_INS = sorted(set(_stand_ins()) - {"torch", "nn"})  # documented in the module docstring
-COMMANDS, PYTHON_BLOCKS = parse_readme(README.read_text(encoding="utf-8"))
+
+
+def _collect() -> tuple[list[Example], list[tuple[str, int, str]]]:
+    """Every file's examples in reading order; a command already run by an earlier file is not rerun."""
+    commands: list[Example] = []
+    python: list[tuple[str, int, str]] = []
+    seen: set[tuple[str, ...]] = set()
+    for path in sources():
+        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        file_commands, file_python = parse_readme(path.read_text(encoding="utf-8"))
+        for e in file_commands:
+            if e.argv not in seen:
+                seen.add(e.argv)
+                commands.append(dataclasses.replace(e, source=name))
+        python += [(name, line, code) for line, code in file_python]
+    return commands, python
+
+
+COMMANDS, PYTHON_BLOCKS = _collect()
 
 
 def _skip_reason(argv: tuple[str, ...]) -> str | None:
@@ -295,7 +364,9 @@ def session(tmp_path_factory):
 
 
 def test_the_parser_finds_the_readme_examples():
-    """Guards the parser, not the README's content: a README whose examples it missed would pass vacuously."""
+    """Guards the parser, not the pages' content: examples it missed would pass vacuously."""
+    if DRAFT:
+        pytest.skip("ATTNLAB_README names one file; the guard is about the README and the docs together")
     subcommands = {e.argv[1] for e in COMMANDS if e.argv[0] == "attnlab" and len(e.argv) > 1}
     assert len(COMMANDS) >= 5 and {"train", "generate"} <= subcommands
     assert any(e.expected_error for e in COMMANDS) and len(PYTHON_BLOCKS) >= 3
@@ -307,16 +378,22 @@ def test_the_parser_reads_every_form():
         "```bash\nattnlab train --out-dir 'a b'   # a comment\nmake demo && attnlab trace\n```\n"
         "```\n$ attnlab generate --checkpoint nowhere\nattnlab: error: no such thing\n$ attnlab trace\n```\n"
         "```python\nprint(1)\n```\n"
+        '```python exec="on" source="above"\nprint(\'the build runs me\')\n```\n'
+        "```diff\n+ self.scale = 1 / math.sqrt(embed_dim)\n```\n"
+        "```\n$ attnlab check --target m.py:MHA\nFAILED: 1 passed, 1 failed\n```\n\nExit code 1.\n"
+        "See `attnlab trace --target FILE:Name --causal`.\n"
+        "!!! note\n    ```python\n    print(2)\n    ```\n"
     )
     commands, python = parse_readme(text)
-    assert [(e.line, e.argv, e.expected_error) for e in commands] == [
-        (1, ("attnlab", "train", "--steps", "5", "--seed", "1"), None),  # the other two: a name, and syntax
-        (4, ("attnlab", "train", "--out-dir", "a b"), None),
-        (5, ("make", "demo"), None),
-        (5, ("attnlab", "trace"), None),
-        (8, ("attnlab", "generate", "--checkpoint", "nowhere"), "attnlab: error: no such thing"),
-    ]  # the second `attnlab trace` is the first one again
-    assert python == [(13, "print(1)")]
+    assert [(e.line, e.argv, e.expected_error, e.expected_code) for e in commands] == [
+        (1, ("attnlab", "train", "--steps", "5", "--seed", "1"), None, 0),  # the other two: a name, and syntax
+        (4, ("attnlab", "train", "--out-dir", "a b"), None, 0),
+        (5, ("make", "demo"), None, 0),
+        (5, ("attnlab", "trace"), None, 0),
+        (8, ("attnlab", "generate", "--checkpoint", "nowhere"), "attnlab: error: no such thing", 2),
+        (22, ("attnlab", "check", "--target", "m.py:MHA"), None, 1),
+    ]  # the second `attnlab trace` is the first one again; `FILE:Name` is syntax
+    assert python == [(13, "print(1)"), (30, "print(2)")]  # the exec block is the site build's; a diff is not code
 
 
 @pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[e.id for e in COMMANDS])
@@ -326,22 +403,20 @@ def test_readme_command_runs(session, capsys, index):
     if reason:
         pytest.skip(reason)
     rc, out, err = session.result(index, capsys)
-    where = f"README.md line {example.line}: {shlex.join(example.argv)}"
+    where = f"{example.source} line {example.line}: {shlex.join(example.argv)}"
     if example.expected_error is not None:
         assert (rc, err.rstrip("\n")) == (2, example.expected_error), f"{where}\n{err}"
     else:
         errors = "\n".join(dict.fromkeys(ln.strip() for ln in (out + err).splitlines() if "error:" in ln))
-        assert rc == 0, (
-            f"{where} exited {rc}\n{errors}\n--- stdout (end)\n{out[-1500:]}\n--- stderr (end)\n{err[-1500:]}"
+        assert rc == example.expected_code, (
+            f"{where} exited {rc}, not {example.expected_code}\n{errors}\n--- stdout (end)\n{out[-1500:]}\n--- stderr (end)\n{err[-1500:]}"
         )
 
 
-@pytest.mark.parametrize("line, code", PYTHON_BLOCKS, ids=[f"L{n}" for n, _ in PYTHON_BLOCKS])
-def test_readme_python_block_runs(line, code):
+@pytest.mark.parametrize("source, line, code", PYTHON_BLOCKS, ids=[f"{_short(s)}:L{n}" for s, n, _ in PYTHON_BLOCKS])
+def test_readme_python_block_runs(source, line, code):
     namespace = _stand_ins()
     try:
-        exec(compile(code, f"README.md (python block at line {line})", "exec"), namespace)
+        exec(compile(code, f"{source} (python block at line {line})", "exec"), namespace)
     except NameError as e:
-        pytest.fail(
-            f"README.md python block at line {line}: {e}; add a stand-in to STAND_INS or define it in the block"
-        )
+        pytest.fail(f"{source} python block at line {line}: {e}; add a stand-in to STAND_INS or define it in the block")
