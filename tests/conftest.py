@@ -194,8 +194,18 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     missing = missing_docs_modules()
     if missing:
         pytest.skip(f"the docs extra is not installed (no {', '.join(missing)}): {DOCS_INSTALL}")
-    site = tmp_path_factory.mktemp("site")
-    return site, build_site(site)
+    # Under pytest-xdist the docs test files may run on different workers; they share one build (about
+    # 35 s of two busy cores) through the session's common temp directory, the first worker building
+    # it while the other waits on the lock.
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    site, log_file = shared / "docs-site", shared / "docs-site.log"
+    with FileLock(str(shared / "docs-site.lock")):
+        if not log_file.is_file():
+            log_file.write_text(build_site(site))
+    return site, log_file.read_text()
 
 
 def load_script(name: str) -> ModuleType:

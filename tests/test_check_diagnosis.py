@@ -382,11 +382,11 @@ def test_the_broken_tiny_modules_are_diagnosed(broken, cause):
         )
 
 
-def test_the_readmes_check_of_the_seed_module_is_its_real_output(capsys, monkeypatch, tmp_path):
-    """The README shows seed 002's module checked unchanged; its verdict and Likely cause are this run's."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    start = readme.index("$ attnlab check --target mine.py:MultiHeadAttention\n")
-    shown = readme[start : readme.index("```", start)]
+def test_the_check_guides_run_of_the_seed_module_is_its_real_output(capsys, monkeypatch, tmp_path):
+    """docs/howto/check.md shows seed 002's module checked unchanged; its verdict and Likely cause are this run's."""
+    page = (Path(__file__).parent.parent / "docs" / "howto" / "check.md").read_text()
+    start = page.index("$ attnlab check --target mine.py:MultiHeadAttention\n")
+    shown = page[start : page.index("```", start)]
     (tmp_path / "mine.py").write_text((CORPUS / "seed002_as_published.py").read_text())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "100")

@@ -16,6 +16,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = REPO / "docs"
@@ -26,6 +27,8 @@ LEARN_HTML = (
     "learn/errors.html",
     "learn/experiment.html",
     "learn/kv-cache.html",
+    "learn/head-count.html",
+    "learn/real-heads.html",
 )
 # every English page under docs/learn/ that has a Chinese twin: both must run the same code
 LEARN_TWINS = sorted(
@@ -58,6 +61,30 @@ def test_strict_build_has_no_warnings(built: tuple[Path, str]) -> None:
         assert (site / page).is_file(), f"the English site has no {page}"
     for page in ("index.html", *LEARN_HTML):
         assert (site / "zh" / page).is_file(), f"the Chinese site has no zh/{page}"
+    for page in nav_pages():  # a page without a Chinese twin is shown in English on the Chinese site
+        html = page.removesuffix(".md") + ".html"
+        assert (site / html).is_file() and (site / "zh" / html).is_file(), f"{page} is in the nav but not built"
+
+
+def nav_pages() -> list[str]:
+    """Every page mkdocs.yml's nav lists, in order."""
+    from test_readme_examples import _nav_pages
+
+    return _nav_pages(yaml.load((REPO / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)["nav"])
+
+
+def test_a_newcomer_is_one_click_from_seed_000_and_from_checking_their_module(built: tuple[Path, str]) -> None:
+    """The issue's goal: from the README and from the site's home page, one link to each."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    start_here = readme[: readme.index("## Quick start")]
+    for target in ("docs/learn/shapes.md", "docs/howto/check.md"):
+        assert f"]({target})" in start_here, f"README's opening does not link {target}"
+    site, _ = built
+    for home, prefix in (("index.html", ""), ("zh/index.html", "")):
+        html = (site / home).read_text(encoding="utf-8")
+        for target in ("learn/shapes.html", "howto/check.html"):
+            assert f'href="{prefix}{target}"' in html, f"{home} does not link {target}"
+    assert len(readme.splitlines()) <= 250, "the README is the front door: at most ~250 lines, the rest in docs/"
 
 
 class _Resources(HTMLParser):
@@ -216,9 +243,19 @@ def test_errors_page_prints_attnlabs_messages(built: tuple[Path, str], page: str
 
 
 def test_cli_page_shows_each_commands_help(built: tuple[Path, str]) -> None:
+    import contextlib
+    import io
+
+    from attnlab.cli import main
+
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing), contextlib.suppress(SystemExit):
+        main(["--help"])
+    commands = re.search(r"usage: attnlab \[-h\] \{([a-z,-]+)\}", listing.getvalue())[1].split(",")
+    assert {"trace", "check", "bench-decode", "train", "inspect"} <= set(commands), listing.getvalue()
     site, _ = built
-    html = (site / "reference" / "cli.html").read_text(encoding="utf-8")
-    for command in ("trace", "check", "bench-decode"):
+    html = _page_text(site, "reference/cli.html")
+    for command in commands:
         assert f"usage: attnlab {command} [-h]" in html, f"reference/cli.html lacks `attnlab {command} --help`"
 
 
@@ -275,3 +312,30 @@ def test_new_chinese_learn_pages_each_use_the_seeds_terms(name: str) -> None:
     text = (SOURCES / "learn" / f"{name}.zh.md").read_text("utf-8")
     for term in ("多头注意力", "掩码", "头维度", "张量形状", "缩放点积注意力", "填充掩码", "因果掩码"):
         assert term in text, f"docs/learn/{name}.zh.md never says {term}"
+
+
+@pytest.mark.parametrize("page", ["learn/head-count.html", "zh/learn/head-count.html"])
+def test_head_count_page_shows_the_same_parameters_and_flops_at_every_head_count(
+    built: tuple[Path, str], page: str
+) -> None:
+    site, _ = built
+    text = _page_text(site, page)
+    # heads, head_dim, parameters, ..., matmul FLOPs: one row per head count, printed by the build
+    rows = re.findall(r"^ +(\d) +(\d+) +([\d,]+) +\[.*\] +\[.*\] +[\d.]+ +([\d,]+)$", text, re.MULTILINE)
+    assert [(int(h), int(d)) for h, d, _, _ in rows] == [(1, 64), (2, 32), (4, 16), (8, 8)], rows
+    assert len({params for _, _, params, _ in rows}) == 1 and len({flops for *_, flops in rows}) == 1, rows
+    assert "attnlab: error: --heads 3 does not divide" in text and "exit code: 2" in text
+    assert "1,310,720" not in (SOURCES / "learn" / "head-count.md").read_text(encoding="utf-8")  # printed, not pasted
+
+
+@pytest.mark.parametrize("page", ["learn/real-heads.html", "zh/learn/real-heads.html"])
+def test_real_heads_page_shows_heads_learning_to_copy(built: tuple[Path, str], page: str) -> None:
+    site, _ = built
+    text = re.sub(r"<[^>]+>", "", _page_text(site, page))  # the printed lines, without the highlighting's spans
+    before, after = text.split("\nuntrained: ", 1)[1].split("\nafter 60 steps", 1)
+
+    def kinds(printed: str) -> list[str]:
+        return re.findall(r"^  L0\.H\d  (\w+) ", printed, re.MULTILINE)
+
+    assert kinds(before) == ["uniform", "uniform"], before[:400]
+    assert kinds(after.split("\n\n")[0]) == ["duplicate", "duplicate"], after[:400]

@@ -1,4 +1,7 @@
-"""scripts/gguf_greedy_agreement.py: the table of first differing greedy tokens (README, "Real models as stored")."""
+"""scripts/gguf_greedy_agreement.py: the table of first differing greedy tokens.
+
+The table is quoted in docs/howto/real-models.md, "How exact it is".
+"""
 
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ def test_smollm2_as_stored_memory_decode_logits_and_fast_path(monkeypatch):
     T = idx.size(1)
     # teacher-forced decode steps, each model on its own cache: the int8 route against the float32 model.
     # Measured on this prompt family: mean |dlogit| ~0.2, max ~1.2, the same argmax; llama.cpp on the same
-    # file: mean 0.28, max 1.43 (README, "Real models as stored").
+    # file: mean 0.28, max 1.43 (docs/howto/real-models.md, "How exact it is").
     steps = {}
     for name, m in (("gguf", mq), ("fp32", mf)):
         caches = m.setup_caches(1, T)

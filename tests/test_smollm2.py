@@ -3,7 +3,7 @@ transformers loading the same file: tokens, logits, perplexity, greedy decoding,
 the memory that loading takes.
 
 Both models are loaded once per session (``smollm2_fixtures``); the figures each test measures are
-printed (``pytest -s``) and quoted in the README. Decoding runs on one thread (``one_thread``): on a
+printed (``pytest -s``) and quoted in docs/howto/real-models.md. Decoding runs on one thread (``one_thread``): on a
 shared 2-core machine, OpenMP threads spinning against another process's make a step 20-40x slower.
 """
 

@@ -3,7 +3,7 @@
 :class:`ContextParallel` shards a sequence (``zigzag`` or ``contiguous`` layout), runs attention
 across the ranks by the ring (:mod:`.ring`) or the all-to-all (:mod:`.alltoall`), forward and
 backward, and gathers the result. ``MultiHeadAttention(..., context_parallel=cp)`` and the models
-take it; see the README's "Long sequences across processes" section for what each method sends.
+take it; see ``docs/howto/context-parallel.md`` for what each method sends.
 """
 
 from .context import ContextParallel

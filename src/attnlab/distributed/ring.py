@@ -166,7 +166,7 @@ class _Ring(torch.autograd.Function):
     """Memory: every full-shard tensor the ring keeps is stored ``(B, L, heads, D)``, the layout of the projections
     that produced Q/K/V and of the output projection that consumes the context, so that neither the head split
     nor the merge copies; a rank holds one K/V shard in flight and one dK/dV accumulator (measured with
-    ``attnlab bench --context-parallel``: see the README)."""
+    ``attnlab bench --context-parallel``: see ``docs/howto/context-parallel.md``)."""
 
     @staticmethod
     def forward(
