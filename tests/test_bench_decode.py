@@ -207,3 +207,12 @@ def test_bench_decode_model_says_why_llama_cpp_is_left_out(tmp_path, capsys, mon
     report = json.loads((tmp_path / "o" / "decode_model.json").read_text())
     assert report["failed"] == {"llama.cpp": "llama_cpp not importable (ModuleNotFoundError)"}
     assert "llama.cpp left out: llama_cpp not importable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", ["nope.gguf", "no-such-dir"])
+def test_bench_decode_model_refuses_a_missing_file_before_saying_it_loads(tmp_path, capsys, monkeypatch, source):
+    """It used to print 'loading nope.gguf ...' on stdout, then the error."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench-decode", "--model", source]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("attnlab: error: ") and repr(source) in err and err.count("\n") == 1, (out, err)

@@ -253,6 +253,13 @@ def test_demo_refuses_an_unwritable_out_dir_before_the_tour(capsys, tmp_path):
     )
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_demo_refuses_a_negative_seed_under_its_own_flag_before_the_tour(capsys, train):
+    """It used to trace and verify for ~24 s, then name --data.seed (its training run's flag, not the demo's)."""
+    flags = ["demo", "--seed", "-1"] + ([] if train else ["--no-train"])
+    assert _error(capsys, flags) == "--seed must be an integer >= 0, got -1; pass e.g. --seed 0."
+
+
 def test_demo_never_replaces_a_run_that_is_not_a_demo_run(capsys, tmp_path):
     from attnlab.lab.config import TrainConfig, save_config
     from attnlab.tools.demo import _check_out_dir, _demo_run

@@ -527,8 +527,9 @@ def bench_decode_model(
     seed: int,
 ) -> int:
     """``bench-decode --model``: decode tokens/s, prefill tokens/s and bandwidth fraction per batch and dtype."""
-    from ..models.pretrained import from_pretrained
+    from ..models.pretrained import from_pretrained, locate
 
+    locate(source)  # a missing file is refused before the line that says it is loading
     width = terminal_width()
     print(
         wrap(f"loading {source} (attnlab{', and Hugging Face' if hf else ''}), once for the whole run ...", width),

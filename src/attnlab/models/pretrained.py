@@ -403,6 +403,14 @@ def _source_path(source: object) -> Path:
     )
 
 
+def locate(source: str | os.PathLike) -> Path:
+    """Where ``source`` (what :func:`from_pretrained` takes) is on disk, before anything loads: for a command
+    to refuse a missing file before it prints or does any work. Raises as :func:`from_pretrained` would."""
+    if isinstance(source, str) and source.lower() == "smollm2":
+        return smollm2_path()
+    return _source_path(source)
+
+
 def from_pretrained(
     source: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, Any]:

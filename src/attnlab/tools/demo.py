@@ -22,7 +22,7 @@ import torch
 from ..core.attention import MultiHeadAttention
 from ..lab.config import TrainConfig, config_to_dict, demo_config, load_config
 from ..lab.run_dir import RUN_FILES, free_sibling
-from ..runtime import UsageError, check_writable_dir
+from ..runtime import UsageError, check_range, check_writable_dir
 from .trace import trace
 
 
@@ -104,6 +104,8 @@ def demo(out_dir: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -
         train: run steps 3 to 5 (training, generation, the real model); --no-train stops after the verification.
     """
     start = time.perf_counter()
+    # before any work, and under the flag the demo takes (its training run's own --data.seed is not one)
+    check_range("--seed", seed, low=0, integer=True, hint="pass e.g. --seed 0")
     if train:  # before any work: a directory that cannot be written, or that holds another run, stops the tour now
         _check_out_dir(out_dir, seed)
     _section("1. seed 000: MultiHeadAttention(64, 8) on x of shape (2, 10, 64)")
