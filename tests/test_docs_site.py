@@ -268,6 +268,18 @@ def test_api_page_documents_the_classes(built: tuple[Path, str]) -> None:
         'id="attnlab.quant.QuantLinear"',
     ):
         assert anchor in html, f"reference/api.html has no {anchor}"
+    roles = re.findall(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>", html)
+    assert not roles, f"reference/api.html shows {len(roles)} Sphinx roles as text (scripts/docs_sphinx_roles.py)"
+
+
+def test_sphinx_roles_become_code_spans() -> None:
+    from conftest import load_script
+
+    plain = load_script("docs_sphinx_roles").plain_roles
+    assert plain("an :class:`attnlab.TinyGPT` or :func:`~attnlab.core.masks.causal`") == (
+        "an `attnlab.TinyGPT` or `causal`"
+    )
+    assert plain("``x`` and :py:meth:`Module.forward`") == "``x`` and `Module.forward`"
 
 
 @pytest.mark.parametrize("page", ["learn/experiment.html", "zh/learn/experiment.html"])
