@@ -345,18 +345,28 @@ def _one_smollm2(real: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def one_smollm2():
+    """Every ``from_pretrained("smollm2")`` of the examples, the CLI's and ``attnlab.from_pretrained`` in a
+    Python block alike, served from one loaded copy (see :func:`_one_smollm2`)."""
+    import attnlab
     from attnlab.models import pretrained
 
+    served = _one_smollm2(pretrained.from_pretrained)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(pretrained, "from_pretrained", served)
+    patch.setattr(attnlab, "from_pretrained", served)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, one_smollm2):
     workdir = tmp_path_factory.mktemp("readme")
     cwd, path = os.getcwd(), list(sys.path)
     os.chdir(workdir)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(pretrained, "from_pretrained", _one_smollm2(pretrained.from_pretrained))
     try:
         yield Session(workdir)
     finally:
-        patch.undo()
         os.chdir(cwd)
         sys.path[:] = path
         sys.modules.pop("mypkg.layers", None)
@@ -414,7 +424,8 @@ def test_readme_command_runs(session, capsys, index):
 
 
 @pytest.mark.parametrize("source, line, code", PYTHON_BLOCKS, ids=[f"{_short(s)}:L{n}" for s, n, _ in PYTHON_BLOCKS])
-def test_readme_python_block_runs(source, line, code):
+def test_readme_python_block_runs(one_smollm2, source, line, code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what a block writes (runs/inspect-python, ...) stays out of the repository
     namespace = _stand_ins()
     try:
         exec(compile(code, f"{source} (python block at line {line})", "exec"), namespace)
