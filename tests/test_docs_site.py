@@ -146,8 +146,26 @@ def _code_blocks(path: Path) -> list[tuple[str, str]]:
 
 
 def test_every_learn_page_has_a_chinese_twin() -> None:
-    expected = {Path(page).stem for page in LEARN_HTML}
+    english = {page.stem for page in (SOURCES / "learn").glob("*.md") if not page.name.endswith(".zh.md")}
+    expected = english | {Path(page).stem for page in LEARN_HTML}
     assert expected <= set(LEARN_TWINS), f"Learn pages without a .zh.md twin: {sorted(expected - set(LEARN_TWINS))}"
+
+
+# what markdown-exec printed: a result block has no language class (the source shown above it has one)
+RESULT = re.compile(r'<div class="highlight"><pre><span></span><code>(.*?)</code></pre>', re.DOTALL)
+
+
+@pytest.mark.parametrize("name", LEARN_TWINS)
+def test_chinese_learn_page_shows_the_same_outputs(built: tuple[Path, str], name: str) -> None:
+    """Same code is not enough: both builds of the page ran it, and each printed block must read the same."""
+    site, _ = built
+
+    def printed(page: str) -> list[str]:
+        return [unescape(re.sub(r"<[^>]+>", "", block)) for block in RESULT.findall((site / page).read_text("utf-8"))]
+
+    english, chinese = printed(f"learn/{name}.html"), printed(f"zh/learn/{name}.html")
+    assert english, f"learn/{name}.html shows no printed output"
+    assert chinese == english, f"learn/{name}: the English and Chinese builds printed different outputs"
 
 
 @pytest.mark.parametrize("name", LEARN_TWINS)
