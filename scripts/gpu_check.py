@@ -1,4 +1,4 @@
-"""Every GPU figure attnlab's README reports, measured in one run of at most ~8 minutes.
+"""Every GPU figure attnlab reports (README, docs/howto/gpu.md), measured in one run of at most ~8 minutes.
 
     python scripts/gpu_check.py --out "$OUT"            # on a GPU machine: writes *.md / *.json there
     python scripts/gpu_check.py --out /tmp/g --smoke    # the same steps at toy sizes, on any device (tested on CPU)

@@ -8,7 +8,7 @@ from navigation start), then the time to open a head (decode its pattern and dra
 scroll to the far corner and redraw.
 
     python scripts/page_load_time.py --tokens 1000
-    python scripts/page_load_time.py --tokens 60 --screenshot docs/inspect_page.png  # the README picture
+    python scripts/page_load_time.py --tokens 60 --screenshot docs/inspect_page.png  # the picture in docs/howto/inspect.md
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ VARIANTS = {
         "TinyGPT, token and position embeddings N(0, 1) + untied output", wte_std=1.0, wpe_std=1.0, untied=True
     ),
     "gpt-three": Variant(
-        "TinyGPT, README's three changes (N(0, 1) embeddings, untied, no ln_f)",
+        "TinyGPT, the three changes of docs/howto/train.md (N(0, 1) embeddings, untied, no ln_f)",
         wte_std=1.0,
         wpe_std=1.0,
         untied=True,

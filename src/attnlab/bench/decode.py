@@ -370,7 +370,7 @@ def _compact(results: list[dict[str, Any]], names: list[str], hf: bool) -> str:
 
 
 def _markdown(results: list[dict[str, Any]], names: list[str], hf: bool) -> str:
-    """Every column, as in the README: ms/token and tokens/s for each runner."""
+    """Every column, as docs/explanation/performance.md shows them: ms/token and tokens/s for each runner."""
     header = (
         "| context | "
         + " | ".join(f"{n} ms/tok (tok/s)" for n in names)

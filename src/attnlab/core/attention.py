@@ -123,7 +123,7 @@ class MultiHeadAttention(nn.Module):
     ``nn.Linear`` children that own their parameters: replace or wrap any of them (LoRA, a
     quantized Linear, a hook) and the module runs it. Each runs as its own GEMM: one GEMM on
     the three weights concatenated per call was measured slower in training (the copy and its
-    backward cost more than the merged GEMM saves; see the README's benchmark notes).
+    backward cost more than the merged GEMM saves; see docs/reference/module.md, Projections).
 
     State dicts written before the projections were separate (one ``in_proj`` weight, rows Q
     then K then V) still load: ``in_proj.*`` keys are split on load.
