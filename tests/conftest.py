@@ -125,24 +125,8 @@ def cpu_only_skip_reason(device: torch.device, reasons: list[str | None]) -> str
     return None if device.type == "cpu" else f"CPU only ({device} under test): {'; '.join(reasons)}"
 
 
-# The longest test files, longest first (seconds summed from `pytest --durations=0` on 2 AMD EPYC cores,
-# 2026-12-03: 123, 84, 83, 62, 60, 58). `make test` hands whole files to its two workers in collection
-# order, so starting these first keeps one of them from ending the run alone on a long file.
-LONGEST_FILES = (
-    "test_readme_examples.py",
-    "test_smollm2.py",
-    "test_bench.py",
-    "test_distributed.py",
-    "test_lab_context_parallel.py",
-    "test_inspect.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (:data:`LONGEST_FILES`); a skip marker on each ``cpu_only`` test when the
-    device is not the CPU (reported at the test)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    """A skip marker on each ``cpu_only`` test when the device is not the CPU (reported at the test)."""
     for item in items:
         reasons = [m.args[0] if m.args else m.kwargs.get("reason") for m in item.iter_markers("cpu_only")]
         try:
