@@ -97,10 +97,10 @@ def _block_before(lines: list[str], marker: int) -> list[str]:
     return block
 
 
-def marked_blocks() -> list[tuple[str, Path, list[str]]]:
-    """``(where, json path, block lines)`` for every marker in the README and docs/."""
+def marked_blocks(pages: list[Path] = PAGES) -> list[tuple[str, Path, list[str]]]:
+    """``(where, json path, block lines)`` for every marker in ``pages`` (the READMEs and docs/)."""
     found = []
-    for page in PAGES:
+    for page in pages:
         lines = page.read_text(encoding="utf-8").splitlines()
         for i, line in enumerate(lines):
             m = MARKER.match(line)

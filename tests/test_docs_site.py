@@ -30,19 +30,14 @@ LEARN_HTML = (
     "learn/head-count.html",
     "learn/real-heads.html",
 )
-# every English page under docs/learn/ that has a Chinese twin: both must run the same code
-LEARN_TWINS = sorted(
-    page.stem
-    for page in (SOURCES / "learn").glob("*.md")
-    if not page.name.endswith(".zh.md") and page.with_suffix(".zh.md").is_file()
-)
-
 # every page with a Chinese twin, anywhere under docs/ (the Learn pages, the home page, guides)
 TWINS = sorted(
     page.relative_to(SOURCES).with_suffix("").as_posix()
     for page in SOURCES.rglob("*.md")
     if not page.name.endswith(".zh.md") and page.with_suffix(".zh.md").is_file()
 )
+# the Learn pages among them, by name
+LEARN_TWINS = [name.removeprefix("learn/") for name in TWINS if name.startswith("learn/")]
 
 # the tags whose src/href the browser fetches by itself (an <a href> is only followed when clicked)
 RESOURCE_ATTRS = {
@@ -87,10 +82,10 @@ def test_a_newcomer_is_one_click_from_seed_000_and_from_checking_their_module(bu
     for target in ("docs/learn/shapes.md", "docs/howto/check.md"):
         assert f"]({target})" in start_here, f"README's opening does not link {target}"
     site, _ = built
-    for home, prefix in (("index.html", ""), ("zh/index.html", "")):
+    for home in ("index.html", "zh/index.html"):
         html = (site / home).read_text(encoding="utf-8")
         for target in ("learn/shapes.html", "howto/check.html"):
-            assert f'href="{prefix}{target}"' in html, f"{home} does not link {target}"
+            assert f'href="{target}"' in html, f"{home} does not link {target}"
     assert len(readme.splitlines()) <= 250, "the README is the front door: at most ~250 lines, the rest in docs/"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from test_docs_figures import MARKER, NUMBER, _block_before
+from test_docs_figures import NUMBER, marked_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -27,13 +27,11 @@ def _targets(text: str) -> list[str]:
     return sorted(t for t in links if not t.startswith("README"))
 
 
-def _marked_figures(text: str) -> list[tuple[str, list[str]]]:
-    """``(JSON, the figures of its block)`` for each figures marker, in order."""
-    lines = text.splitlines()
+def _marked_figures(name: str) -> list[tuple[Path, list[str]]]:
+    """``(JSON, the figures of its block)`` for each figures marker of README ``name``, in order."""
     return [
-        (m.group(1), [n.group(0) for n in NUMBER.finditer("\n".join(_block_before(lines, i)))])
-        for i, line in enumerate(lines)
-        if (m := MARKER.match(line))
+        (source, [n.group(0) for n in NUMBER.finditer("\n".join(block))])
+        for _, source, block in marked_blocks([REPO / name])
     ]
 
 
@@ -53,6 +51,6 @@ def test_the_twins_link_the_same_pages_and_each_other():
 
 
 def test_the_twins_quote_the_same_figures():
-    en = _marked_figures(_read("README.md"))
+    en = _marked_figures("README.md")
     assert en and any("150.2" in figures for _, figures in en)
-    assert _marked_figures(_read("README.zh-CN.md")) == en
+    assert _marked_figures("README.zh-CN.md") == en

@@ -452,9 +452,7 @@ def from_pretrained(
             f"dtype must be one of {[str(d) for d in _DTYPES]} or 'gguf', got {dtype!r}; pass e.g. dtype=torch.bfloat16."
         )
     device = resolve_device(str(device), flag="device")
-    if isinstance(source, str) and source.lower() == "smollm2":
-        return _from_gguf(smollm2_path(), dtype, device)
-    path = _source_path(source)
+    path = locate(source)
     if path.is_file():
         if path.suffix.lower() != ".gguf" and path.name in ("config.json", "model.safetensors"):
             raise UsageError(
