@@ -160,7 +160,8 @@ def _sdpa_attention(
 ) -> Tensor:
     """:func:`attnlab.core.functional.sdpa_attention` with the dtype of
     :func:`~attnlab.core.functional.sdpa_compute_dtype`, in the TorchScript subset: same shapes,
-    context ``(B, H, T, D)``."""
+    context ``(B, H, T, D)``; rows with no visible key opened before the kernel and zeroed after it, as
+    :func:`~attnlab.core.functional.unmask_dead_rows` says why."""
     out_dtype = q.dtype
     if q.device.type == "cpu" and (q.dtype == torch.float16 or q.dtype == torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()  # fp16/bf16 SDPA on a CPU computes in float32
@@ -173,14 +174,21 @@ def _sdpa_attention(
         keep = tri if keep is None else keep & tri
         causal = False
         empty_rows = empty_rows or T_q > T_k
+    dead: Tensor | None = None
+    if keep is not None and empty_rows:
+        # no kernel sees a row with no visible key (cuDNN's backward: NaN dq there; see unmask_dead_rows)
+        dead = ~keep.any(dim=-1, keepdim=True)  # (B|1, H|1, T|1, 1)
+        keep = keep | dead
     mask = keep
     if bias is not None:  # SDPA takes one mask: the blocked positions folded into the bias
         mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
+        if dead is not None:
+            mask = mask.masked_fill(dead, 0.0)
     context = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=q.size(1) != k.size(1)
     )  # (B, H, T, D)
-    if keep is not None and empty_rows:
-        context = context.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # zeros, whatever the kernel left
+    if dead is not None:
+        context = context.masked_fill(dead, 0.0)  # exact zeros, and a zero gradient into the kernel
     return context.to(out_dtype)
 
 

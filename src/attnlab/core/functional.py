@@ -43,7 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["math_attention", "sdpa_attention", "one_query_attention", "sdpa_compute_dtype", "causal_keep"]
+__all__ = [
+    "math_attention",
+    "sdpa_attention",
+    "one_query_attention",
+    "sdpa_compute_dtype",
+    "causal_keep",
+    "unmask_dead_rows",
+]
 
 
 def causal_keep(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
@@ -156,9 +163,14 @@ def sdpa_attention(
         keep = tri if keep is None else keep & tri
         causal = False
         empty_rows = empty_rows or T_q > T_k  # the first T_q - T_k queries then see no key
+    if keep is None and bias is not None and empty_rows:
+        keep = bias != float("-inf")  # a float mask alone may block every key of a row too
+    keep, dead = unmask_dead_rows(keep, empty_rows)
     mask = keep
     if bias is not None:  # SDPA takes one mask: fold the blocked positions into the bias
         mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
+        if dead is not None:
+            mask = mask.masked_fill(dead, 0.0)  # a dead row's own -inf bias entries are no harmless mask
     if (
         T_q == 1
         and T_k <= ONE_QUERY_MAX_KEYS
@@ -179,11 +191,35 @@ def sdpa_attention(
             scale=scale,
             enable_gqa=q.size(1) != k.size(1),
         )  # (B, H, T_q, D)
-    if keep is not None and empty_rows:
-        # Zero rows with no visible key ourselves: whether a kernel returns 0 or NaN there
-        # differs across kernels and torch releases.
-        context = context.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+    if dead is not None:
+        context = context.masked_fill(dead, 0.0)  # (B, H, T_q, D): exact zeros, and a zero gradient into the kernel
     return context.to(out_dtype), None
+
+
+def unmask_dead_rows(keep: Tensor | None, empty_rows: bool) -> tuple[Tensor | None, Tensor | None]:
+    """``(keep', dead)``: ``keep`` with every row that sees no key opened to all keys, and those rows ``dead``
+    (bool, ``keep``'s shape with the key dim 1), or ``(keep, None)`` when no row can be empty.
+
+    What a fused kernel must never see is a row with no visible key: its log-sum-exp is ``-inf``, and what a
+    kernel makes of that differs. Measured on an H200 (torch 2.11.0+cu130, cuDNN SDPA, bf16 and fp16), cuDNN's
+    forward returns 0 for such a row and its backward returns **NaN in dq for that row**, whatever gradient
+    comes in: zeroing the context afterwards does not stop it (0 x NaN is NaN), so one fully padded sequence
+    made ``q_proj.weight.grad`` NaN for the whole model. It is PyTorch issue #196678 (an explicit mask, a key
+    length of 64 mod 128 and a row log-sum-exp below -88.7 = ln(FLT_MAX): the padded half of the last key
+    tile scores 0 and ``exp(0 - lse)`` overflows), regressed in 2.11; torch prefers cuDNN on Hopper from
+    cuDNN 9.15 on. Older kernels differed again (NaN in the forward). Opened to every key, a dead row has a
+    finite log-sum-exp on every kernel; the caller zeroes its context after the call (``masked_fill(dead,
+    0)``), so the row's forward is exactly 0 and the kernel receives a gradient of exactly 0 for it: its dq,
+    and its share of dk and dv, are then exact zeros. ``tests/test_kernel_models.py`` models the measured
+    kernels on a CPU and holds every public path to that.
+
+    Costs one ``any`` over the keys and one ``|``, only on calls with a mask that may empty a row
+    (``empty_rows``: key padding, user masks; never causal masking alone, never no mask).
+    """
+    if keep is None or not empty_rows:
+        return keep, None
+    dead = ~keep.any(dim=-1, keepdim=True)  # (B|1, H|1, T_q|1, 1): rows that see no key
+    return keep | dead, dead
 
 
 # Up to this many keys a compiled CPU decode step runs one_query_attention rather than SDPA. Measured

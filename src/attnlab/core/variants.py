@@ -109,10 +109,10 @@ class Structure:
     def has_mask(self) -> bool:
         return self.causal or self.window is not None or self.q_doc is not None
 
-    def keep(self, qs: slice = slice(None), ks: slice = slice(None)) -> Tensor | None:
-        """Bool ``(B or 1, 1, tq, tk)`` for queries ``qs`` and keys ``ks``; True = may attend."""
-        qp = self.q_pos[..., qs, None]  # (.., tq, 1)
-        kp = self.k_pos[..., None, ks]  # (.., 1, tk)
+    def keep(self, qs: slice | None = None, ks: slice | None = None) -> Tensor | None:
+        """Bool ``(B or 1, 1, tq, tk)`` for queries ``qs`` and keys ``ks`` (None: all); True = may attend."""
+        qp = _take(self.q_pos, qs)[..., :, None]  # (.., tq, 1)
+        kp = _take(self.k_pos, ks)[..., None, :]  # (.., 1, tk)
         keep: Tensor | None = None
         if self.causal:
             keep = kp <= qp
@@ -120,34 +120,49 @@ class Structure:
             near = (qp - kp) < self.window  # with causal: i - W < j <= i
             keep = near if keep is None else keep & near
         if self.q_doc is not None and self.k_doc is not None:
-            same = self.q_doc[:, qs, None] == self.k_doc[:, None, ks]  # (B, tq, tk)
+            same = _take(self.q_doc, qs)[:, :, None] == _take(self.k_doc, ks)[:, None, :]  # (B, tq, tk)
             keep = same if keep is None else keep & same
         if keep is None:
             return None
         return keep[None, None] if keep.dim() == 2 else keep[:, None]
 
     def bias(
-        self, qs: slice = slice(None), ks: slice = slice(None), dtype: torch.dtype = torch.float32
+        self, qs: slice | None = None, ks: slice | None = None, dtype: torch.dtype = torch.float32
     ) -> Tensor | None:
-        """ALiBi's float ``(B or 1, H, tq, tk)`` bias for queries ``qs`` and keys ``ks``, or None."""
+        """ALiBi's float ``(B or 1, H, tq, tk)`` bias for queries ``qs`` and keys ``ks`` (None: all), or None."""
         if self.alibi is None:
             return None
-        dist = (self.q_pos[..., qs, None] - self.k_pos[..., None, ks]).abs().to(dtype)  # (.., tq, tk)
+        dist = (
+            (_take(self.q_pos, qs)[..., :, None] - _take(self.k_pos, ks)[..., None, :]).abs().to(dtype)
+        )  # (.., tq, tk)
         dist = dist[None, None] if dist.dim() == 2 else dist[:, None]  # (B|1, 1, tq, tk)
         return -self.alibi.to(dtype)[None, :, None, None] * dist
 
 
-def _slice4(t: Tensor | None, qs: slice, ks: slice) -> Tensor | None:
-    """``t[..., qs, ks]`` of a mask broadcastable to (B, H, T_q, T_k): broadcast dims (size 1) kept."""
+# Slices are only ever made by the block loops (eager code). The dense paths pass None for "all": a compiled
+# decode step runs them, and torch 2.11's dynamo cannot trace a slice object handed around as a value
+# ("SourcelessBuilder.create does not know how to wrap <class 'slice'>", measured on the H200 run: a rolling-cache
+# decode step with fullgraph=True); torch 2.13's can. Subscript syntax (t[..., a:b]) traces on both.
+def _take(t: Tensor, s: slice | None) -> Tensor:
+    """``t[..., s]`` along the last dim, or ``t`` itself when ``s`` is None."""
+    return t if s is None else t[..., s]
+
+
+def _slice4(t: Tensor | None, qs: slice | None, ks: slice | None) -> Tensor | None:
+    """``t[..., qs, ks]`` of a mask broadcastable to (B, H, T_q, T_k) (None: all): broadcast dims (size 1) kept."""
     if t is None:
         return None
-    return t[:, :, qs if t.size(2) > 1 else slice(None), ks if t.size(3) > 1 else slice(None)]
+    if qs is not None and t.size(2) > 1:
+        t = t[:, :, qs]
+    if ks is not None and t.size(3) > 1:
+        t = t[:, :, :, ks]
+    return t
 
 
 def _combine(
-    masks: Masks, st: Structure, qs: slice, ks: slice, dtype: torch.dtype
+    masks: Masks, st: Structure, qs: slice | None, ks: slice | None, dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(keep, bias)`` of the user's masks and the structure, for queries ``qs`` and keys ``ks``."""
+    """``(keep, bias)`` of the user's masks and the structure, for queries ``qs`` and keys ``ks`` (None: all)."""
     keep = _slice4(masks.keep, qs, ks)
     st_keep = st.keep(qs, ks)
     if st_keep is not None:
@@ -177,7 +192,7 @@ def variant_math(
     in float32 at least (float64 stays float64). Weights ``(B, H, T_q, T_k)`` exclude the sink.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
-    keep, bias = _combine(masks, st, slice(None), slice(None), acc)  # causal, window, documents live in `keep`
+    keep, bias = _combine(masks, st, None, None, acc)  # causal, window, documents live in `keep`
     return math_attention(
         q,
         k,
@@ -244,7 +259,7 @@ def variant_sdpa(
         )
     out_dtype = q.dtype
     q, k, v = _upcast(q, k, v)
-    keep, bias = _combine(masks, st, slice(None), slice(None), q.dtype)
+    keep, bias = _combine(masks, st, None, None, q.dtype)
     return _sdpa_block(q, k, v, keep, bias, st.sinks, scale, dropout_p).to(out_dtype)
 
 
