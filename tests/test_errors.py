@@ -237,3 +237,58 @@ def test_no_input_layout_reaches_a_view_error(backend, kv_heads):
             *(a.contiguous() for a in args), **{k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in kw.items()}
         )
         assert torch.allclose(out, ref, atol=1e-6)
+
+
+# -- the torch release ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["2.10.1+cu128", "2.5.0", "1.13.1"])
+def test_a_torch_older_than_the_floor_is_refused_at_import_in_one_sentence(version, monkeypatch):
+    """``import attnlab`` checks torch's version before anything else; an older torch gets one ImportError naming
+    the installed version, the floor, what was tested and the command that fixes it (not a traceback from a
+    compiled graph, as torch 2.11's dynamo gave for a slice before attnlab stopped passing them)."""
+    from attnlab.runtime import torch_version
+
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(ImportError) as err:
+        torch_version.check_torch_version()
+    assert str(err.value) == (
+        f"attnlab needs torch >= 2.11 (tested on 2.11 (CUDA 13.0, H200) and 2.13 (CPU)), but this environment has "
+        f"torch {version}; upgrade it with pip install -U 'torch>=2.11' (for a CUDA build, the command from "
+        f"pytorch.org for your CUDA version)."
+    )
+
+
+def test_import_attnlab_with_an_old_torch_ends_in_that_one_sentence():
+    """The package import itself, in a fresh interpreter whose torch claims 2.10: the ImportError is the
+    first thing ``import attnlab`` does, before any submodule runs."""
+    import subprocess
+    import sys
+
+    code = "import torch; torch.__version__ = '2.10.0'; import attnlab"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "ImportError: attnlab needs torch >= 2.11 (tested on 2.11 (CUDA 13.0, H200) and 2.13 (CPU)), but this "
+            "environment has torch 2.10.0;"
+        )
+    )
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0", "2.12.0a0+git1234", "3.0.0", "custom-build"])
+def test_supported_and_unreadable_torch_versions_pass(version):
+    from attnlab.runtime.torch_version import torch_version_problem
+
+    assert torch_version_problem(version) is None
+
+
+def test_the_floor_is_the_one_pyproject_declares():
+    """pip and the import check hold one floor: pyproject's torch requirement is MIN_TORCH."""
+    import tomllib
+    from pathlib import Path
+
+    from attnlab.runtime.torch_version import MIN_TORCH
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}" in project["dependencies"]

@@ -1,8 +1,14 @@
 """attnlab: multi-head attention for PyTorch, readable, verified and fast."""
 
+# ruff: noqa: E402  # the torch version is checked before the imports that need a recent torch
+
 import inspect as _pyinspect
 import sys
 from typing import Any
+
+from .runtime.torch_version import check_torch_version
+
+check_torch_version()  # before anything that needs a recent torch: one sentence, not a traceback from deep inside
 
 from torch import nn
 
