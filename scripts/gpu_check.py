@@ -1,18 +1,21 @@
-"""Every GPU figure attnlab reports (README, docs/howto/gpu.md), measured in one run of at most ~8 minutes.
+"""Everything attnlab checks on a GPU, in one run of at most 10 minutes: the device test suite and every GPU figure
+attnlab reports (README, docs/howto/gpu.md).
 
     python scripts/gpu_check.py --out "$OUT"            # on a GPU machine: writes *.md / *.json there
     python scripts/gpu_check.py --out /tmp/g --smoke    # the same steps at toy sizes, on any device (tested on CPU)
 
-Steps (each bounded by --step-timeout seconds, each writing its own files, so that a step that
-fails or runs out of time leaves the others' results and a line in summary.md):
+Steps (each bounded by its own timeout and by what is left of --deadline, each writing its own files, so that a
+step that fails or runs out of time leaves the others' results and a line in summary.md), the most needed first:
 
 1. ``env``: device, torch, CUDA, and a copy bandwidth (``dst.copy_(src)`` on 1 GiB, reads + writes).
-2. ``attention``: ``attnlab bench`` at GPU sizes (bf16, E=2048, H=16, 65,536 tokens a batch, causal,
+2. ``suite``: the device-parametrised test files (:data:`SUITE_FILES`) with ``ATTNLAB_TEST_DEVICE`` set to the
+   device, on 8 pytest workers: ``suite.md`` (counts per file, every failure with its first line) and the junit XML.
+3. ``attention``: ``attnlab bench`` at GPU sizes (bf16, E=2048, H=16, 65,536 tokens a batch, causal,
    fwd+bwd): attnlab auto vs the bare SDPA floor vs ``nn.MultiheadAttention``, with peak memory.
-3. ``decode``: a GPT-2-small-shaped TinyGPT (124M, bf16, prompt 128): attnlab eager, compiled
+4. ``decode``: a GPT-2-small-shaped TinyGPT (124M, bf16, prompt 128): attnlab eager, compiled
    (CUDA graphs) and HF ``generate``, ms per token (``attnlab bench-decode``).
-4. ``kernels``: CUDA kernels launched by one decode step, eager and compiled, counted with the profiler.
-5. ``window``: ``attnlab bench --variant window`` at T = 8192 and 32768.
+5. ``kernels``: CUDA kernels launched by one decode step, eager and compiled, counted with the profiler.
+6. ``window``: ``attnlab bench --variant window`` at T = 8192 and 32768.
 """
 
 from __future__ import annotations
@@ -22,9 +25,34 @@ import contextlib
 import io
 import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# The test files whose tests take the `device` fixture (tests/conftest.py): run on the GPU.
+DEVICE_FILES = (
+    "test_torch_parity.py",
+    "test_backends.py",
+    "test_module.py",
+    "test_kv_cache.py",
+    "test_generate.py",
+    "test_check.py",
+    "test_compat_mha.py",
+    "test_variants.py",
+    "test_masks.py",
+    "test_numerics.py",
+)
+# Files that run on the CPU wherever they run, listed for the GPU machine's torch release (2.11 on the H200, where CI
+# has 2.13): its dynamo and inductor on attnlab's compiled paths, the CPU models of its kernels, and the GPU-only
+# branches driven through their device checks.
+RELEASE_FILES = ("test_compile.py", "test_flex.py", "test_kernel_models.py", "test_gpu_paths.py")
+SUITE_FILES = DEVICE_FILES + RELEASE_FILES
+SMOKE_FILES = ("test_masks.py",)
 
 
 def _run_cli(args: list[str]) -> str:
@@ -62,6 +90,49 @@ def step_env(out: Path, smoke: bool, device: str) -> str:
     }
     (out / "env.json").write_text(json.dumps(env, indent=2) + "\n")
     return f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, copy {gbps:.0f} GB/s"
+
+
+def step_suite(out: Path, smoke: bool, device: str) -> str:
+    """The device suite in a pytest subprocess (8 workers on a GPU machine, 1 in a smoke run), its results read
+    back from the junit XML into ``suite.md``."""
+    files = [f for f in (SMOKE_FILES if smoke else SUITE_FILES) if (REPO / "tests" / f).is_file()]
+    xml = out / "suite.xml"
+    workers = ["-n", "1"] if smoke else ["-n", "8"]
+    env = {**os.environ, "ATTNLAB_TEST_DEVICE": device, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", *workers, "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    run = subprocess.run([*cmd, *(f"tests/{f}" for f in files)], cwd=REPO, env=env, capture_output=True, text=True)
+    (out / "suite.log").write_text(run.stdout[-200_000:] + run.stderr[-50_000:])
+    if not xml.is_file():
+        raise RuntimeError(f"pytest wrote no junit XML (exit code {run.returncode}): {run.stdout[-500:]}")
+    table, summary = suite_table(xml, device)
+    (out / "suite.md").write_text(table)
+    return summary
+
+
+def suite_table(xml: Path, device: str) -> tuple[str, str]:
+    """``(markdown, one line)`` of a pytest junit XML: passed / failed / skipped per test file, then every failure
+    and error with the first line of its message."""
+    per_file: dict[str, dict[str, int]] = {}
+    failures: list[str] = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = case.get("classname", "").split(".")[-1] + ".py"
+        counts = per_file.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0})
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            counts["failed"] += 1
+            first = (bad.get("message") or "").strip().splitlines()
+            failures.append(f"- `{name}::{case.get('name')}`: {first[0][:300] if first else ''}")
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    total = {k: sum(c[k] for c in per_file.values()) for k in ("passed", "failed", "skipped")}
+    lines = [f"# The device suite on {device}", "", "| file | passed | failed | skipped |", "|---|---:|---:|---:|"]
+    lines += [f"| {f} | {c['passed']} | {c['failed']} | {c['skipped']} |" for f, c in sorted(per_file.items())]
+    lines += [f"| **all** | {total['passed']} | {total['failed']} | {total['skipped']} |", ""]
+    if failures:
+        lines += ["## Failures", "", *failures, ""]
+    return "\n".join(lines), f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped"
 
 
 def step_attention(out: Path, smoke: bool, device: str) -> str:
@@ -143,11 +214,26 @@ def step_window(out: Path, smoke: bool, device: str) -> str:
 
 STEPS = {
     "env": step_env,
+    "suite": step_suite,
+    "window": step_window,
     "attention": step_attention,
     "decode": step_decode,
     "kernels": step_kernels,
-    "window": step_window,
 }
+# Seconds each step may take at most on a GPU machine (the suite ran 92 s on 8 workers on the H200).
+STEP_TIMEOUTS = {"env": 30, "suite": 240, "window": 120, "attention": 120, "decode": 120, "kernels": 90}
+
+
+def _kill_tree(proc: Any) -> None:
+    """Kill a step's process and what it started (the suite's pytest and its workers)."""
+    try:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+    except Exception:  # psutil missing or the processes gone: the step's own process is killed below
+        pass
+    proc.kill()
 
 
 def _child(name: str, out: str, smoke: bool, device: str, queue: Any) -> None:
@@ -163,8 +249,12 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself on any device")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=list(STEPS))
-    parser.add_argument("--step-timeout", type=float, default=150.0, help="seconds each step may take")
+    parser.add_argument(
+        "--step-timeout", type=float, default=None, help="seconds each step may take (default: per step)"
+    )
+    parser.add_argument("--deadline", type=float, default=570.0, help="seconds the whole run may take (default 570)")
     args = parser.parse_args()
+    began = time.perf_counter()
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -173,13 +263,20 @@ def main() -> int:
     ctx = mp.get_context("spawn")  # a fresh process per step: a hung step is killed without the others
     for name in args.steps:
         start = time.perf_counter()
+        left = args.deadline - (start - began)
+        timeout = min(args.step_timeout or STEP_TIMEOUTS[name], left)
+        if timeout < 10:
+            line = f"- {name}: not run: {left:.0f} s of the --deadline left"
+            print(line, flush=True)
+            lines.append(line)
+            continue
         queue = ctx.Queue()
         proc = ctx.Process(target=_child, args=(name, str(args.out), args.smoke, device, queue))
         proc.start()
-        proc.join(args.step_timeout)
+        proc.join(timeout)
         if proc.is_alive():
-            proc.kill()
-            status, what = "timeout", f"stopped after {args.step_timeout:.0f} s"
+            _kill_tree(proc)
+            status, what = "timeout", f"stopped after {timeout:.0f} s"
         else:
             status, what = queue.get() if not queue.empty() else ("failed", f"exit code {proc.exitcode}")
         line = f"- {name}: {status} in {time.perf_counter() - start:.0f} s: {what}"
