@@ -11,7 +11,9 @@ buffer's contents:
   slots and attention runs over the whole buffer, the causal mask hiding every slot after a
   query's own. All shapes stay fixed, so a decode step compiles once with
   ``torch.compile(fullgraph=True)``. The caller owns the fill level; :meth:`KVCache.update`
-  leaves ``length`` alone there (set it yourself if you mix the modes).
+  leaves ``length`` alone there (set it yourself if you mix the modes). The positions may be on
+  any device, int64 or int32: :meth:`KVCache.prepare_positions` checks them where that is free
+  (on the CPU) and moves them to the buffers.
 """
 
 from __future__ import annotations
@@ -129,16 +131,34 @@ class KVCache(nn.Module):
                 f"cache_positions has shape {tuple(cache_positions.shape)}; expected ({T},), the slot "
                 f"of each of this call's {T} new tokens."
             )
-        if not torch.compiler.is_compiling() and cache_positions.device.type == "cpu" and T:
-            lo, hi = int(cache_positions.min()), int(cache_positions.max())  # free on CPU: no device sync
-            if lo < 0 or hi >= self.max_len:
-                raise ValueError(
-                    f"kv_cache overflow: cache_positions span [{lo}, {hi}] but max_len={self.max_len}; "
-                    f"build the cache with max_len >= {hi + 1}."
-                )
+        cache_positions = self.prepare_positions(cache_positions)  # (T,) int64 on the buffers' device
         self.k.index_copy_(2, cache_positions, k)  # (B, G, max_len, D), slots cache_positions written
         self.v.index_copy_(2, cache_positions, v)
         return self.k, self.v
+
+    def prepare_positions(self, cache_positions: Tensor) -> Tensor:
+        """``cache_positions`` ``(T,)`` as int64 on this cache's device, checked against ``max_len`` first where
+        that is free: a CPU tensor, outside ``torch.compile``.
+
+        Positions may come from any device and as int32 (``torch.tensor([3])`` is built on the CPU, as users
+        write it), but ``index_copy_`` needs an int64 index on the buffers' device (on an H200 a CPU index
+        raised ``Expected all tensors to be on the same device``), so they are moved here; transformers 5's
+        static cache layers likewise index with positions on the cache's own device. Positions already there
+        (what :func:`attnlab.generate` passes) are returned as they are: no copy, no device sync, nothing
+        new in a compiled step's graph.
+        """
+        if not torch.compiler.is_compiling() and cache_positions.device.type == "cpu" and cache_positions.numel():
+            self._check_positions(cache_positions)
+        return cache_positions.to(device=self.k.device, dtype=torch.long)
+
+    def _check_positions(self, cache_positions: Tensor) -> None:
+        """Bounds of CPU positions (free there: no device sync): every slot in ``[0, max_len)``."""
+        lo, hi = int(cache_positions.min()), int(cache_positions.max())
+        if lo < 0 or hi >= self.max_len:
+            raise ValueError(
+                f"kv_cache overflow: cache_positions span [{lo}, {hi}] but max_len={self.max_len}; "
+                f"build the cache with max_len >= {hi + 1}."
+            )
 
 
 # A position no query reaches: an empty slot of a RollingKVCache is hidden by the causal test k_pos <= q_pos.
@@ -196,6 +216,9 @@ class RollingKVCache(KVCache):
         keys, values, _ = self.update_rolling(k, v, cache_positions)
         return keys, values
 
+    def _check_positions(self, cache_positions: Tensor) -> None:
+        """Any position fits: position ``p`` lives in slot ``p % window``."""
+
     def update_rolling(self, k: Tensor, v: Tensor, cache_positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Write ``k, v`` ``(B, G, T, D)`` at positions ``cache_positions`` ``(T,)``; return the keys,
         values and key positions to attend over: ``(B, G, S, D)`` twice and ``(S,)``."""
@@ -206,6 +229,7 @@ class RollingKVCache(KVCache):
             )
         T = k.size(2)
         W = self.window
+        cache_positions = self.prepare_positions(cache_positions)  # (T,) int64 on the buffers' device
         if T == 1:  # decode: write the slot, attend over the window (fixed shapes: compiles once)
             slot = cache_positions % W
             self.k.index_copy_(2, slot, k)
@@ -222,3 +246,23 @@ class RollingKVCache(KVCache):
         self.v.index_copy_(2, slot, v[:, :, keep])
         self.pos.index_copy_(0, slot, cache_positions[keep])
         return keys, values, positions
+
+
+def decoder_positions(
+    device: torch.device, positions: Tensor | None, cache_positions: Tensor | None, caches: nn.ModuleList | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """A decoder call's ``positions`` ``(T,)`` / ``(B, T)`` and ``cache_positions`` ``(T,)`` on its weights' ``device``.
+
+    Moved once per model call, for the embeddings, RoPE, the masks and every layer's cache; the cache positions
+    through the first cache's :meth:`KVCache.prepare_positions` (bounds checked first while they are on the CPU).
+    Tensors already there come back as they are, so a compiled decode step gains nothing.
+    """
+    if cache_positions is not None and (cache_positions.device != device or cache_positions.dtype != torch.long):
+        first = caches[0] if caches is not None and len(caches) else None
+        if isinstance(first, KVCache):
+            cache_positions = first.prepare_positions(cache_positions)
+        else:
+            cache_positions = cache_positions.to(device=device, dtype=torch.long)
+    if positions is not None and positions.device != device:
+        positions = positions.to(device)
+    return positions, cache_positions

@@ -153,6 +153,7 @@ def prepare_masks(
                 "cache_positions was given with is_causal=False; position mode attends over the whole "
                 "cache buffer and relies on the causal mask to hide unwritten slots: pass is_causal=True."
             )
+        q_positions = q_positions.to(device)  # from any device, as the cache takes them (a no-op when already there)
         tri = torch.arange(k_len, device=device)[None, :] <= q_positions[:, None]  # (T_q, T_k)
         keep = tri if keep is None else keep & tri
     elif is_causal:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention import ContextParallelAttention, MultiHeadAttention
-from ..core.kv_cache import KVCache
+from ..core.kv_cache import KVCache, decoder_positions
 from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
 from ..core.validation import check_document_ids
@@ -272,14 +272,15 @@ class TinyGPT(nn.Module):
                 )
             check_document_ids(document_ids, idx.size(0), idx.size(1), idx.size(1), None)
             positions = document_positions(document_ids)  # (B, T), restarting in each document
-        if positions is None:
-            positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
         if caches is not None and len(caches) != self.config.n_layer:
             raise ValueError(
                 f"caches has {len(caches)} entries; expected one per layer, {self.config.n_layer} (use model.setup_caches)."
             )
-
         wte = cast(nn.Embedding, self.transformer.wte)
+        positions, cache_positions = decoder_positions(wte.weight.device, positions, cache_positions, caches)
+        if positions is None:
+            positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
+
         x = wte(idx)  # (B, T, E)
         rope = None
         if self.config.position == "learned":

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention import ContextParallelAttention, MultiHeadAttention
-from ..core.kv_cache import KVCache
+from ..core.kv_cache import KVCache, decoder_positions
 from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
 from ..quant.layers import QuantEmbedding, QuantLinear, fuse_rows
@@ -290,12 +290,13 @@ class Llama(nn.Module):
             )
         if not torch.compiler.is_compiling():
             self._check_idx(idx, positions)
-        if positions is None:
-            positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
         if caches is not None and len(caches) != self.config.n_layer:
             raise ValueError(
                 f"caches has {len(caches)} entries; expected one per layer, {self.config.n_layer} (use model.setup_caches)."
             )
+        positions, cache_positions = decoder_positions(self.norm.weight.device, positions, cache_positions, caches)
+        if positions is None:
+            positions = cache_positions if cache_positions is not None else torch.arange(idx.size(1), device=idx.device)
 
         x = self.embed(idx)  # (B, T, E)
         rope = rope_cos_sin(
@@ -397,6 +398,8 @@ class Llama(nn.Module):
         self._check_idx(idx, positions)
         B = idx.size(0)
         first = cast(KVCache, caches[0])
+        cache_positions = cache_positions.to(first.k.device)  # the C++ step reads both in CPU memory
+        positions = None if positions is None else positions.to(first.k.device)
         if positions is None:
             positions = cache_positions.expand(B, 1)
         pad = key_padding_mask if key_padding_mask is not None else idx.new_zeros(B, first.max_len, dtype=torch.bool)
