@@ -165,3 +165,95 @@ def modelled_sdpa(fault: str, monkeypatch: pytest.MonkeyPatch | None = None) -> 
         mp = monkeypatch if monkeypatch is not None else stack.enter_context(pytest.MonkeyPatch.context())
         mp.setattr(F, "scaled_dot_product_attention", faulty_sdpa(fault))
         yield
+
+
+# -- flex ----------------------------------------------------------------------------------------------------------
+class FlexModel:
+    """A stand-in for compiled ``flex_attention`` on the CPU, where torch has no flex backward: the same function,
+    differentiable, computed densely from the ``BlockMask`` as the kernel reads it (tiles not listed are skipped,
+    ``mask_mod`` is evaluated in partial tiles only, full tiles keep every pair) and ``score_mod``.
+
+    A row with no kept key gives 0 and a log-sum-exp of ``-inf``, as torch 2.13's Triton template does
+    (``flex_attention.py.jinja``: "Handle fully masked out rows"; its backward reads ``-inf`` as 0). attnlab
+    promises more: no fused kernel is handed such a row at all. ``rows_without_key`` counts the rows this
+    model was handed that see no key, so that a test asserts the promise itself.
+    """
+
+    def __init__(self) -> None:
+        self.rows_without_key = 0
+        self.calls = 0
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        score_mod=None,
+        block_mask=None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_aux=None,
+        **unused,
+    ):
+        self.calls += 1
+        B, H, T_q, D = query.shape
+        T_k = key.size(2)
+        acc = torch.promote_types(query.dtype, torch.float32)
+        q, k, v = query.to(acc), key.to(acc), value.to(acc)
+        rep = H // k.size(1)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
+        b = torch.arange(B)[:, None, None, None]
+        h = torch.arange(H)[None, :, None, None]
+        i = torch.arange(T_q)[None, None, :, None]
+        j = torch.arange(T_k)[None, None, None, :]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)  # (B, H, T_q, T_k)
+        if score_mod is not None:
+            scores = score_mod(scores, b, h, i, j)
+        keep = torch.ones(B, H, T_q, T_k, dtype=torch.bool)
+        if block_mask is not None:
+            keep = self._pairs(block_mask, b, h, i, j, B, H, T_q, T_k)
+        dead = ~keep.any(-1, keepdim=True)  # (B, H, T_q, 1)
+        self.rows_without_key += int(dead.sum())
+        safe = scores.masked_fill(~keep, -math.inf).masked_fill(dead, 0.0)
+        lse = torch.logsumexp(safe, dim=-1, keepdim=True)  # (B, H, T_q, 1)
+        out = (torch.exp(safe - lse).masked_fill(dead, 0.0) @ v).to(query.dtype)  # (B, H, T_q, D)
+        if return_aux is None:
+            return out
+        aux = type("Aux", (), {})()
+        aux.lse = lse.masked_fill(dead, -math.inf)[..., 0]  # (B, H, T_q) float32
+        return out, aux
+
+    @staticmethod
+    def _pairs(block_mask, b, h, i, j, B, H, T_q, T_k) -> Tensor:
+        """Bool ``(B, H, T_q, T_k)``: the pairs the kernel keeps, tile by tile."""
+        n = block_mask.BLOCK_SIZE[0]
+
+        def tiles(num, idx):  # (B|1, H|1, nq) counts and (.., nq, nk) indices -> (B|1, H|1, nq, nk) bool
+            listed = torch.arange(idx.size(-1)) < num[..., None]
+            grid = torch.zeros(*idx.shape[:-1], idx.size(-1) + 1, dtype=torch.bool)
+            return grid.scatter(-1, torch.where(listed, idx.long(), idx.size(-1)), True)[..., :-1]
+
+        partial = tiles(block_mask.kv_num_blocks, block_mask.kv_indices)
+        full = (
+            tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+            if block_mask.full_kv_num_blocks is not None
+            else torch.zeros_like(partial)
+        )
+        ti, tj = (i // n).expand(1, 1, T_q, T_k), (j // n).expand(1, 1, T_q, T_k)
+        bi = torch.arange(partial.size(0))[:, None, None, None]
+        hi = torch.arange(partial.size(1))[None, :, None, None]
+        in_partial, in_full = partial[bi, hi, ti, tj], full[bi, hi, ti, tj]  # (B|1, H|1, T_q, T_k)
+        evaluated = block_mask.mask_mod(b, h, i, j).expand(B, H, T_q, T_k)
+        return (in_full | (in_partial & evaluated)).expand(B, H, T_q, T_k)
+
+
+@contextlib.contextmanager
+def modelled_flex(monkeypatch: pytest.MonkeyPatch, *, sinks_by_lse: bool = True) -> Iterator[FlexModel]:
+    """attnlab's compiled flex runs :class:`FlexModel` inside; ``sinks_by_lse``: the GPU's sink path (the gate
+    on the returned log-sum-exp) rather than the CPU's extra key."""
+    from attnlab.core import flex
+
+    model = FlexModel()
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: model)
+    monkeypatch.setattr(flex, "_sinks_by_lse", lambda device: sinks_by_lse)
+    yield model

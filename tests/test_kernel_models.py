@@ -478,3 +478,105 @@ def test_a_hf_llama_trains_on_left_padding_under_faulty_kernels(fault):
     with modelled_sdpa(fault):
         got = grads(attnlab.hf.ATTENTION_NAME)
     _assert_exact(got, ref, atol=1e-5)
+
+
+# -- flex ---------------------------------------------------------------------------------------------------------
+def _flex_case(case: str, B: int = 3, T: int = 40) -> tuple[Masks, Structure]:
+    """Masks and structure of a flex call with rows that see no key; T = 40 < one 128-key tile, so that the tile
+    verdicts and mask_mod both matter."""
+    from attnlab.core.variants import document_runs
+
+    j = torch.arange(T)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, :7] = True  # left padding: sequence 0's first 7 queries see no key under causal masking
+    pad[-1] = True  # the last sequence is all padding
+    key_keep = (~pad)[:, None, None, :]  # (B, 1, 1, T)
+    st: dict = {"q_pos": j, "k_pos": j, "causal": True}
+    keep = key_keep
+    if case == "window":
+        st["window"] = 5
+    if case == "documents":
+        ids = document_runs(torch.stack([(j * 3 // T + b) % 2 for b in range(B)]))
+        st.update(q_doc=ids, k_doc=ids)
+    if case == "alibi":
+        st["alibi"] = alibi_slopes(4)
+    if case == "softcap":
+        st["softcap"] = 2.0
+    if case == "sinks":
+        st["sinks"] = torch.linspace(-1, 1, 4)
+    if case == "pairs":  # a user mask over (query, key) pairs: the general route
+        keep = torch.rand(B, 1, T, T, generator=torch.Generator().manual_seed(3)) > 0.5
+        keep[0, :, ::4] = False
+    if case == "cache":  # decode-like: 4 queries at positions 30..33 over 40 slots, the last sequence all padding
+        st["q_pos"] = torch.arange(30, 34)
+    return Masks(keep=keep, empty_rows=True), Structure(**st)
+
+
+FLEX_CASES = ["padding", "window", "documents", "alibi", "softcap", "sinks", "pairs", "cache"]
+
+
+@pytest.mark.parametrize("case", [*FLEX_CASES, "window, no padding", "documents, no padding"])
+def test_flex_finds_every_row_without_a_key(case):
+    """``_dead_rows`` (cumulative counts for key padding, pairs in slabs otherwise, None when each query sees itself)
+    equals the dense truth: the rows of ``st.keep() & keep`` with no True."""
+    from attnlab.core.flex import _dead_rows
+
+    masks, st = _flex_case(case.split(",")[0])
+    if "no padding" in case:
+        masks = Masks()
+    T_q, T_k = st.q_pos.numel(), st.k_pos.numel()
+    truth = st.keep()
+    if masks.keep is not None:
+        truth = truth & masks.keep
+    truth = ~truth.any(-1)  # (B|1, 1, T_q)
+    found = _dead_rows(st, masks.keep, T_q, T_k)
+    if found is None:
+        assert not truth.any(), case
+    else:
+        assert torch.equal(found.expand_as(truth), truth), case
+        assert truth.any() or case == "window, no padding", case
+
+
+@pytest.mark.parametrize("sinks_by_lse", [True, False], ids=["lse-gate", "sink-key"])
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_flex_gradients_are_exact_and_no_row_without_a_key_reaches_the_kernel(case, sinks_by_lse, monkeypatch):
+    """attnlab's flex path (block mask, mask_mod, score_mod, the sinks' gate on the log-sum-exp or their extra key)
+    differentiated through :class:`FlexModel` on the CPU: output and dq, dk, dv equal variant_math's in float64,
+    and the kernel is handed no row that sees no key."""
+    from attnlab.core import flex
+    from kernel_models import modelled_flex
+
+    if not sinks_by_lse and case != "sinks":
+        pytest.skip("the sink-key route differs only with sinks")
+    masks, st = _flex_case(case)
+    T_q, T_k = st.q_pos.numel(), st.k_pos.numel()
+    q, k, v = _qkv(B=3, H=4, G=2, T_q=T_q, T_k=T_k, D=16)
+
+    def run(f, q, k, v):
+        out = f(q, k, v)
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape).to(out.dtype))
+        return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+    ref = run(
+        lambda q, k, v: variants.variant_math(q, k, v, masks, st, scale=0.3)[0],
+        *(t.detach().double().requires_grad_() for t in (q, k, v)),
+    )
+    with modelled_flex(monkeypatch, sinks_by_lse=sinks_by_lse) as model:
+        got = run(lambda q, k, v: flex._flex(q, k, v, masks, st, scale=0.3, compiled=True), q, k, v)
+    assert model.calls == 1 and model.rows_without_key == 0
+    _assert_exact(got, ref)
+
+
+@pytest.mark.parametrize("case", ["padding", "documents", "pairs", "cache"])
+def test_torch_flex_itself_agrees_on_rows_without_a_key(case):
+    """The same calls through torch's own flex_attention (uncompiled, forward: the CPU has no flex backward), the
+    block mask and mods as attnlab builds them: equal to variant_math, zeros in the rows that see no key."""
+    from attnlab.core import flex
+
+    masks, st = _flex_case(case)
+    T_q, T_k = st.q_pos.numel(), st.k_pos.numel()
+    q, k, v = (t.detach() for t in _qkv(B=3, H=4, G=2, T_q=T_q, T_k=T_k, D=16))
+    with torch.no_grad():
+        got = flex._flex(q, k, v, masks, st, scale=0.3, compiled=False)
+        ref = variants.variant_math(q.double(), k.double(), v.double(), masks, st, scale=0.3)[0]
+    assert torch.allclose(got.double(), ref, atol=2e-6)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .dispatch import attend
-from .flex import flex_available, flex_choice
+from .flex import FlexCall, flex_available, flex_choice, flex_min_head_dim
 from .functional import sdpa_compute_dtype
 from .interop import from_torch_mha, to_torch_mha
 from .kv_cache import KVCache, RollingKVCache
@@ -337,7 +337,7 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None and kv_cache is None:
             k, v = _zero_padded_keys(k, v, key_padding_mask)
 
-        backend, reason = self._choose_variant_backend(need_weights, st, T_q, T_k, kv_cache is None)
+        backend, reason = self._choose_variant_backend(need_weights, st, T_q, T_k, kv_cache is None, (q, k, v, masks))
         if backend == "math":
             context, weights = variant_math(
                 q, k, v, masks, st, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
@@ -359,13 +359,21 @@ class MultiHeadAttention(nn.Module):
         return context.to(out_dtype), None, backend, reason
 
     def _choose_variant_backend(
-        self, need_weights: bool, st: Structure, T_q: int, T_k: int, no_cache: bool
+        self,
+        need_weights: bool,
+        st: Structure,
+        T_q: int,
+        T_k: int,
+        no_cache: bool,
+        inputs: tuple[Tensor, Tensor, Tensor, Masks] | None = None,
     ) -> tuple[str, str | None]:
         """``(backend, reason)`` for a call with variants: ``math``, ``sdpa`` (dense mask), ``sdpa-band``
         (window, key bands, no T x T mask) or ``flex``.
 
-        ``auto`` sends a call to flex only where a measurement says flex wins for its device, grad mode
-        and case (:func:`attnlab.core.flex.flex_choice`), and says which measurement in the reason.
+        ``auto`` sends a call to flex only where a measurement says flex wins for its device, grad mode,
+        dtype and case (:func:`attnlab.core.flex.flex_choice`), says which measurement in the reason, and
+        only within flex's known limits (its head dim on a GPU; a kernel that failed earlier for the same
+        ``inputs`` ``(q, k, v, masks)``: :class:`attnlab.core.flex.FlexCall`), else says why not.
         Grad mode is ``torch.is_grad_enabled()``: a forward outside ``torch.no_grad()`` may be backpropagated.
         """
         if need_weights:
@@ -387,18 +395,33 @@ class MultiHeadAttention(nn.Module):
                     f"call mha.eval(), construct with dropout=0.0, or use backend='auto'."
                 )
             needs_grad = grad and any(p.requires_grad for p in self.parameters())
-            ok, why = flex_available(device, needs_grad, weight.dtype)
+            call = None if inputs is None else FlexCall.of(*inputs, st)
+            ok, why = flex_available(device, needs_grad, weight.dtype, head_dim=self.head_dim, call=call)
             if not ok:
+                least = flex_min_head_dim(device)
+                if least is not None and self.head_dim < least:
+                    fix = (
+                        f"build the module with embed_dim // num_heads >= {least} (now {self.embed_dim} // "
+                        f"{self.num_heads} = {self.head_dim}: fewer heads or a wider embed_dim)"
+                    )
+                elif device.type == "cpu" and needs_grad:
+                    fix = "for inference call the module under torch.no_grad()"
+                else:
+                    fix = ""
                 raise ValueError(
                     f"backend='flex' cannot run this call: {why}. Use backend='auto' (it picks the SDPA or math "
-                    f"path and says why in last_backend_reason), or for inference call the module under torch.no_grad()."
+                    f"path and says why in last_backend_reason){f', or {fix}' if fix else ''}."
                 )
             return "flex", None
         mode = f"{device.type} {'training' if grad else 'inference'}"
         not_flex = ""
         if self.backend == "auto" and (st.softcap is not None or st.window is not None):
             case = "softcap" if st.softcap is not None else "window"
-            use_flex, why = flex_choice(case, T_q, device, grad, weight.dtype, self.dropout if self.training else 0.0)
+            dropout_p = self.dropout if self.training else 0.0
+            use_flex, why = flex_choice(case, T_q, device, grad, weight.dtype, dropout_p, head_dim=self.head_dim)
+            if use_flex and inputs is not None:  # past the crossover only: a one-query decode step never builds the key
+                ok, failed = flex_available(device, grad, weight.dtype, call=FlexCall.of(*inputs, st))
+                use_flex, why = (True, why) if ok else (False, f"flex not used: {failed}")
             if use_flex:
                 what = f"softcap={st.softcap}" if case == "softcap" else f"window={st.window}"
                 return "flex", f"{what}, T={T_q}, {mode}: {why}"
@@ -467,9 +490,10 @@ class MultiHeadAttention(nn.Module):
             kv_cache: an :class:`attnlab.KVCache` for this layer (self-attention only): this
                 call's K/V are written into it and attention runs over everything cached.
                 ``T_k`` is then the cached length, and masks index cached slots.
-            cache_positions: ``(T_q,)`` int64 cache slots of this call's tokens (position mode,
-                see :mod:`attnlab.core.kv_cache`: fixed shapes for ``torch.compile``). Needs
-                ``is_causal=True``: a query sees the slots at or before its own.
+            cache_positions: ``(T_q,)`` int64 (or int32) cache slots of this call's tokens (position mode,
+                see :mod:`attnlab.core.kv_cache`: fixed shapes for ``torch.compile``), on any device: positions
+                elsewhere than the cache are moved to it once per call. Needs ``is_causal=True``: a query sees
+                the slots at or before its own.
             rope: ``(cos, sin)`` from :func:`attnlab.core.rope.rope_cos_sin`, each ``(T_q, D)`` or
                 ``(B, T_q, D)``: rotary embeddings applied to Q and to this call's K.
             document_ids: ``(B, T)`` int ids of packed sequences (self-attention, no cache): a
@@ -484,6 +508,11 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         check_forward_inputs(self, self._a_weight(), query, key, value, kv_cache, cache_positions, rope)
+        if kv_cache is not None and cache_positions is not None:
+            if cache_positions.device != kv_cache.k.device or cache_positions.dtype != torch.long:
+                # torch.tensor([3]) is built on the CPU, as users write it: moved once (its bounds checked there
+                # first) for the cache, the masks and the variants' positions alike; nothing to do when already there
+                cache_positions = kv_cache.prepare_positions(cache_positions)  # (T_q,) int64 on the cache's device
         B, T_q, _ = query.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
 

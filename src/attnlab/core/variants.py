@@ -38,6 +38,7 @@ __all__ = [
     "alibi_slopes",
     "document_positions",
     "document_runs",
+    "document_start",
     "variant_math",
     "variant_sdpa",
     "banded_sdpa",
@@ -66,12 +67,18 @@ def document_positions(document_ids: Tensor) -> Tensor:
 
     ``document_ids`` ``(B, T)``: a document is a run of equal ids (``[[7, 7, 7, 2, 2]]`` -> ``[[0, 1, 2, 0, 1]]``).
     """
+    index = torch.arange(document_ids.size(1), device=document_ids.device)  # (T,)
+    return index - document_start(document_ids)
+
+
+def document_start(document_ids: Tensor) -> Tensor:
+    """``(B, T)`` int64: the index where each position's document (run of equal ids) starts (``[[7, 7, 2]]`` ->
+    ``[[0, 0, 2]]``)."""
     B, T = document_ids.shape
     index = torch.arange(T, device=document_ids.device).expand(B, T)  # (B, T)
     starts = torch.ones(B, T, dtype=torch.bool, device=document_ids.device)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T): start of each run
-    return index - first
+    return torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T): start of each run
 
 
 def document_runs(document_ids: Tensor) -> Tensor:
