@@ -8,6 +8,7 @@ catchable one-mistake module must get its mistake named first; correct ones must
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -23,7 +24,7 @@ from attnlab.check.catalogue import MISTAKES
 from attnlab.check.probe import ProbedAdapter
 from attnlab.check.recipe import Recipe, recipe_attention
 from attnlab.check.reference import reference_attention
-from attnlab.check.target import build_target
+from attnlab.check.target import build_target, random_biases
 from attnlab.cli import main
 
 CORPUS = Path(__file__).parent / "mistake_corpus"
@@ -41,11 +42,16 @@ SLOW_ROWS = (
 FAST = [n for n in CHECKS if n not in SLOW_ROWS]
 
 
-def _expected(path: Path) -> tuple[str, list[str]]:
+def _corpus_module(path: Path):
     spec = importlib.util.spec_from_file_location(f"corpus_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _expected(path: Path) -> tuple[str, list[str]]:
+    module = _corpus_module(path)
     return module.EXPECTED, list(getattr(module, "ALSO", []))
 
 
@@ -56,10 +62,40 @@ def _target(path: Path, **kw):
     )
 
 
+def _where_it_fails(path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> object:
+    """A ``DEVICE_ONLY`` corpus module (right on the CPU, wrong elsewhere) as its mistake shows.
+
+    On an accelerator (``ATTNLAB_TEST_DEVICE=cuda``): the module, moved there for real; its tensors made
+    without ``device=`` land on the CPU beside inputs on the GPU. On a CPU, a model of that: inside the
+    module's forward the default device is ``meta``, so a tensor made without ``device=`` lands on meta
+    beside inputs on the CPU, and torch raises the same kind of error ("Tensor on device meta is not on
+    the expected device cpu!" where CUDA says "Expected all tensors to be on the same device"). What is
+    modelled: where a factory call without device= puts its tensor (the default device, not the inputs').
+    What is not: the GPU's own message and kernels, which only a run with --device cuda shows.
+    """
+    if device.type != "cpu":
+        return _target(path, device=device)
+    module = _corpus_module(path).MultiHeadAttention
+    forward = module.forward
+
+    @functools.wraps(forward)  # the same signature: the call form is read off it
+    def elsewhere(self, *args, **kwargs):
+        with torch.device("meta"):
+            return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(module, "forward", elsewhere)
+    torch.manual_seed(0)
+    return random_biases(module(embed_dim=32, num_heads=4, dropout=0.1), 0)
+
+
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_the_corpus_mistake_is_named_first(path):
+def test_the_corpus_mistake_is_named_first(path, device, monkeypatch):
     expected, also = _expected(path)
-    report = run_checks(_target(path), checks=FAST)
+    if getattr(_corpus_module(path), "DEVICE_ONLY", False):
+        assert run_checks(_target(path), checks=FAST).ok  # right on the CPU
+        report = run_checks(_where_it_fails(path, device, monkeypatch), checks=FAST)
+    else:
+        report = run_checks(_target(path), checks=FAST)
     ids = [c.id for c in report.diagnosis]
     if expected == "pass":
         assert report.ok and ids == [], [(r.name, r.detail) for r in report.failures]
@@ -77,15 +113,37 @@ def test_every_catalogued_mistake_is_in_the_corpus():
     """The corpus is the catalogue's test set: a mistake nobody wrote a module for is untested."""
     written = {_expected(p)[0] for p in FILES} | {m for p in FILES for m in _expected(p)[1]}
     untested = {m.id for m in MISTAKES} - written
-    # device_mismatch needs a GPU; wrong_backward / low_precision_loss / mask_polarity / scale_attribute have
-    # modules of their own below
+    # wrong_backward / low_precision_loss / mask_polarity / scale_attribute have modules of their own below
     assert untested <= {
-        "device_mismatch",
         "wrong_backward",
         "low_precision_loss",
         "mask_polarity",
         "scale_attribute",
     }, untested
+
+
+def test_a_tensor_made_on_another_device_is_named_at_the_line_that_makes_it(device, monkeypatch):
+    """``device_mismatch``: the rows' crash names the mistake, and the diagnosis points at the line that made
+    the tensor (every factory call of the module's forward recorded), where the fix goes, beside the line
+    that raised. On a CPU through the model of ``_where_it_fails``; with ATTNLAB_TEST_DEVICE=cuda, for real."""
+    path = CORPUS / "torchlike_device_mismatch.py"
+    report = run_checks(
+        _where_it_fails(path, device, monkeypatch), checks=["parity_self", "parity_masked", "grad_parity"]
+    )
+    (cause,) = report.diagnosis
+    assert cause.id == "device_mismatch" and cause.explains == ("parity_self", "parity_masked", "grad_parity")
+    lines = path.read_text().splitlines()
+    made = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("blocked = torch.zeros("))
+    made_on, inputs_on = ("meta", "cpu") if device.type == "cpu" else ("cpu", str(torch.empty(0, device=device).device))
+    assert cause.found == (
+        "a tensor built inside forward (a mask, torch.tril(torch.ones(..))) is on another device than the inputs: "
+        f"torch.zeros at torchlike_device_mismatch.py:{made} (`blocked = torch.zeros(B, H, T_q, T_k, dtype=torch.bool)`) "
+        f"makes it on {made_on}, for inputs on {inputs_on}"
+    )
+    assert cause.evidence.startswith("3 row(s) raised RuntimeError: ")
+    assert re.search(r"; raised at torchlike_device_mismatch\.py:\d+: ", cause.evidence)  # where it crashed
+    assert "device=x.device" in cause.fix and "register_buffer" in cause.fix
+    assert report["parity_self"].data["raised_at"].startswith("torchlike_device_mismatch.py:")
 
 
 @pytest.mark.parametrize("name", ["seed002_as_published", "seed000_as_published"])

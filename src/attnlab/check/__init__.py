@@ -12,6 +12,8 @@ convention off the module), and returns a :class:`Report` of :class:`CheckResult
 fail / skip, the measured figure, the tolerance, and how it was measured or why it was skipped).
 When a row fails, ``report.diagnosis`` names the likely causes from the catalogue of known
 mistakes (:mod:`attnlab.check.catalogue`, :mod:`attnlab.check.diagnose`), most likely first.
+``run_checks(module, device="cuda", dtype=torch.bfloat16)`` checks a copy where it runs
+(:mod:`attnlab.check.device`).
 """
 
 from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported

@@ -30,6 +30,8 @@ Optional (each missing one skips the checks that need it, with the reason):
     ``decode_with_cache(x, chunks) -> (B, T, E)``: causal self-attention of ``x`` fed in
     chunks of the given lengths through the module's KV cache;
     ``cast(dtype) -> adapter``: a copy of the target in another dtype;
+    ``to(device, dtype) -> adapter``: a copy of the target on another device and in another dtype,
+    for ``run_checks(device=..., dtype=...)`` (an adapter without it is checked where it is);
     ``resized(embed_dim, num_heads, num_kv_heads) -> adapter``: a fresh target of the same
     kind at another size (its own new weights), for the checks at other head dims and head
     layouts (:class:`AttentionAdapter` builds it with ``factory`` when one is set);
@@ -352,6 +354,10 @@ class ModuleAdapter(AttentionAdapter):
     def cast(self, dtype: torch.dtype) -> ModuleAdapter:
         return type(self)(copy.deepcopy(self.module).to(dtype), name=self.name, factory=self.factory, scale=self._scale)
 
+    def to(self, device: torch.device, dtype: torch.dtype) -> ModuleAdapter:
+        moved = copy.deepcopy(self.module).to(device=device, dtype=dtype)
+        return type(self)(moved, name=self.name, factory=self.factory, scale=self._scale)
+
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
@@ -463,6 +469,10 @@ class TorchMHAAdapter(AttentionAdapter):
 
     def cast(self, dtype: torch.dtype) -> TorchMHAAdapter:
         return TorchMHAAdapter(copy.deepcopy(self.module).to(dtype), need_weights=self.need_weights)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> TorchMHAAdapter:
+        moved = copy.deepcopy(self.module).to(device=device, dtype=dtype)
+        return TorchMHAAdapter(moved, need_weights=self.need_weights)
 
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]

@@ -330,8 +330,11 @@ MISTAKES: tuple[Mistake, ...] = (
     Mistake(
         "device_mismatch", "crash",
         "a tensor built inside forward (a mask, torch.tril(torch.ones(..))) is on another device than the inputs",
-        "build it on the inputs' device: torch.ones(T, T, dtype=torch.bool, device=x.device)",
-        S_ERRORS, "every row on a GPU", pattern=r"Expected all tensors to be on the same device",
+        "build it on the inputs' device: torch.ones(T, T, dtype=torch.bool, device=x.device); or make a fixed one once, "
+        "as a buffer that module.to(device) moves: self.register_buffer('causal', mask, persistent=False)",
+        S_ERRORS, "every row that builds it, on a GPU (attnlab check --device cuda)",
+        # CUDA's message, then the meta device's ("Tensor on device meta is not on the expected device cpu!")
+        pattern=r"Expected all tensors to be on the same device|is not on the expected device",
     ),
 )  # fmt: skip
 

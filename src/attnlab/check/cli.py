@@ -22,6 +22,7 @@ from ..core.attention import Backend, MultiHeadAttention
 from ..models import pretrained
 from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
 from .adapters import TorchMHAAdapter
+from .device import place, resolve_device, resolve_dtype
 from .diagnose import diagnose
 from .probe import as_adapter
 from .report import print_tables, to_json
@@ -82,23 +83,28 @@ def _targets(
     seed: int,
     scale: float | None,
     mask_convention: Literal["keep", "block"] | None,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> list[object]:
+    """The targets, built on the CPU as their seeds draw them, then moved to ``device`` in ``dtype``."""
     torch.manual_seed(seed)
     if target == "attnlab":
         backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
-        return [
+        built = [
             random_biases(
                 MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=b), seed
             )
             for b in backends
         ]
+        return [place(m, device, dtype, copy_module=False) for m in built]
     if target == "torch":
         if num_kv_heads not in (None, num_heads):
             raise TargetError(
                 f"--num-kv-heads {num_kv_heads} with --target torch: torch.nn.MultiheadAttention has no GQA; drop the flag."
             )
-        m = nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, batch_first=True)
-        return [TorchMHAAdapter(cast(nn.MultiheadAttention, random_biases(m, seed)), need_weights=need_weights)]
+        m = random_biases(nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, batch_first=True), seed)
+        moved = cast(nn.MultiheadAttention, place(m, device, dtype, copy_module=False))
+        return [TorchMHAAdapter(moved, need_weights=need_weights)]
     return [
         build_target(
             target,
@@ -109,6 +115,8 @@ def _targets(
             seed=seed,
             scale=scale,
             mask_convention=mask_convention,
+            device=device,
+            dtype=dtype,
         )
     ]
 
@@ -163,9 +171,11 @@ def _model_targets(
     batch_size: int,
     seq_len: int,
     checks: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> list[object]:
-    """Copies of layer ``layer`` of ``model``'s attention, one per backend (the checks may retrain or
-    switch a module; the loaded model is left as it was)."""
+    """Copies of layer ``layer`` of ``model``'s attention, one per backend, on ``device`` in ``dtype`` (the
+    checks may retrain or switch a module; the loaded model is left as it was)."""
     if target != "attnlab":
         raise UsageError(
             f"--target {target!r} and --model {model!r} both name what to check; pass one: "
@@ -187,7 +197,7 @@ def _model_targets(
     backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
     copies: list[object] = []
     for b in backends:
-        m = copy.deepcopy(attn).float()  # the checks compare with a float64 reference from fp32 inputs
+        m = copy.deepcopy(attn).to(device=device, dtype=dtype)  # a checkpoint's bf16 is checked in --dtype
         m.backend = b
         copies.append(m.eval())
     return copies
@@ -257,6 +267,8 @@ def check(
     layer: int | None = None,
     scale: float | None = None,
     mask_convention: Literal["keep", "block"] | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> int:
     """Audit an attention module against attnlab's float64 reference; exit code 1 if a check fails, with a
     'Likely cause' section naming the mistake.
@@ -283,7 +295,11 @@ def check(
         layer: with --model, which attention layer (0 = the first; default 0).
         scale: the expected multiplier of the scores (default 1/sqrt(head_dim)); a module's own scale attribute is never the truth.
         mask_convention: what a bool mask should mean to your module: keep (True = may attend, the seeds' and SDPA's) or block (True = blocked, nn.MultiheadAttention's). Default: block if its forward looks like nn.MultiheadAttention's (key_padding_mask and need_weights), else keep.
+        device: where to check it, as it runs: cpu, cuda, cuda:N, mps, xpu (a device this torch sees). The module, every input, the float64 reference and the diagnosis run there.
+        dtype: what to check it in: float32, float64, bfloat16 or float16. In bfloat16/float16 each figure may be 2x plain PyTorch's error in that dtype (flash-attention's rule).
     """
+    dev = resolve_device(device, "--device")  # before any work: a device this machine lacks is a usage error
+    dt = resolve_dtype(dtype, dev, "--dtype")
     if model is None:
         if layer is not None:
             raise UsageError(
@@ -294,11 +310,34 @@ def check(
         if scale is not None and not (math.isfinite(scale) and scale > 0):
             raise UsageError(f"--scale {scale} must be a positive number, e.g. --scale 0.125 (1/sqrt(64)).")
         targets = _targets(
-            target, backend, embed_dim, num_heads, num_kv_heads, dropout, need_weights, seed, scale, mask_convention
+            target,
+            backend,
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            dropout,
+            need_weights,
+            seed,
+            scale,
+            mask_convention,
+            dev,
+            dt,
         )
     else:
         targets = _model_targets(
-            model, layer or 0, target, backend, embed_dim, num_heads, num_kv_heads, dropout, batch_size, seq_len, checks
+            model,
+            layer or 0,
+            target,
+            backend,
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            dropout,
+            batch_size,
+            seq_len,
+            checks,
+            dev,
+            dt,
         )
     names = list(checks) or list(CHECKS)
     if model is not None and not checks:

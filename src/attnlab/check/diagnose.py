@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import math
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from .adapters import AttentionAdapter, Projections, Unsupported
 from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
 from .recipe import Recipe, recipe_attention
 from .result import Cause, CheckResult, Report
-from .suite import CHECKS, Context
+from .suite import CHECKS, HALF, Context, placed, their_line
 
 __all__ = ["diagnose"]
 
@@ -78,8 +81,9 @@ def _cause(m: Mistake, a: AttentionAdapter, evidence: str, explains: Sequence[st
 @torch.no_grad()
 def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
     g = torch.Generator().manual_seed(seed * 7919 + 17)
-    dev = a.projections().q_weight.device
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dev)
+    w = a.projections().q_weight
+    dev = w.device
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(w)  # on the target's device, in its dtype
     B, T, Tk, E = PROBE_B, PROBE_T, PROBE_TK, a.embed_dim
     x = rnd(B, T, E)  # (B, T, E)
     pad = torch.zeros(B, T, dtype=torch.bool, device=dev)
@@ -216,6 +220,46 @@ def _explained(
     return out
 
 
+# -- where a tensor on the wrong device comes from --------------------------------------------------
+# torch functions that make a tensor from nothing: without device= it lands on the default device (the
+# CPU), wherever the inputs are. (*_like and Tensor.new_* follow their tensor: never the culprit.)
+_FACTORIES = frozenset(
+    {"ones", "zeros", "full", "empty", "tensor", "as_tensor", "arange", "eye", "rand", "randn", "randint",
+     "linspace", "tril_indices", "triu_indices"}
+)  # fmt: skip
+
+
+class _Factories(TorchFunctionMode):
+    """While on, records each tensor a factory makes from the target's own code: ``(function, device, where)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[str, torch.device, str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name in _FACTORIES and isinstance(out, Tensor) and out.dim() > 0:  # a 0-dim tensor mixes with any device
+            at = their_line(traceback.extract_stack())
+            if at:
+                self.made.append((name, out.device, at))
+        return out
+
+
+def _made_elsewhere(a: AttentionAdapter, seed: int) -> str:
+    """Which line of the target's code makes a tensor on another device than its inputs, found by running
+    the probes with every factory call recorded: ``"torch.ones at mine.py:41 (`...`) makes it on cpu, for
+    inputs on cuda:0"``; empty when none does (the tensor came from elsewhere: a plain attribute, say)."""
+    dev = a.projections().q_weight.device
+    with _Factories() as recorder:
+        _run_probes(a, seed)
+    for name, made_on, at in recorder.made:
+        if made_on != dev:
+            file_line, _, code = at.partition(": ")
+            return f"torch.{name} at {file_line} (`{code}`) makes it on {made_on}, for inputs on {dev}"
+    return ""
+
+
 # -- the steps ---------------------------------------------------------------------------------------
 _RAISED = re.compile(r"^raised (\w+): (.*)$")
 
@@ -234,7 +278,8 @@ def _crash_causes(a: AttentionAdapter, rows: list[CheckResult]) -> list[Cause]:
         causes.setdefault(key, (mistake, [], message))[1].append(r.name)
     out = []
     for mistake, names, message in causes.values():
-        evidence = f"{len(names)} row(s) raised {message}"
+        at = next((r.data["raised_at"] for r in rows if r.name in names and r.data.get("raised_at")), "")
+        evidence = f"{len(names)} row(s) raised {message}" + (f"; raised at {at}" if at else "")
         if mistake is not None:
             out.append(_cause(mistake, a, evidence, names))
         else:
@@ -296,7 +341,7 @@ def _recipe_causes(
 def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
     g = torch.Generator().manual_seed(seed + 3)
     T, E = PROBE_T, a.embed_dim
-    x = torch.randn(PROBE_B, T, E, generator=g).to(a.projections().q_weight.device)  # (B, T, E)
+    x = torch.randn(PROBE_B, T, E, generator=g).to(a.projections().q_weight)  # (B, T, E)
     keep = torch.ones(T, T, dtype=torch.bool, device=x.device)
     keep[2] = False  # query 2 sees no key
     with torch.enable_grad():
@@ -344,7 +389,7 @@ def _dropout(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause | None:
     """The rate and the rescale, read off dropout_rate's figures (dropout in eval is named first, in diagnose)."""
     p = float(getattr(a, "dropout_p", 0.0))
     r = rows.get("dropout_rate")
-    if r is None or not r.data:
+    if r is None or "dropped" not in r.data:  # a row that raised carries only where
         return None
     frac, kept, n = r.data["dropped"], r.data["kept_scale"], r.data["draws"]
     band = 5.0 * math.sqrt(p * (1 - p) / n)
@@ -413,11 +458,17 @@ def _float64(
     return None
 
 
-def _low_precision(a: AttentionAdapter, rows: dict[str, CheckResult], seed: int) -> Cause | None:
-    names = [n for n in rows if n.startswith("low_precision")]
+def _low_precision(
+    a: AttentionAdapter, rows: dict[str, CheckResult], seed: int, *, run_dtype: torch.dtype | None = None
+) -> Cause | None:
+    """The low-precision rows' loss; in a run in a half ``run_dtype``, any row's (each was held to the same rule)."""
+    names = [n for n in rows if run_dtype in HALF or n.startswith("low_precision")]
     if not names:
         return None
-    dtype = torch.float16 if any("fp16" in n for n in names) else torch.bfloat16
+    if run_dtype is not None and run_dtype in HALF:
+        dtype = run_dtype
+    else:
+        dtype = torch.float16 if any("fp16" in n for n in names) else torch.bfloat16
     where = ""
     try:
         low = a.cast(dtype)
@@ -539,11 +590,43 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
 
 
 # -- the whole diagnosis ---------------------------------------------------------------------------------
-def diagnose(a: AttentionAdapter, report: Report, *, seed: int = 0, batch: int = 2, seq_len: int = 8) -> list[Cause]:
-    """The likely causes of ``report``'s failures, most likely first (empty when nothing failed)."""
+def _resolving(a: AttentionAdapter) -> AttentionAdapter:
+    """The target the hypotheses are tested on: itself, or, in a half dtype, a float32 copy on the same
+    device. A recomputed mistake matches a float32 module to ~1e-7 (``HYPOTHESIS_TOL``); in bfloat16
+    rounding alone is ~1e-2, where the mistakes cannot be told apart. What only half precision does
+    (a -1e9 fill overflowing float16, a softmax in bfloat16) shows in the failing rows themselves."""
+    if a.projections().q_weight.dtype not in HALF:
+        return a
+    try:
+        wide = a.cast(torch.float32)
+    except Unsupported:
+        return a
+    wide.set_training(False)
+    return wide
+
+
+def diagnose(
+    a: AttentionAdapter,
+    report: Report,
+    *,
+    seed: int = 0,
+    batch: int = 2,
+    seq_len: int = 8,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> list[Cause]:
+    """The likely causes of ``report``'s failures, most likely first (empty when nothing failed).
+
+    ``device``, ``dtype``: where and in what to test the hypotheses, as in :func:`attnlab.check.run_checks`
+    (default: where and as ``a`` is; pass the report's own to diagnose a report made elsewhere). In a
+    half dtype they are recomputed on a float32 copy (see :func:`_resolving`).
+    """
     failing = [r for r in report.results if r.status == "fail"]
     if not failing:
         return []
+    a = cast(AttentionAdapter, placed(a, device, dtype))
+    run_dtype = a.projections().q_weight.dtype
+    a = _resolving(a)
     causes: list[Cause] = []
     explained: set[str] = set()
     nan_by_mistake: set[str] = set()  # rows where a named numerical mistake makes NaN/inf by itself
@@ -563,10 +646,19 @@ def diagnose(a: AttentionAdapter, report: Report, *, seed: int = 0, batch: int =
         explained.update(new)
 
     crashes = _crash_causes(a, failing)
+    for i, c in enumerate(crashes):
+        if c.id == "device_mismatch":
+            try:
+                origin = _made_elsewhere(a, seed)
+            except Exception:  # the search is a refinement: the cause stands without it
+                origin = ""
+            if origin:
+                crashes[i] = replace(c, found=f"{c.found}: {origin}")
     for c in crashes:
         if c.id != "crash":  # a catalogued crash first; an unknown one may be a mistake's consequence
             add(c)
-    if "determinism" in {r.name for r in failing} and float(getattr(a, "dropout_p", 0.0)) > 0:
+    determinism_off = "determinism" in {r.name for r in failing} and "determinism" not in explained  # not a crash
+    if determinism_off and float(getattr(a, "dropout_p", 0.0)) > 0:
         # outputs drawn at random in eval: every comparison is noise, so this cause comes first and alone
         d = report["determinism"]
         add(
@@ -622,7 +714,8 @@ def diagnose(a: AttentionAdapter, report: Report, *, seed: int = 0, batch: int =
     left = {r.name: r for r in failing if r.name not in explained}
     add(_mask_polarity(a, left))
     if not textbook_off:  # the forward is right in float32: a half-precision failure is a precision matter
-        add(_low_precision(a, {r.name: r for r in failing if r.name not in explained}, seed))
+        left = {r.name: r for r in failing if r.name not in explained}
+        add(_low_precision(a, left, seed, run_dtype=run_dtype))
     if "scale_attribute" in {r.name for r in failing}:
         declared = getattr(a, "declared_scale", None)
         scale_causes = [i for i, c in enumerate(causes) if c.id.startswith("scale_")]

@@ -344,6 +344,18 @@ class ProbedAdapter(AttentionAdapter):
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
         return self._sibling(copy.deepcopy(self.module).to(dtype))
 
+    def to(self, device: torch.device, dtype: torch.dtype) -> ProbedAdapter:
+        """A copy on ``device`` in ``dtype``, probed again there: its mask may read otherwise on another device."""
+        return ProbedAdapter(
+            copy.deepcopy(self.module).to(device=device, dtype=dtype),
+            num_heads=self.num_heads,
+            scale=self._scale_given,
+            mask_convention=self.convention,
+            name=self.name,
+            factory=self.factory,
+            dropout=self.dropout_p,
+        )
+
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 

@@ -57,7 +57,7 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
             title_justify="left",
             min_width=min(len(title), console.width),  # the title on one line, however narrow the columns
             caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
-            f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']} torch {cfg['torch']}"
+            f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']}{_where(cfg)} torch {cfg['torch']}"
             + (f"\n{cfg['called_as']}" if cfg.get("called_as") else ""),
             caption_justify="left",
         )
@@ -79,6 +79,12 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
         if report.diagnosis:
             _print_diagnosis(console, report)
         console.print()
+
+
+def _where(cfg: dict) -> str:
+    """`` on cuda:0 in bfloat16`` when the run was not on the CPU in float32 (the default says nothing)."""
+    device, dtype = cfg.get("device", "cpu"), cfg.get("dtype", "float32")
+    return "" if (device, dtype) == ("cpu", "float32") else f" on {device} in {dtype}"
 
 
 def skip_line(report: Report, width: int = 80) -> str:

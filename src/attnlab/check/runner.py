@@ -22,6 +22,8 @@ def run_checks(
     seq_len: int = 8,
     scale: float | None = None,
     diagnose: bool = True,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> Report:
     """Audit an attention module against attnlab's float64 reference.
 
@@ -36,13 +38,23 @@ def run_checks(
             ``scale`` attribute is never taken as the truth (``scale_attribute`` reports on it).
         diagnose: when a check fails, test the catalogue of known mistakes and fill
             ``report.diagnosis`` (:func:`attnlab.check.diagnose.diagnose`).
+        device: where to check it: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``... (default: where its
+            weights are). A module elsewhere is checked as a copy moved there (yours stays where it
+            is); every input and the float64 reference are made there, and the diagnosis runs there.
+        dtype: what to check it in: float32, float64, bfloat16 or float16 (``torch.bfloat16`` or
+            ``"bfloat16"``; default: its weights' dtype). In bfloat16/float16 each comparison is held
+            to flash-attention's rule, 2x plain PyTorch's error in that dtype
+            (:meth:`attnlab.check.suite.Context.tol`). A device or dtype this machine cannot check
+            on raises :class:`attnlab.runtime.UsageError` (a ``ValueError``) saying what it has.
 
     Returns:
         A :class:`Report`; ``report.ok`` is False when a check failed, and ``report.diagnosis``
         names the likely causes, most likely first. The target is left in eval mode, and the
         global RNG state is untouched.
     """
-    adapter, report = run_rows(target, checks=checks, seed=seed, batch=batch, seq_len=seq_len, scale=scale)
+    adapter, report = run_rows(
+        target, checks=checks, seed=seed, batch=batch, seq_len=seq_len, scale=scale, device=device, dtype=dtype
+    )
     if diagnose and not report.ok:
         with torch.random.fork_rng(devices=[]):  # the diagnosis draws too: leave the caller's RNG alone
             report.diagnosis = find_causes(adapter, report, seed=seed, batch=batch, seq_len=seq_len)

@@ -8,10 +8,12 @@ unless a row says otherwise, so tolerances hold for any width of output.
 from __future__ import annotations
 
 import math
+import traceback
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import TypedDict
 
 import torch
@@ -19,6 +21,7 @@ from torch import Tensor
 from torch.autograd import gradcheck
 
 from .adapters import AttentionAdapter, Projections, Unsupported
+from .device import place, resolve_device, resolve_dtype, where
 from .probe import as_adapter
 from .recipe import Recipe, recipe_attention
 from .reference import plain_attention, reference_attention
@@ -43,6 +46,12 @@ LOW_PRECISION_FACTOR, LOW_PRECISION_FLOOR = 2.0, 1e-6
 # error went past 2x plain's for 1 seed in 15 while averaging 0.9x): longer inputs than the other
 # checks, and each tensor's maximum taken over both mask cases.
 LOW_PRECISION_SEQ_LEN = 32
+# A half dtype's budget (Context.tol) is measured at the longest input of any row too (odd_lengths' 1024)
+# for that row: plain attention's rounding error grows with the number of keys it sums over.
+BUDGET_LONG_LEN = 1024
+# What a target may run in besides float32: float64 is held to float32's bounds (it has room to spare);
+# a half dtype to flash-attention's rule (Context.tol), measured on the target's own weights.
+HALF = (torch.bfloat16, torch.float16)
 # Head dims of flash-attention's test_flash_attn.py that are not powers of two, and its largest.
 HEAD_DIMS = (40, 59, 111, 256)
 # Dropout: one Bernoulli draw per (sequence, head); the dropped fraction must lie within
@@ -70,7 +79,12 @@ class _MaskKwargs(TypedDict, total=False):
 
 @dataclass
 class Context:
-    """The target and the input sizes every check uses."""
+    """The target and the input sizes every check uses.
+
+    The target runs where its weights are and in their dtype (see :mod:`attnlab.check.device`):
+    every input is drawn on the CPU from the check's own generator and moved there, so a run on a GPU
+    or in float64 sees the numbers a CPU float32 run sees, rounded to the dtype.
+    """
 
     adapter: AttentionAdapter
     batch: int = 2  # B
@@ -80,6 +94,8 @@ class Context:
     # What the reference computes: None, the textbook formula; a catalogued mistake when the
     # diagnosis asks which failing rows that mistake explains (they pass against it).
     recipe: Recipe | None = None
+    # Flash-attention's rule in a half dtype, per kind of figure (outputs, input grads): measured once.
+    _budgets: dict[tuple[bool, bool], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def generator(self, name: str) -> torch.Generator:
         """Seeded per check, so that a row's inputs do not depend on which other checks ran."""
@@ -89,8 +105,54 @@ class Context:
     def device(self) -> torch.device:
         return self.adapter.projections().q_weight.device
 
-    def inputs(self, g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        return torch.randn(*shape, generator=g).to(self.device, dtype)
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the target computes in, and the inputs are drawn in: its weights' dtype."""
+        return self.adapter.projections().q_weight.dtype
+
+    def inputs(self, g: torch.Generator, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
+        """``randn(*shape)`` from ``g``, on the target's device, in ``dtype`` (default: the target's)."""
+        return torch.randn(*shape, generator=g).to(self.device, self.dtype if dtype is None else dtype)
+
+    def tol(self, base: float, *, grads: bool = False, long: bool = False) -> float:
+        """The tolerance of a figure whose float32 bound is ``base`` (a relative error against the float64
+        reference, or of the target against itself).
+
+        float32 and float64: ``base``. bfloat16 and float16, where rounding alone is ~1e-2 and ~1e-3: at
+        least flash-attention's rule, ``LOW_PRECISION_FACTOR`` x the worst relative error of plain PyTorch
+        attention in that dtype + ``LOW_PRECISION_FLOOR``, measured once on the target's own weights
+        (see :meth:`plain_error`); ``grads``: of its input gradients; ``long``: the row runs
+        ``BUDGET_LONG_LEN`` tokens too, over which rounding grows.
+        """
+        if self.dtype not in HALF:
+            return base
+        if (grads, long) not in self._budgets:
+            self._budgets[grads, long] = LOW_PRECISION_FACTOR * self.plain_error(grads, long) + LOW_PRECISION_FLOOR
+        return max(base, self._budgets[grads, long])
+
+    def plain_error(self, grads: bool = False, long: bool = False) -> float:
+        """The worst relative error of plain attention (:func:`plain_attention`) in the target's dtype against
+        the float64 reference, or of its input gradients: over the rows' own length, ``LOW_PRECISION_SEQ_LEN``
+        and (``long``) ``BUDGET_LONG_LEN``, unmasked, causal and padding+bool.
+
+        A worst case over many samples, because a row's figure is a worst case too: against one sample of
+        plain's error, a correct module's maximum lands past 2x of it for some inputs (at T=8, 1 seed in 15).
+        """
+        a = self.adapter
+        p = a.projections()
+        heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
+        g = self.generator(f"budget[{'grads' if grads else 'outputs'}]")
+        E = a.embed_dim
+        sizes = [(self.batch, self.seq_len), (self.batch, LOW_PRECISION_SEQ_LEN)] + ([(1, BUDGET_LONG_LEN)] * long)
+        worst = 0.0
+        for B, T in sizes:
+            cases: list[_MaskKwargs] = [{}, *_low_precision_cases(self, g, T, B).values()]
+            for kw in cases:
+                x, up = self.inputs(g, B, T, E), self.inputs(g, B, T, E)  # (B, T, E) each, in the target's dtype
+                (plain,) = _low_precision_run(partial(plain_attention, p, **heads), [x], up, kw, grads)
+                (want,) = _low_precision_run(partial(reference_attention, p, **heads), [x.double()], up, kw, grads)
+                worst = max(worst, _rel(plain, want))
+        return worst
 
     def resized(
         self, name: str, *, num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None
@@ -185,10 +247,11 @@ def check_parity_self(ctx: Context) -> CheckResult:
     ref = ctx.reference(x, x, x)
     errs = {mode: _rel(_call(ctx.adapter, mode, x, x, x), ref) for mode in MODES}
     worst = max(errs, key=errs.__getitem__)
+    tol = ctx.tol(PARITY_TOL)
     return _row(
-        errs[worst] <= PARITY_TOL,
+        errs[worst] <= tol,
         errs[worst],
-        PARITY_TOL,
+        tol,
         f"unmasked, autograd and no_grad; max abs err {errs[worst] * float(ref.abs().max()):.1e}",
     )
 
@@ -204,11 +267,11 @@ def check_parity_cross(ctx: Context) -> CheckResult:
     if a.shared_kv:
         v = k  # forward(x_query, x_context): K and V come from one context
     out, ref = a(q, k, v), ctx.reference(q, k, v)
-    err = _rel(out, ref)
+    err, tol = _rel(out, ref), ctx.tol(PARITY_TOL)
     return _row(
-        err <= PARITY_TOL,
+        err <= tol,
         err,
-        PARITY_TOL,
+        tol,
         f"T_q={ctx.seq_len}, T_k={ctx.cross_len}; max abs err {(out.double() - ref).abs().max():.1e}",
     )
 
@@ -239,7 +302,8 @@ def check_parity_masked(ctx: Context) -> CheckResult:
         for mode in MODES:
             errs[f"{name}, {mode}"] = _rel(_call(ctx.adapter, mode, x, x, x, **kw), ref)
     worst = max(errs, key=errs.__getitem__)
-    return _row(errs[worst] <= PARITY_TOL, errs[worst], PARITY_TOL, f"causal, padding, bool, all; worst: {worst}")
+    tol = ctx.tol(PARITY_TOL)
+    return _row(errs[worst] <= tol, errs[worst], tol, f"causal, padding, bool, all; worst: {worst}")
 
 
 def _grad_names(a: AttentionAdapter) -> tuple[str, ...]:
@@ -259,9 +323,9 @@ def _as_qkv(leaves: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _input_grad_err(ctx: Context, x: Tensor, up: Tensor, kw: _MaskKwargs) -> float:
-    """Self-attention input gradient of ``(f(x) * up).sum()``, float32 target vs float64 reference."""
-    x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
-    (got,) = torch.autograd.grad((ctx.adapter(x32, x32, x32, **kw) * up).sum(), x32)
+    """Self-attention input gradient of ``(f(x) * up).sum()``, the target (in its dtype) vs the float64 reference."""
+    xt, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    (got,) = torch.autograd.grad((ctx.adapter(xt, xt, xt, **kw) * up).sum(), xt)
     (want,) = torch.autograd.grad((ctx.reference(x64, x64, x64, **kw) * up.double()).sum(), x64)
     return _rel(got, want)
 
@@ -291,17 +355,21 @@ def check_parity_head_dims(ctx: Context) -> CheckResult:
         pad = torch.zeros(B, T, dtype=torch.bool, device=sub.device)
         pad[0, -3:] = True
         masked: _MaskKwargs = {"is_causal": True, "key_padding_mask": pad}
+        tol = sub.tol(PARITY_TOL)  # a half dtype's rule, measured on this rebuild's own weights
         for mode in MODES:
-            items[f"D={D}, unmasked, {mode}"] = (_rel(_call(target, mode, x, x, x), sub.reference(x, x, x)), PARITY_TOL)
-        items[f"D={D}, causal+padding"] = (
-            _rel(target(x, x, x, **masked), sub.reference(x, x, x, **masked)),
-            PARITY_TOL,
+            items[f"D={D}, unmasked, {mode}"] = (_rel(_call(target, mode, x, x, x), sub.reference(x, x, x)), tol)
+        items[f"D={D}, causal+padding"] = (_rel(target(x, x, x, **masked), sub.reference(x, x, x, **masked)), tol)
+        items[f"D={D}, causal+padding, input grad"] = (
+            _input_grad_err(sub, x, up, masked),
+            sub.tol(GRAD_TOL, grads=True),
         )
-        items[f"D={D}, causal+padding, input grad"] = (_input_grad_err(sub, x, up, masked), GRAD_TOL)
     dims = ", ".join(map(str, HEAD_DIMS))
-    return _worst_row(
-        items, f"target rebuilt with H={H}, G={G} at D={dims}; outputs <= {PARITY_TOL:g}, grads <= {GRAD_TOL:g}"
+    bounds = (
+        f"outputs <= {PARITY_TOL:g}, grads <= {GRAD_TOL:g}"
+        if ctx.dtype not in HALF
+        else "2x plain PyTorch's error in the same dtype"
     )
+    return _worst_row(items, f"target rebuilt with H={H}, G={G} at D={dims}; {bounds}")
 
 
 def check_odd_lengths(ctx: Context) -> CheckResult:
@@ -324,7 +392,7 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
         kv = q if T_k is None else ctx.inputs(g, B, T_k, a.embed_dim)  # (B, T_k, E)
         ref = ctx.reference(q, kv, kv, **kw)
         for mode in MODES:
-            errs[f"{name}, {mode}"] = (_rel(_call(a, mode, q, kv, kv, **kw), ref), PARITY_TOL)
+            errs[f"{name}, {mode}"] = (_rel(_call(a, mode, q, kv, kv, **kw), ref), ctx.tol(PARITY_TOL, long=True))
     detail = "T=1, 1023, 1024 (plain, causal); " + (
         "cross T_q/T_k = 1/7, 7/1, 13/5 (plain, padding)" if cross else "cross-attention not run (unsupported)"
     )
@@ -353,9 +421,10 @@ def _low_precision_targets(ctx: Context, dtype: torch.dtype, check: str) -> tupl
     return targets, "; ".join(f"{', '.join(kinds)} not run ({reason})" for reason, kinds in not_run.items())
 
 
-def _low_precision_cases(ctx: Context, g: torch.Generator, T: int) -> dict[str, _MaskKwargs]:
-    """Causal, and padding with a bool mask; no query fully masked (plain attention gives NaN there)."""
-    B = ctx.batch
+def _low_precision_cases(ctx: Context, g: torch.Generator, T: int, B: int | None = None) -> dict[str, _MaskKwargs]:
+    """Causal, and padding with a bool mask, at B (default the context's) x T; no query fully masked (plain
+    attention gives NaN there)."""
+    B = ctx.batch if B is None else B
     keep = torch.rand(B, T, T, generator=g) > 0.4  # (B, T, T)
     keep[..., 0] = True
     pad = torch.zeros(B, T, dtype=torch.bool)
@@ -482,7 +551,9 @@ def check_grad_parity(ctx: Context) -> CheckResult:
     for name, kw in cases.items():
         errs[name] = _input_grad_err(ctx, x, up, kw)
     worst = max(errs, key=errs.__getitem__)
-    return _row(errs[worst] <= GRAD_TOL, errs[worst], GRAD_TOL, f"float32 input grads vs float64; worst: {worst}")
+    tol = ctx.tol(GRAD_TOL, grads=True)
+    where = str(ctx.dtype).removeprefix("torch.")
+    return _row(errs[worst] <= tol, errs[worst], tol, f"{where} input grads vs float64; worst: {worst}")
 
 
 # -- 4. properties -------------------------------------------------------------------------------
@@ -494,8 +565,8 @@ def check_no_causal_leak(ctx: Context) -> CheckResult:
     future = x.clone()
     future[:, half:] += 3.0 * ctx.inputs(g, B, T - half, E)  # only positions >= half change
     before, after = ctx.adapter(x, x, x, is_causal=True), ctx.adapter(future, future, future, is_causal=True)
-    err = _rel(after[:, :half], before[:, :half])
-    return _row(err <= INVARIANCE_TOL, err, INVARIANCE_TOL, f"outputs < {half} after changing tokens >= {half}")
+    err, tol = _rel(after[:, :half], before[:, :half]), ctx.tol(INVARIANCE_TOL)
+    return _row(err <= tol, err, tol, f"outputs < {half} after changing tokens >= {half}")
 
 
 def check_padding_invariance(ctx: Context) -> CheckResult:
@@ -510,8 +581,8 @@ def check_padding_invariance(ctx: Context) -> CheckResult:
     before = ctx.adapter(x, x, x, key_padding_mask=pad)
     after = ctx.adapter(changed, changed, changed, key_padding_mask=pad)
     real = ~pad  # the pad tokens' own outputs may change; nothing else may
-    err = _rel(after[real], before[real])
-    return _row(err <= INVARIANCE_TOL, err, INVARIANCE_TOL, f"non-pad outputs after rewriting {n_pad} pad tokens")
+    err, tol = _rel(after[real], before[real]), ctx.tol(INVARIANCE_TOL)
+    return _row(err <= tol, err, tol, f"non-pad outputs after rewriting {n_pad} pad tokens")
 
 
 def check_padded_kv_nonfinite(ctx: Context) -> CheckResult:
@@ -539,7 +610,7 @@ def check_padded_kv_nonfinite(ctx: Context) -> CheckResult:
                 after = _call(a, mode, *poisoned, key_padding_mask=pad)[rows]
                 bad += int((~torch.isfinite(after)).sum())
                 worst = max(worst, _rel(after, before))
-            items[f"{poison}, {case}"] = (worst, INVARIANCE_TOL)
+            items[f"{poison}, {case}"] = (worst, ctx.tol(INVARIANCE_TOL))
             findings.append(f"{poison} {case}: " + (f"{bad} NaN/inf outputs" if bad else f"finite, err {worst:.1e}"))
     detail = (
         f"pad rows of the K/V inputs set to NaN, inf; real queries' outputs vs clean pad rows ({'; '.join(findings)})"
@@ -552,8 +623,8 @@ def check_permutation_equivariance(ctx: Context) -> CheckResult:
     x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
     perm = torch.randperm(ctx.seq_len, generator=g).to(ctx.device)
     xp = x[:, perm]  # (B, T, E), positions shuffled
-    err = _rel(ctx.adapter(xp, xp, xp), ctx.adapter(x, x, x)[:, perm])
-    return _row(err <= PARITY_TOL, err, PARITY_TOL, "f(x[:, perm]) vs f(x)[:, perm], unmasked")
+    err, tol = _rel(ctx.adapter(xp, xp, xp), ctx.adapter(x, x, x)[:, perm]), ctx.tol(PARITY_TOL)
+    return _row(err <= tol, err, tol, "f(x[:, perm]) vs f(x)[:, perm], unmasked")
 
 
 def check_fully_masked_rows(ctx: Context) -> CheckResult:
@@ -582,7 +653,8 @@ def check_fully_masked_rows(ctx: Context) -> CheckResult:
             findings.append(f"{mode}: {bad_grad} NaN/inf input grads")
         else:
             findings.append(f"{mode}: finite, err {err:.1e}")
-    return _row(worst <= PARITY_TOL, worst, PARITY_TOL, "; ".join(findings))
+    tol = ctx.tol(PARITY_TOL)
+    return _row(worst <= tol, worst, tol, "; ".join(findings))
 
 
 # -- 5. mask semantics -------------------------------------------------------------------------
@@ -602,9 +674,8 @@ def check_mask_semantics(ctx: Context) -> CheckResult:
         return _skip(str(e))
     err_keep = _rel(out, ctx.reference(x, x, x, keep_mask=mask))
     err_block = _rel(out, ctx.reference(x, x, x, keep_mask=~mask))
-    found = (
-        "True = may attend" if err_keep <= PARITY_TOL else "True = blocked" if err_block <= PARITY_TOL else "neither"
-    )
+    tol = ctx.tol(PARITY_TOL)
+    found = "True = may attend" if err_keep <= tol else "True = blocked" if err_block <= tol else "neither"
     meaning: dict[str | None, str] = {"keep": "True = may attend", "block": "True = blocked"}
     declared = meaning.get(getattr(a, "bool_mask_convention", None))
     ok = found != "neither" and declared in (None, found)
@@ -644,7 +715,7 @@ def check_attention_weights(ctx: Context) -> CheckResult:
             return _row(
                 False, "shape", str(list(want.shape)), f"{name}: weights {list(got.shape)}, want {list(want.shape)}"
             )
-        items[name] = (_rel(got, want), PARITY_TOL)
+        items[name] = (_rel(got, want), ctx.tol(PARITY_TOL))
     return _worst_row(items, f"returned weights {shape} vs softmax(Q K^T * scale) of the reference")
 
 
@@ -682,8 +753,8 @@ def check_kv_cache(ctx: Context) -> CheckResult:
         out = ctx.adapter.decode_with_cache(x, chunks)
     except Unsupported as e:
         return _skip(str(e))
-    err = _rel(out, ctx.reference(x, x, x, is_causal=True))
-    return _row(err <= PARITY_TOL, err, PARITY_TOL, f"chunks {chunks} vs full causal reference")
+    err, tol = _rel(out, ctx.reference(x, x, x, is_causal=True)), ctx.tol(PARITY_TOL)
+    return _row(err <= tol, err, tol, f"chunks {chunks} vs full causal reference")
 
 
 # -- 7. eval mode --------------------------------------------------------------------------------
@@ -751,12 +822,12 @@ def check_dropout_off_in_eval(ctx: Context) -> CheckResult:
         train_gap = float((a(x, x, x) - a(x, x, x)).detach().abs().max())
     finally:
         a.set_training(False)
-    err = _rel(a(x, x, x), ctx.reference(x, x, x))
+    err, tol = _rel(a(x, x, x), ctx.reference(x, x, x)), ctx.tol(PARITY_TOL)
     active = "active" if train_gap > 0 else "INACTIVE even"
     return _row(
-        err <= PARITY_TOL,
+        err <= tol,
         err,
-        PARITY_TOL,
+        tol,
         f"p={p:g} {active} in train (calls differ by {train_gap:.1e}); eval vs reference",
     )
 
@@ -852,6 +923,40 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
 CROSS_ATTENTION_CHECKS = frozenset({"parity_cross"})
 
 
+def placed(target: object, device: str | torch.device | None, dtype: str | torch.dtype | None) -> object:
+    """``target`` on ``device`` in ``dtype`` (each None: where and as it is), both checked first.
+
+    Raises:
+        UsageError: a ``ValueError`` naming the argument, what was given, what this machine has and the fix.
+    """
+    if device is None and dtype is None:
+        return target
+    now = where(target)
+    dev = resolve_device(device, flag="device") if device is not None else None
+    dt = resolve_dtype(dtype, dev or (now[0] if now else None), flag="dtype") if dtype is not None else None
+    return place(target, dev, dt)
+
+
+# Frames that are not the target's own code: torch's, and attnlab's (this package's parent).
+_NOT_THEIRS = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])
+
+
+def raised_at(error: BaseException) -> str:
+    """Where the target's own code raised ``error``: ``file.py:LINE: the line``, the innermost frame outside
+    torch and attnlab (a frame of the user's module); empty when every frame is theirs or ours."""
+    return their_line(traceback.extract_tb(error.__traceback__))
+
+
+def their_line(frames: list[traceback.FrameSummary]) -> str:
+    """``file.py:LINE: the line`` of the innermost of ``frames`` (outermost first) that is the target's own
+    code, not torch's or attnlab's; empty when there is none."""
+    theirs = [f for f in frames if not any(Path(f.filename).resolve().is_relative_to(r) for r in _NOT_THEIRS)]
+    if not theirs:
+        return ""
+    f = theirs[-1]
+    return f"{Path(f.filename).name}:{f.lineno}: {(f.line or '').strip()}"
+
+
 def run_rows(
     target: object,
     *,
@@ -860,9 +965,11 @@ def run_rows(
     batch: int = 2,
     seq_len: int = 8,
     scale: float | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[AttentionAdapter, Report]:
     """The rows of :func:`attnlab.check.run_checks`, without the diagnosis: ``(the adapter, the report)``."""
-    adapter = as_adapter(target, scale=scale)
+    adapter = as_adapter(placed(target, device, dtype), scale=scale)
     names = list(CHECKS) if checks is None else list(checks)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
@@ -881,6 +988,8 @@ def run_rows(
             "batch": batch,
             "seq_len": seq_len,
             "seed": seed,
+            "device": str(ctx.device),
+            "dtype": str(ctx.dtype).removeprefix("torch."),
             "torch": torch.__version__,
             **({"called_as": adapter.describe()} if hasattr(adapter, "describe") else {}),
         },
@@ -903,7 +1012,12 @@ def run_rows(
                 result = _skip(str(e))
             except Exception as e:  # a crash is a finding about the target, not a crash of the suite
                 result = CheckResult(
-                    "", "fail", None, None, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    "",
+                    "fail",
+                    None,
+                    None,
+                    f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                    data={"raised_at": at} if (at := raised_at(e)) else {},
                 )
             report.results.append(replace(result, name=name))
     return adapter, report

@@ -26,13 +26,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
 
 from ..runtime import UsageError
 from .adapters import AttentionAdapter
+from .device import place, resolve_device, resolve_dtype
 from .probe import NotAttention, ProbedAdapter, as_adapter
 
 __all__ = ["TargetError", "build_target", "load_object", "random_biases"]
@@ -177,8 +178,14 @@ def build_target(
     seed: int,
     scale: float | None = None,
     mask_convention: Literal["keep", "block"] | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> AttentionAdapter:
-    """The adapter for ``--target spec``, built at those sizes (see the module docstring)."""
+    """The adapter for ``--target spec``, built at those sizes (see the module docstring), then moved to
+    ``device`` in ``dtype`` (each None: where and as it was built) before its call form and mask are probed:
+    a module may behave otherwise on another device. An instance named by ``spec`` is copied, not moved."""
+    dev = None if device is None else resolve_device(device, "--device")
+    dt = None if dtype is None else resolve_dtype(dtype, dev, "--dtype")
     obj, attr = load_object(spec)
     wanted: dict[str, object] = {
         "embed_dim": embed_dim,
@@ -206,7 +213,8 @@ def build_target(
             f"--target {spec!r}: {attr} is a {type(obj).__name__}, not an nn.Module class, a factory or a module."
         )
     if isinstance(built, nn.Module):
-        random_biases(built, seed)
+        random_biases(built, seed)  # drawn on the CPU, as in every run: then moved
+        built = place(built, dev, dt, copy_module=built is obj)
     if isinstance(built, nn.Module) and not isinstance(built, nn.MultiheadAttention):
         from ..core.attention import MultiHeadAttention
 
@@ -227,8 +235,10 @@ def build_target(
             _check_runs(spec, probed)
             return probed
     try:
-        adapter: AttentionAdapter = as_adapter(built, scale=scale)
+        adapter = cast(AttentionAdapter, place(as_adapter(built, scale=scale), dev, dt))
     except TypeError as e:
+        raise TargetError(f"--target {spec!r}: {e}") from None
+    except ValueError as e:  # an adapter elsewhere without to(): its message names the fix
         raise TargetError(f"--target {spec!r}: {e}") from None
     if isinstance(adapter, AttentionAdapter) and adapter.factory is None:
         adapter.factory = factory  # the head-dim and head-layout checks rebuild the target through it

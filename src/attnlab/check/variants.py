@@ -21,12 +21,14 @@ from .result import CheckResult
 
 __all__ = ["VARIANT_CHECKS"]
 
-VARIANT_TOL = 2e-5  # float32 against float64, as the parity rows
+VARIANT_TOL = 2e-5  # float32 against float64, as the parity rows (a half dtype: the context's rule, ctx.tol)
 WINDOW, SOFTCAP = 3, 2.0
 
 
-def _row(ok: bool, measured: float, detail: str) -> CheckResult:
-    return CheckResult("", "pass" if ok else "fail", measured, VARIANT_TOL, detail)
+def _row(ctx: Any, measured: float, detail: str) -> CheckResult:
+    """Pass when ``measured`` is within the variant tolerance for the target's dtype."""
+    tol = ctx.tol(VARIANT_TOL)
+    return CheckResult("", "pass" if measured <= tol else "fail", measured, tol, detail)
 
 
 def _skip(reason: str) -> CheckResult:
@@ -118,7 +120,7 @@ def check_window(ctx: Any) -> CheckResult:
         return _skip(m)
     x, W = _input(ctx, "variant_window", m), int(m.window)  # type: ignore[arg-type]
     err = _rel(m(x, is_causal=True), _formula(m, x, keep=_band(x.size(1), W).to(x.device)))
-    return _row(err <= VARIANT_TOL, err, f"window={W}: query i sees keys i-{W} < j <= i (explicit band mask)")
+    return _row(ctx, err, f"window={W}: query i sees keys i-{W} < j <= i (explicit band mask)")
 
 
 def check_softcap(ctx: Any) -> CheckResult:
@@ -129,7 +131,7 @@ def check_softcap(ctx: Any) -> CheckResult:
     T = x.size(1)
     keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     err = _rel(m(x, is_causal=True), _formula(m, x, keep=keep, softcap=C))
-    return _row(err <= VARIANT_TOL, err, f"softcap={C:g}: C * tanh(scores / C), causal")
+    return _row(ctx, err, f"softcap={C:g}: C * tanh(scores / C), causal")
 
 
 def check_alibi(ctx: Any) -> CheckResult:
@@ -145,7 +147,7 @@ def check_alibi(ctx: Any) -> CheckResult:
     bias = (-torch.tensor(slopes, dtype=torch.float64)[:, None, None] * (i - j).abs()).to(x.device)
     keep = (j <= i).to(x.device)
     err = _rel(m(x, is_causal=True), _formula(m, x, keep=keep, bias=bias[None]))
-    return _row(err <= VARIANT_TOL, err, f"ALiBi: -m_h |i - j|, slopes {slopes[0]:g} .. {slopes[-1]:g}, causal")
+    return _row(ctx, err, f"ALiBi: -m_h |i - j|, slopes {slopes[0]:g} .. {slopes[-1]:g}, causal")
 
 
 def check_sinks(ctx: Any) -> CheckResult:
@@ -156,7 +158,7 @@ def check_sinks(ctx: Any) -> CheckResult:
     T = x.size(1)
     keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     err = _rel(m(x, is_causal=True), _formula(m, x, keep=keep, sinks=torch.as_tensor(m.sinks).detach()))
-    return _row(err <= VARIANT_TOL, err, "sinks: exp(s_h) added to every row's softmax denominator, causal")
+    return _row(ctx, err, "sinks: exp(s_h) added to every row's softmax denominator, causal")
 
 
 def check_documents(ctx: Any) -> CheckResult:
@@ -172,7 +174,7 @@ def check_documents(ctx: Any) -> CheckResult:
         [_formula(m, part, keep=_band(part.size(1), T).to(x.device)) for part in (x[:, :cut], x[:, cut:])], 1
     )
     err = _rel(packed, alone)
-    return _row(err <= VARIANT_TOL, err, f"document_ids: a row packing {cut} + {T - cut} tokens equals each alone")
+    return _row(ctx, err, f"document_ids: a row packing {cut} + {T - cut} tokens equals each alone")
 
 
 def check_rolling_cache(ctx: Any) -> CheckResult:
@@ -189,9 +191,7 @@ def check_rolling_cache(ctx: Any) -> CheckResult:
             m(x[:, t : t + 1], is_causal=True, kv_cache=cache, cache_positions=torch.tensor([t], device=x.device))
         )
     err = _rel(torch.cat(outs, 1), _formula(m, x, keep=_band(T, W).to(x.device)))
-    return _row(
-        err <= VARIANT_TOL, err, f"window={W}, a {W}-slot rolling cache: prefill {first} then decode token by token"
-    )
+    return _row(ctx, err, f"window={W}, a {W}-slot rolling cache: prefill {first} then decode token by token")
 
 
 VARIANT_CHECKS: dict[str, Callable[[Any], CheckResult]] = {
