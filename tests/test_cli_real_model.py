@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shlex
 import time
 
 import pytest
@@ -247,11 +248,18 @@ def test_layer_without_model_and_a_conflicting_width_are_errors(command, cli, ca
 # -- demo ----------------------------------------------------------------------------------------------------------
 
 
-def test_demo_step_answers_with_smollm2(cli, capsys):
+def test_demo_step_answers_with_smollm2_and_prints_its_speed(cli, capsys):
     demo._real_model_answer()
-    out = capsys.readouterr().out
-    assert out.startswith("$ attnlab generate --model smollm2 --chat --prompt 'What is the capital of France?'")
-    assert "Paris" in out
+    out, err = capsys.readouterr()
+    command, answer, speed = out.rstrip("\n").split("\n")
+    assert command == (
+        f"$ attnlab generate --model smollm2 --chat --prompt {shlex.quote(demo.QUESTION)} --temperature 0 "
+        f"--max-new-tokens {demo.REAL_MODEL_TOKENS}"
+    )
+    assert "attention" in answer.lower()
+    (rate,) = _rate_lines(err)
+    decoded = int(rate[2])
+    assert speed.startswith(f"speed: attnlab decoded {decoded} tokens at ")
 
 
 def test_demo_step_is_skipped_with_the_install_command_without_the_package(capsys, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import sys
 from types import SimpleNamespace
 
@@ -146,11 +147,16 @@ def ids_of(tok, token: str) -> int:
     return tok.convert_tokens_to_ids(token)
 
 
+# The first line on stderr once a model is loaded (tests/test_weights_choice.py tests what it says).
+WEIGHTS_LINE = re.compile(r"^attnlab: weights [^\n]*\n")
+
+
 def run(capsys, *args: str) -> tuple[int, str, str]:
+    """``attnlab generate *args``: its exit code, stdout, and stderr after the weights line."""
     code = main(["generate", *args])
     out, err = capsys.readouterr()
     assert "Traceback" not in err
-    return code, out, err
+    return code, out, WEIGHTS_LINE.sub("", err, count=1)
 
 
 def one_error(err: str) -> str:

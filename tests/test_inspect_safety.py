@@ -301,7 +301,7 @@ def test_a_text_the_shell_could_not_decode_is_named_by_its_byte(
         (["--max-tokens", "1"], "--max-tokens must be an integer >= 2, got 1"),
         (["--left-pad", "-1"], "--left-pad must be an integer >= 0, got -1"),
         (["--seed", "-1"], "--seed must be an integer >= 0"),
-        (["--dtype", "float16"], "--dtype 'float16': inspect runs the model in float32 or bfloat16"),
+        (["--dtype", "float16"], "--dtype 'float16': inspect runs the model in auto, gguf, float32 or bfloat16"),
         (["--text", "ab", "--text-file", "x.txt"], "give --text or --text-file, not both"),
         (["--text-file", "missing.txt"], "--text-file 'missing.txt' does not exist"),
         (["--text-file", "binary.bin"], "--text-file 'binary.bin' holds NUL bytes: a binary file"),

@@ -326,5 +326,7 @@ def test_hf_directory_without_weights_and_bad_dtype(tmp_path):
     hf_llama().config.save_pretrained(tmp_path)
     with pytest.raises(UsageError, match=r"has a config.json but no \*.safetensors weights"):
         from_pretrained(tmp_path)
-    with pytest.raises(UsageError, match=r"dtype must be one of .*got torch.int8"):
+    with pytest.raises(
+        UsageError, match=r"dtype torch.int8 is not a weight dtype; use auto .* float32, bfloat16 or float16"
+    ):
         from_pretrained(tmp_path, dtype=torch.int8)

@@ -145,9 +145,12 @@ def test_mixed_file_keeps_the_quantized_tensors_and_floats_the_rest(tmp_path):
 
 def test_gguf_dtype_refusals_name_the_fix(tmp_path):
     hf_llama().save_pretrained(tmp_path / "hf")
-    with pytest.raises(UsageError, match=r"dtype='gguf' keeps a GGUF file's quantized weights, but .* is a directory"):
+    with pytest.raises(
+        UsageError,
+        match=r"dtype gguf keeps a GGUF file's blocks as stored, but '.*hf' is not a .gguf file; pass a float dtype",
+    ):
         from_pretrained(tmp_path / "hf", dtype="gguf")
-    with pytest.raises(UsageError, match=r"dtype must be one of .* or 'gguf', got 'q4'"):
+    with pytest.raises(UsageError, match=r"dtype 'q4' is not a weight dtype; use auto"):
         from_pretrained(tmp_path / "hf", dtype="q4")
 
 

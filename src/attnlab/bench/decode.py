@@ -14,6 +14,7 @@ import copy
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -25,6 +26,7 @@ import torch
 from ..models.generation import generate
 from ..models.gguf import open_gguf
 from ..models.gpt import GPTConfig, TinyGPT
+from ..models.precision import choose_weights, is_gguf_source, parse_weights, weights_name
 from ..runtime import (
     INTERRUPTS,
     LimitError,
@@ -142,8 +144,10 @@ def bench_decode(
         compile: also run attnlab's cached decode with the step under torch.compile(fullgraph=True);
             with --model also HF generate with a static cache and torch.compile (HF's fastest).
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
-        dtype: auto (float32 on cpu, bfloat16 on cuda; with --model both float32 and bfloat16),
-            float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64).
+        dtype: the weights, by the names every command takes: auto (float32 on cpu, bfloat16 on cuda;
+            with --model both float32 and bfloat16 rows, and for a GGUF file on a CPU its blocks as stored
+            and llama.cpp beside float32), gguf (with --model: only the blocks as stored and llama.cpp),
+            float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64). One line says which ran and why.
         threads: torch.set_num_threads (default: torch's choice).
         out_dir: where decode.json and decode.md (decode_model.* with --model) are written
             (checked writable before anything runs).
@@ -170,6 +174,11 @@ def bench_decode(
         vocab_size,
         threads,
     )
+    if parse_weights(dtype, "--dtype") == "gguf":
+        raise UsageError(
+            "--dtype gguf runs a GGUF file's blocks as stored, and the GPT-2 sweep's model is random float weights; "
+            "pass --model smollm2 (or a .gguf file) with it, or a float --dtype such as float32."
+        )
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     out_dir = check_writable_dir(out_dir, "--out-dir")
@@ -334,12 +343,36 @@ def _bench_model_command(
     if threads is not None:
         check_range("--threads", threads, low=1, integer=True, hint="or leave it out for torch's choice")
     dev = resolve_device(device)
-    dtypes = (torch.float32, torch.bfloat16) if dtype == "auto" else (resolve_dtype(dtype, dev),)
+    dtypes, why = _model_dtypes(source, dtype, dev)
     out = check_writable_dir(out_dir, "--out-dir")
+    from ..models.pretrained import locate
+
+    locate(source)  # a missing file is refused before any line about what will run
+    print(f"attnlab: weights {why}", file=sys.stderr, flush=True)
+    hf = hf and dtypes != ("gguf",)  # Hugging Face has no runner for the blocks as stored
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     return bench_decode_model(source, batch_sizes, dtypes, prompt_len, new, repeats, hf, compile, dev, out, seed)
+
+
+def _model_dtypes(source: str, dtype: str, device: torch.device) -> tuple[tuple[torch.dtype | str, ...], str]:
+    """The rows ``--dtype`` asks of ``bench-decode --model`` (``"gguf"``: the file's blocks as stored and
+    llama.cpp), and the line that says what they are and why."""
+    name = parse_weights(dtype, "--dtype")
+    if name == "auto":
+        gguf_beside = is_gguf_source(source) and device.type == "cpu"
+        also = ", with the GGUF's blocks as stored and llama.cpp beside float32" if gguf_beside else ""
+        return (torch.float32, torch.bfloat16), (
+            f"float32 and bfloat16{also}: bench-decode's default measures each way to run the model side by side; "
+            f"--dtype names one"
+        )
+    if name == "gguf":
+        choose_weights(name, task="generate", source=source, device=device)  # a GGUF file, on a CPU
+        return (
+            "gguf",
+        ), "gguf (--dtype gguf asked for it): the file's blocks as stored, beside llama.cpp on the same file"
+    return (resolve_dtype(name, device),), f"{name} (--dtype {name} asked for it)"
 
 
 _SHORT = {
@@ -516,7 +549,7 @@ def _hf_runner(hf_model: Any, best: bool) -> Callable[[torch.Tensor, int], torch
 def bench_decode_model(
     source: str,
     batch_sizes: tuple[int, ...],
-    dtypes: tuple[torch.dtype, ...],
+    dtypes: tuple[torch.dtype | str, ...],
     prompt_len: int,
     max_new_tokens: int,
     repeats: int,
@@ -605,13 +638,19 @@ def bench_decode_model(
 
     try:
         for dt in dtypes:
-            model = base if dt == torch.float32 else copy.deepcopy(base).to(dtype=dt)  # .to keeps the head's layout
-            hf_model = None if hf_base is None else hf_base if dt == torch.float32 else copy.deepcopy(hf_base).to(dt)
-            dtype_name = str(dt).removeprefix("torch.")
+            if isinstance(dt, str):  # "gguf": only the blocks as stored, and llama.cpp
+                model, hf_model, row_extra = None, None, extra
+            else:
+                model = base if dt == torch.float32 else copy.deepcopy(base).to(dtype=dt)  # .to keeps the head's layout
+                hf_model = (
+                    None if hf_base is None else hf_base if dt == torch.float32 else copy.deepcopy(hf_base).to(dt)
+                )
+                row_extra = extra if dt == torch.float32 else {}
+            dtype_name = weights_name(dt)
             for batch in batch_sizes:
                 row = _measure_model_row(
                     model, hf_model, dt, batch, vocab, prompt_len, max_new_tokens, repeats, compile, device,
-                    seed, bandwidth, failed_runner, extra if dt == torch.float32 else {},
+                    seed, bandwidth, failed_runner, row_extra, base.kv_cache_bytes_per_token,
                 )  # fmt: skip
                 if row is not None:
                     results.append(row)
@@ -651,7 +690,7 @@ def _check_fits(
     source: str,
     model: Any,
     batch_sizes: tuple[int, ...],
-    dtypes: tuple[torch.dtype, ...],
+    dtypes: tuple[torch.dtype | str, ...],
     prompt_len: int,
     max_new_tokens: int,
     hf: bool,
@@ -667,7 +706,8 @@ def _check_fits(
         )
     batch, length = max(batch_sizes), prompt_len + max_new_tokens
     runners = 2 if hf else 1  # HF holds its own weights, cache and logits
-    weights = model.num_params() * (4 + sum(dt.itemsize for dt in dtypes if dt != torch.float32)) * runners
+    itemsizes = [dt.itemsize for dt in dtypes if isinstance(dt, torch.dtype) and dt != torch.float32]
+    weights = model.num_params() * (4 + sum(itemsizes)) * runners  # "gguf": its blocks are fewer than float32's
     per_row = length * (model.kv_cache_bytes_per_token + 4 * model.config.vocab_size)  # fp32 K/V + a logits row
     need = weights + runners * batch * per_row
     free = available_bytes(device)
@@ -693,7 +733,7 @@ def _context_fix(block: int, prompt_len: int, max_new_tokens: int) -> str:
 def _measure_model_row(
     model: Any,
     hf_model: Any,
-    dt: torch.dtype,
+    dt: torch.dtype | str,
     batch: int,
     vocab: int,
     prompt_len: int,
@@ -705,19 +745,22 @@ def _measure_model_row(
     bandwidth: float,
     failed_runner: Callable[[str, Exception, str], None],
     extra: dict[str, Any] | None = None,
+    kv_bytes_per_token: int = 0,
 ) -> dict[str, Any] | None:
     """One (dtype, batch) row: every runner warmed up, then timed interleaved; None when every runner failed.
 
-    ``extra`` (float32 rows of a GGUF source): ``gguf_model`` (the file's blocks as stored) and ``llama_cpp`` (a
-    runner, batch 1 only) with ``llama_cpp_bytes``, the file's tensor bytes."""
+    ``extra`` (float32 and gguf rows of a GGUF source): ``gguf_model`` (the file's blocks as stored) and
+    ``llama_cpp`` (a runner, batch 1 only) with ``llama_cpp_bytes``, the file's tensor bytes. ``model`` is None
+    in a ``"gguf"`` row (``--dtype gguf``), which runs those two only; ``kv_bytes_per_token``: the float32
+    K/V cache's, for the bytes a step reads."""
     extra = extra or {}
-    dtype_name = str(dt).removeprefix("torch.")
+    dtype_name = weights_name(dt)
     gen = torch.Generator().manual_seed(seed + batch)
     idx = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
-    runners: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-        "attnlab": partial(generate, model, temperature=0)
-    }
-    if compile:
+    runners: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {}
+    if model is not None:
+        runners["attnlab"] = partial(generate, model, temperature=0)
+    if compile and model is not None:
         runners["attnlab compiled"] = partial(generate, model, temperature=0, compile=True)
     gguf_model = extra.get("gguf_model")
     if gguf_model is not None:
@@ -757,8 +800,13 @@ def _measure_model_row(
     # Each runner's own bytes: float weights at their itemsize; the GGUF's blocks as stored (attnlab gguf, and
     # llama.cpp, whose K/V cache is float16).
     mean_context = prompt_len + max_new_tokens / 2
-    kv = batch * mean_context * model.kv_cache_bytes_per_token  # float32 K/V (bf16 rows: at that itemsize)
-    step_bytes = model.num_params() * dt.itemsize + kv
+    kv = batch * mean_context * kv_bytes_per_token  # float32 K/V (bf16 rows: at that itemsize)
+    if isinstance(dt, torch.dtype):
+        kv = kv * dt.itemsize / 4
+        step_bytes = model.num_params() * dt.itemsize + kv
+    else:  # a gguf row: the blocks' bytes are its floor
+        assert gguf_model is not None  # a gguf row comes with the file's model
+        step_bytes = gguf_model.weight_bytes() + kv
     own_bytes = {name: step_bytes for name in runners}
     if gguf_model is not None:
         own_bytes["attnlab gguf"] = gguf_model.weight_bytes() + kv

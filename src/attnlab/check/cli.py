@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core.attention import Backend, MultiHeadAttention
 from ..models import pretrained
+from ..models.precision import is_gguf_source
 from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
@@ -36,8 +37,9 @@ SLOW_ON_MODELS = "gradcheck[plain]"  # one forward per input element: 2304 of th
 
 def model_layer(command: str, model: str, layer: int) -> tuple[nn.Module, str, MultiHeadAttention]:
     """``(the model, the layer's name, its attention)``: the ``layer``-th :class:`MultiHeadAttention` of
-    ``from_pretrained(model)``; a :class:`UsageError` naming the valid range when there is none."""
-    lm, _ = pretrained.from_pretrained(model)  # UsageError naming what is wrong with the source
+    ``from_pretrained(model)`` in float32 (see :func:`say_layer_weights`); a :class:`UsageError` naming the valid
+    range when there is none."""
+    lm, _ = pretrained.from_pretrained(model, dtype=torch.float32)  # UsageError naming what is wrong with it
     layers = [(name, m) for name, m in lm.named_modules() if isinstance(m, MultiHeadAttention)]
     if not layers:
         raise UsageError(
@@ -51,6 +53,24 @@ def model_layer(command: str, model: str, layer: int) -> tuple[nn.Module, str, M
         )
     name, attn = layers[layer]
     return lm, name, attn
+
+
+def say_layer_weights(command: str, model: str) -> None:
+    """One line on stderr, once the flags are accepted: the layer's weights are float32 (a GGUF file's blocks
+    dequantized once at load), and why: check compares with a float64 reference and trace prints the float
+    model's numbers, which the quantized kernels' int8 rounding would blur."""
+    why = (
+        "the float64 reference is compared with the float model, not with int8 rounding; --dtype sets the "
+        "dtype the checks compute in"
+        if command == "check"
+        else "each stage's numbers as the float model computes them"
+    )
+    print(
+        f"attnlab: weights float32: {command}'s default for a real model's layer: its exact float weights"
+        f"{' (the GGUF blocks dequantized once at load)' if is_gguf_source(model) else ''}; {why}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def model_flag_conflicts(
@@ -194,6 +214,7 @@ def _model_targets(
         },
     )
     _validate(target, attn.embed_dim, attn.num_heads, attn.num_kv_heads, attn.dropout, batch_size, seq_len, checks)
+    say_layer_weights("check", model)
     backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
     copies: list[object] = []
     for b in backends:

