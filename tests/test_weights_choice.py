@@ -316,7 +316,8 @@ def test_bench_decode_gguf_rows_run_the_blocks_and_their_bytes(monkeypatch, tmp_
     )
     args = ["bench-decode", "--model", "smollm2", "--dtype", "gguf", "--batch-sizes", "1", "--prompt-len", "4"]
     assert main([*args, "--max-new-tokens", "3", "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
-    assert "attnlab: weights gguf (--dtype gguf asked for it)" in capsys.readouterr().err
+    out = capsys.readouterr().out  # beside the progress lines: stderr stays for errors
+    assert "\nweights gguf (--dtype gguf asked for it): the file's blocks as stored," in out
     import json
 
     (row,) = json.loads((tmp_path / "decode_model.json").read_text())["results"]
@@ -326,10 +327,8 @@ def test_bench_decode_gguf_rows_run_the_blocks_and_their_bytes(monkeypatch, tmp_
 
 @pytest.mark.parametrize("command", ["check", "trace"])
 def test_check_and_trace_read_a_layer_in_float32_and_say_why(served, capsys, command):
-    assert (
-        main([command, "--model", "smollm2", "--layer", "0", *(["--checks", "parity_self"] if command == "check" else [])])
-        == 0
-    )
+    checks = ["--checks", "parity_self"] if command == "check" else []
+    assert main([command, "--model", "smollm2", "--layer", "0", *checks]) == 0
     assert served == [torch.float32]
     line = _weights_line(capsys.readouterr().err)
     assert line.startswith(

@@ -14,7 +14,6 @@ import copy
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +25,7 @@ import torch
 from ..models.generation import generate
 from ..models.gguf import open_gguf
 from ..models.gpt import GPTConfig, TinyGPT
+from ..models.llama_cpp import llama_cpp_runner as _llama_cpp_runner  # tests stand in for it here
 from ..models.precision import choose_weights, is_gguf_source, parse_weights, weights_name
 from ..runtime import (
     INTERRUPTS,
@@ -345,15 +345,13 @@ def _bench_model_command(
     dev = resolve_device(device)
     dtypes, why = _model_dtypes(source, dtype, dev)
     out = check_writable_dir(out_dir, "--out-dir")
-    from ..models.pretrained import locate
-
-    locate(source)  # a missing file is refused before any line about what will run
-    print(f"attnlab: weights {why}", file=sys.stderr, flush=True)
     hf = hf and dtypes != ("gguf",)  # Hugging Face has no runner for the blocks as stored
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    return bench_decode_model(source, batch_sizes, dtypes, prompt_len, new, repeats, hf, compile, dev, out, seed)
+    return bench_decode_model(
+        source, batch_sizes, dtypes, prompt_len, new, repeats, hf, compile, dev, out, seed, weights=why
+    )
 
 
 def _model_dtypes(source: str, dtype: str, device: torch.device) -> tuple[tuple[torch.dtype | str, ...], str]:
@@ -463,28 +461,6 @@ def _llama_cpp_available() -> str | None:
     return None
 
 
-def _llama_cpp_runner(path: Path, n_ctx: int, threads: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """llama.cpp (llama-cpp-python) on the same GGUF file, greedy, ``n`` new tokens after the prompt ids; ``(1, T + n)``.
-
-    Batch 1 only: llama-cpp-python's API decodes one sequence at a time. Its log output is silenced.
-    """
-    from llama_cpp import Llama as LlamaCpp
-
-    llm = LlamaCpp(model_path=str(path), n_threads=threads, n_ctx=n_ctx, n_batch=n_ctx, verbose=False)
-
-    def run(idx: torch.Tensor, n: int) -> torch.Tensor:
-        prompt = idx[0].tolist()
-        llm.reset()
-        out: list[int] = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            out.append(int(token))
-            if len(out) == n:
-                break
-        return torch.tensor([prompt + out])
-
-    return run
-
-
 def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes per second of ``dst.copy_(src)`` on ``megabytes`` of float32, reads plus writes (best of ``repeats``).
 
@@ -558,8 +534,12 @@ def bench_decode_model(
     device: torch.device,
     out_dir: Path,
     seed: int,
+    weights: str = "",
 ) -> int:
-    """``bench-decode --model``: decode tokens/s, prefill tokens/s and bandwidth fraction per batch and dtype."""
+    """``bench-decode --model``: decode tokens/s, prefill tokens/s and bandwidth fraction per batch and dtype.
+
+    ``weights``: which weights the rows run and why, printed (``weights: ...``) once the model has loaded and
+    the run fits, beside the progress lines on stdout (stderr stays for errors)."""
     from ..models.pretrained import from_pretrained, locate
 
     locate(source)  # a missing file is refused before the line that says it is loading
@@ -571,6 +551,8 @@ def bench_decode_model(
     base: Any  # a Llama or a TinyGPT: num_params, kv_cache_bytes_per_token, config.vocab_size
     base, _ = from_pretrained(source, dtype=torch.float32, device=device)
     _check_fits(source, base, batch_sizes, dtypes, prompt_len, max_new_tokens, hf, device)  # before HF loads
+    if weights:
+        print(wrap(f"weights {weights}", width), flush=True)
     hf_base = _load_hf(source, torch.float32, device) if hf else None
     failures: dict[str, str] = {}  # runner -> why it did not run
     # The same GGUF as stored (dtype="gguf") and llama.cpp on it, beside the float32 runners

@@ -136,10 +136,10 @@ def _speed_line(ours: StreamRate, path: Path) -> str:
 def _llama_cpp_rate(path: Path, prompt_tokens: int, new_tokens: int) -> float:
     """llama.cpp's greedy decode tokens/s on ``path`` for ``new_tokens`` after a prompt of ``prompt_tokens``, as
     ``bench-decode`` measures it: (t(n) - t(1)) / (n - 1), the better of two runs after a warm-up."""
-    from ..bench.decode import _llama_cpp_runner
+    from ..models.llama_cpp import llama_cpp_runner
 
     n = max(new_tokens, 2)
-    run = _llama_cpp_runner(path, prompt_tokens + n + 8, torch.get_num_threads())
+    run = llama_cpp_runner(path, prompt_tokens + n + 8, torch.get_num_threads())
     idx = torch.randint(0, 1000, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     run(idx, n)  # warm-up
     best = float("inf")
