@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from attnlab.check import CHECKS, run_checks
-from attnlab.check.catalogue import MISTAKES
+from attnlab.check.catalogue import MISTAKES, by_id
 from attnlab.check.probe import ProbedAdapter
 from attnlab.check.recipe import Recipe, recipe_attention
 from attnlab.check.reference import reference_attention
@@ -100,25 +100,32 @@ def test_the_corpus_mistake_is_named_first(path, device, monkeypatch):
     if expected == "pass":
         assert report.ok and ids == [], [(r.name, r.detail) for r in report.failures]
         return
-    assert not report.ok
+    # A hardening mistake (NaN in padded values, fully masked rows, a -1e9 fill in float16, float32 in a float64
+    # run) is robustness, not wrong attention: still named first, its rows are notes and the module passes.
+    assert report.ok == by_id(expected).hardening, [(r.name, r.hardening) for r in report.failing]
     if also:  # several mistakes at once (the seeds' own modules): exactly those, in any order
         assert set(ids) == {expected, *also}, ids
     else:
         assert ids[:1] == [expected], (ids, [r.name for r in report.failures])
     explained = {n for c in report.diagnosis for n in c.explains}
-    assert explained == {r.name for r in report.failures}  # every failing row sits under a cause
+    assert explained == {r.name for r in report.failing}  # every failing row sits under a cause
 
 
 def test_every_catalogued_mistake_is_in_the_corpus():
     """The corpus is the catalogue's test set: a mistake nobody wrote a module for is untested."""
     written = {_expected(p)[0] for p in FILES} | {m for p in FILES for m in _expected(p)[1]}
     untested = {m.id for m in MISTAKES} - written
-    # wrong_backward / low_precision_loss / mask_polarity / scale_attribute have modules of their own below
+    # wrong_backward / low_precision_loss / mask_polarity / scale_attribute have modules of their own below; the
+    # mistakes of the style trial have theirs in tests/test_check_verdict.py
     assert untested <= {
         "wrong_backward",
         "low_precision_loss",
         "mask_polarity",
         "scale_attribute",
+        "rows_misassigned",
+        "batch_seq_swapped",
+        "qkv_split_order",
+        "padding_mask_added",
     }, untested
 
 
@@ -153,8 +160,11 @@ def test_the_seeds_modules_are_checked_unchanged(capsys, name):
     expected, also = _expected(path)
     code = main(["check", "--target", f"{path}:MultiHeadAttention", "--json"])
     data = json.loads(capsys.readouterr().out)
-    assert code == 1
+    # every mistake either seed's module makes is a hardening one (NaN in padded values, fully masked rows,
+    # float32 in float64, a -1e9 fill in float16): each computes attention right, so it passes with notes
+    assert code == 0 and data["ok"]
     report = data["reports"][0]
+    assert report["notes"] and all(c["hardening"] for c in report["diagnosis"])
     assert {c["id"] for c in report["diagnosis"]} == {expected, *also}
     rows = {r["name"]: r["status"] for r in report["results"]}
     assert rows["parity_self"] == rows["parity_cross"] == rows["parity_masked"] == "pass"
@@ -448,10 +458,11 @@ def test_the_check_guides_run_of_the_seed_module_is_its_real_output(capsys, monk
     (tmp_path / "mine.py").write_text((CORPUS / "seed002_as_published.py").read_text())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "100")
-    assert main(["check", "--target", "mine.py:MultiHeadAttention"]) == 1
+    # it computes attention right: it passes, its three causes printed as hardening notes
+    assert main(["check", "--target", "mine.py:MultiHeadAttention"]) == 0
     out = capsys.readouterr().out
-    tail = shown[shown.index("FAILED:") :]
-    assert out[out.index("FAILED:") :].split() == tail.split()
+    tail = shown[shown.index("OK:") :]
+    assert out[out.index("OK:") :].split() == tail.split()
 
 
 def test_the_tutorial_says_what_check_says():

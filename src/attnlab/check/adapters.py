@@ -70,6 +70,7 @@ __all__ = [
     "TorchMHAAdapter",
     "Unsupported",
     "call_factory",
+    "mha_projections",
 ]
 
 
@@ -125,6 +126,9 @@ class AttentionAdapter:
     # True when the target takes one context for K and V (``forward(x_query, x_context)``): the
     # checks then hand it the same tensor as key and value.
     shared_kv: bool = False
+    # True when the target masks the future by itself on every call (nanoGPT's forward(x)): the checks then
+    # compare it with a causal reference, and ``is_causal`` asks nothing more of it.
+    always_causal: bool = False
     # What built the target, called with whichever of embed_dim, num_heads, num_kv_heads and
     # dropout it names, returning a module or an adapter: lets ``resized`` build other sizes.
     factory: Callable[..., object] | None = None
@@ -149,6 +153,10 @@ class AttentionAdapter:
         is_causal: bool = False,
     ) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__}.__call__ must run the target (see attnlab.check.adapters).")
+
+    def describe_call(self) -> str | None:
+        """One line in plain words: how the target is called and what was found about it (None: nothing to say)."""
+        return None
 
     def set_training(self, mode: bool) -> None:
         """Train or eval mode; a target without modes ignores it."""
@@ -410,15 +418,14 @@ class TorchMHAAdapter(AttentionAdapter):
         self.dropout_p = float(module.dropout)
 
     def projections(self) -> Projections:
-        m = self.module
-        if m._qkv_same_embed_dim:
-            wq, wk, wv = m.in_proj_weight.chunk(3)  # (E, E) each
-        else:
-            wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight  # (E, E), (E, kdim), (E, vdim)
-        bq = bk = bv = None
-        if m.in_proj_bias is not None:
-            bq, bk, bv = m.in_proj_bias.chunk(3)  # (E,) each
-        return Projections(wq, wk, wv, m.out_proj.weight, bq, bk, bv, m.out_proj.bias)
+        return mha_projections(self.module)
+
+    def describe_call(self) -> str | None:
+        layout = "batch-first (B, T, E)" if self.module.batch_first else "sequence-first (T, B, E), transposed by check"
+        return (
+            f"torch.nn.MultiheadAttention called as forward(query, key, value, attn_mask, key_padding_mask), "
+            f"{layout}; bool masks mean True = blocked"
+        )
 
     def _run(
         self, query: Tensor, key: Tensor, value: Tensor, *, weights: bool = False, **kw
@@ -491,6 +498,18 @@ class TorchMHAAdapter(AttentionAdapter):
             dtype=weight.dtype,
         )
         return TorchMHAAdapter(built.train(m.training), need_weights=self.need_weights)
+
+
+def mha_projections(m: nn.MultiheadAttention) -> Projections:
+    """The weights of ``torch.nn.MultiheadAttention`` (its fused ``in_proj`` split in thirds q, k, v)."""
+    if m._qkv_same_embed_dim:
+        wq, wk, wv = m.in_proj_weight.chunk(3)  # (E, E) each
+    else:
+        wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight  # (E, E), (E, kdim), (E, vdim)
+    bq = bk = bv = None
+    if m.in_proj_bias is not None:
+        bq, bk, bv = m.in_proj_bias.chunk(3)  # (E,) each
+    return Projections(wq, wk, wv, m.out_proj.weight, bq, bk, bv, m.out_proj.bias)
 
 
 def _wrap(made: object) -> AttentionAdapter:

@@ -11,6 +11,11 @@ wrong in practice. A mistake is recognised one of three ways:
   NaN in a padded value, training mode, float64); :mod:`attnlab.check.diagnose` tests each.
 - ``crash``: an exception the module raises, recognised by its message.
 
+A mistake marked ``hardening`` is robustness a textbook module is not written for (NaN in padded
+values, fully masked rows, a fill float16 cannot hold, float32 inside a float64 run): the module
+computes attention correctly, so its rows are printed as hardening notes, each with its fix, and
+fail the check only with ``--strict``.
+
 ``found`` and ``fix`` may name the sizes: ``{E}`` embed_dim, ``{H}`` heads, ``{G}`` K/V heads,
 ``{D}`` head dim, ``{scale}`` the expected scale, ``{rE}`` 1/sqrt(E), ``{rD}`` 1/sqrt(D).
 The gallery in ``docs/check_gallery.md`` is generated from this list
@@ -49,6 +54,7 @@ class Mistake:
     # The mistake turns masked scores (-inf) into NaN rows (a softmax over a slice that a mask empties):
     # under a mask, only the module's finite rows are compared.
     nan_under_masks: bool = False
+    hardening: bool = False  # robustness, not correctness: a note unless --strict (see the module docstring)
 
     def text(self, field: str, dims: dict[str, object]) -> str:
         return str(getattr(self, field)).format(**dims)
@@ -155,6 +161,20 @@ MISTAKES: tuple[Mistake, ...] = (
         "broadcast padding over queries: key_padding_mask[:, None, None, :] is (B, 1, 1, T_k)",
         S_MASK, "padding parity, padding_invariance", _R(padding="queries"),
     ),
+    Mistake(
+        "padding_mask_added", "recipe",
+        "the padding mask is added to the scores as 0/1 numbers (key_padding_mask.float()): padded keys get +1 instead of -inf",
+        "block the padded keys: scores.masked_fill(key_padding_mask[:, None, None, :], float('-inf')); "
+        "as an additive mask: torch.zeros_like(m, dtype=scores.dtype).masked_fill(m, float('-inf'))",
+        S_MASK, "padding parity, padding_invariance", _R(padding="added"),
+    ),
+    Mistake(
+        "rows_misassigned", "recipe",
+        "lengths or masks reach the wrong batch rows: (sequence b, head h) gets sequence (b*H + h) mod B's, "
+        "as valid_lens.repeat(num_heads) does where repeat_interleave belongs",
+        "repeat per sequence, not per tile: valid_lens.repeat_interleave(num_heads, dim=0) for rows laid out (B*H, ...)",
+        S_MASK, "padding parity, padding_invariance, masked rows", _R(rows="tiled"),
+    ),
     # -- heads: split and merge (seed 002, 2.2; seed 000, sections 2 and 4) --
     Mistake(
         "split_without_transpose", "recipe",
@@ -179,6 +199,13 @@ MISTAKES: tuple[Mistake, ...] = (
         "K/V heads are expanded with repeat (g0 g1 g0 g1 ..) instead of repeat_interleave (g0 g0 g1 g1 ..): query heads meet the wrong K/V head",
         "k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)",
         S_SPLIT, "every output row", _R(kv_repeat="tile"),
+    ),
+    Mistake(
+        "batch_seq_swapped", "recipe",
+        "batch and sequence axes are swapped: (B, T, E) inputs are read as (T, B, E), so attention runs across "
+        "the batch at each position (nn.MultiheadAttention without batch_first=True)",
+        "nn.MultiheadAttention(embed_dim, num_heads, batch_first=True), or transpose: x.transpose(0, 1) in and out",
+        S_DIMS, "every output row; masked rows raise (the masks' shapes no longer fit)", _R(batch_first=False),
     ),
     # -- projections (seed 002, 2.1) --
     Mistake(
@@ -206,6 +233,13 @@ MISTAKES: tuple[Mistake, ...] = (
         S_PROJ, "every output row", _R(k_from=("v", "key"), v_from=("k", "value")),
     ),
     Mistake(
+        "qkv_split_order", "recipe",
+        "the fused projection is split in the order {qkv_order}, not q, k, v: Q and K take each other's weights "
+        "(a checkpoint's or nn.MultiheadAttention's in_proj_weight loads into the wrong thirds)",
+        "q, k, v = self.qkv(x).chunk(3, dim=-1), in the order q, k, v",
+        S_PROJ, "every output row", _R(q_from=("k", "query"), k_from=("q", "key")),
+    ),
+    Mistake(
         "kv_from_query", "recipe",
         "K and V are computed from the query even when another key/value is given: cross-attention is self-attention",
         "k = self.k_proj(key); v = self.v_proj(value)  (x_context in seed 000)",
@@ -228,19 +262,19 @@ MISTAKES: tuple[Mistake, ...] = (
         "fully_masked_nan", "behaviour",
         "a query whose keys are all masked gets NaN: softmax over a row of -inf is 0/0",
         "zero such rows after softmax: weights.masked_fill(~keep.any(-1, keepdim=True), 0.0)",
-        S_MASK, "fully_masked_rows",
+        S_MASK, "fully_masked_rows", hardening=True,
     ),
     Mistake(
         "fully_masked_uniform", "behaviour",
         "a query whose keys are all masked averages every value uniformly: a finite fill (-1e9, finfo.min) leaves equal scores",
         "zero such rows after softmax: weights.masked_fill(~keep.any(-1, keepdim=True), 0.0)",
-        S_MASK, "fully_masked_rows",
+        S_MASK, "fully_masked_rows", hardening=True,
     ),
     Mistake(
         "padded_values_nan", "behaviour",
         "NaN or inf in a padded key/value row reaches every output: weight 0 times NaN is still NaN",
         "{pad_fix}",
-        S_MASK, "padded_kv_nonfinite",
+        S_MASK, "padded_kv_nonfinite", hardening=True,
     ),
     Mistake(
         "dropout_in_eval", "behaviour",
@@ -270,7 +304,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "float64_downcast", "behaviour",
         "a float64 module computes part of attention in float32: gradcheck's finite differences drown in its rounding",
         "upcast only half precision: torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32))",
-        S_GRAD, "gradcheck rows",
+        S_GRAD, "gradcheck rows", hardening=True,
     ),
     Mistake(
         "low_precision_loss", "behaviour",
@@ -314,6 +348,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "the mask fill -1e9 does not fit in float16 (its largest magnitude is 65504)",
         "fill with float('-inf') or torch.finfo(scores.dtype).min",
         S_ERRORS, "low_precision[fp16] rows", pattern=r"cannot be converted to type (at::|c10::)?Half without overflow",
+        hardening=True,
     ),
     Mistake(
         "inplace_autograd", "crash",
@@ -358,6 +393,7 @@ _EXAMPLE = {
     "declared": 0.125,
     "convention": "True = may attend (the convention of the seeds and SDPA)",
     "pad_fix": "zero the padded rows of V before the weighted sum: v.masked_fill(key_padding_mask[:, None, :, None], 0.0)",
+    "qkv_order": "k, q, v",
     "polarity_fix": "mask with masked_fill(~attn_mask, float('-inf')); or, if True = blocked is your convention, "
     "say so: --mask-convention block",
 }
@@ -377,6 +413,10 @@ def gallery_markdown(examples: dict[str, list[str]] | None = None) -> str:
         "is recomputed with the mistake on the module's own weights and inputs, and matches), *probed* "
         "(a behaviour tested directly) or *its exception* (the message it raises).",
         "",
+        "A *hardening note* is robustness a textbook module is not written for: the module computes "
+        "attention correctly, the check passes (exit 0) and prints the note with its fix; `--strict` "
+        "makes it a failure.",
+        "",
         f"{len(MISTAKES)} mistakes. Each module in `tests/mistake_corpus/` makes one of them (or none) and "
         "must get it named first.",
         "",
@@ -388,6 +428,7 @@ def gallery_markdown(examples: dict[str, list[str]] | None = None) -> str:
             f"- **check says:** {m.text('found', _EXAMPLE)}",
             f"- **rows that fail:** {m.symptom}",
             f"- **recognised by:** {_HOW[m.kind]}",
+            *(["- **verdict:** a hardening note (the check passes; `--strict` fails on it)"] if m.hardening else []),
             f"- **fix:** {m.text('fix', _EXAMPLE)}",
             f"- **see:** {m.seed}",
         ]

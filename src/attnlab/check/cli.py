@@ -12,6 +12,7 @@ import inspect
 import math
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, cast
 
@@ -24,14 +25,15 @@ from ..models.precision import is_gguf_source
 from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
-from .diagnose import diagnose
-from .probe import as_adapter
+from .probe import NotAttention, as_adapter
 from .report import print_tables, to_json
-from .result import CheckResult, Report
-from .runner import run_checks
-from .suite import CHECKS
+from .result import CheckError, CheckResult, Report
+from .runner import diagnosed, run_checks
+from .suite import CHECKS, raised_in_target
 from .target import TargetError, build_target, random_biases
 
+# Where to report a failure of check's own code (exit code 3).
+REPORT_TO = "the attnlab maintainers (the project's issue tracker), with the command and the traceback"
 SLOW_ON_MODELS = "gradcheck[plain]"  # one forward per input element: 2304 of them at SmolLM2's width, ~70 s on 2 cores
 
 
@@ -232,6 +234,7 @@ def _run_all(
     batch_size: int,
     seq_len: int,
     on_check: Callable[[str, str, int], None],
+    strict: bool = False,
 ) -> list[Report]:
     """Every check on every target, one at a time so that progress can be shown: ``on_check(target, check,
     done)`` is called before each, ``done`` counting the checks finished. Each check seeds its own inputs
@@ -253,12 +256,10 @@ def _run_all(
                 rows += report.results
                 done += 1
             assert first is not None  # names is never empty
-            whole = Report(first.target, rows, first.config)
-            if not whole.ok:
+            whole = Report(first.target, rows, first.config, strict=strict)
+            if whole.failing:
                 on_check(adapter.name, "diagnosis", done)
-                with torch.random.fork_rng(devices=[]):
-                    whole.diagnosis = diagnose(adapter, whole, seed=seed, batch=batch_size, seq_len=seq_len)
-                adapter.set_training(False)
+                diagnosed(adapter, whole, seed=seed, batch=batch_size, seq_len=seq_len)
         except INTERRUPTS as err:  # the rows that finished are results: hand them up, marked partial
             how, _ = interrupt_exit(err)
             if first is not None:
@@ -290,9 +291,13 @@ def check(
     mask_convention: Literal["keep", "block"] | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    strict: bool = False,
+    debug: bool = False,
 ) -> int:
-    """Audit an attention module against attnlab's float64 reference; exit code 1 if a check fails, with a
-    'Likely cause' section naming the mistake.
+    """Audit an attention module against attnlab's float64 reference, with a 'Likely cause' section naming the
+    mistake when it fails. Exit codes: 0 the module computes attention correctly (parity under every mask form
+    it takes, gradients, no causal leak; hardening notes allowed), 1 it does not (or, with --strict, a hardening
+    note), 2 a usage error, 3 attnlab check's own failure (not the module's; --debug shows the traceback).
 
     Args:
         target: 'attnlab', 'torch' (torch.nn.MultiheadAttention), or your module: 'path/to/mine.py:Name'
@@ -318,6 +323,8 @@ def check(
         mask_convention: what a bool mask should mean to your module: keep (True = may attend, the seeds' and SDPA's) or block (True = blocked, nn.MultiheadAttention's). Default: block if its forward looks like nn.MultiheadAttention's (key_padding_mask and need_weights), else keep.
         device: where to check it, as it runs: cpu, cuda, cuda:N, mps, xpu (a device this torch sees). The module, every input, the float64 reference and the diagnosis run there.
         dtype: what to check it in: float32, float64, bfloat16 or float16. In bfloat16/float16 each figure may be 2x plain PyTorch's error in that dtype (flash-attention's rule).
+        strict: fail on hardening notes too: NaN/inf in padded key/value rows reaching outputs, fully masked rows, a mask fill float16 cannot hold, float32 softmax in a float64 run. Without it they are printed as notes, each with its fix, and exit 0.
+        debug: on a failure of check's own (exit 3), print the traceback as well.
     """
     dev = resolve_device(device, "--device")  # before any work: a device this machine lacks is a usage error
     dt = resolve_dtype(dtype, dev, "--dtype")
@@ -370,7 +377,9 @@ def check(
             file=sys.stderr,
         )
     try:
-        reports = _with_progress(targets, names, json=json, seed=seed, batch_size=batch_size, seq_len=seq_len)
+        reports = _with_progress(
+            targets, names, json=json, seed=seed, batch_size=batch_size, seq_len=seq_len, strict=strict
+        )
     except INTERRUPTS as err:  # an interrupt is never the target's failure: the rows done, marked partial
         partial: list[Report] = getattr(err, "attnlab_reports", [])
         done = sum(len(r.results) for r in partial)
@@ -380,15 +389,50 @@ def check(
             print_tables(partial)
         where = "printed above" if partial else "none had finished"
         raise keep(err, f"the {done} check(s) done ({where}), marked partial") from None
-    if json:
-        print(to_json(reports))
-    else:
-        print_tables(reports)
+    except (UsageError, NotAttention):  # about the input: one line and exit 2, from attnlab's main
+        raise
+    except CheckError as err:
+        return _own_failure(err.phase, err.error, debug)
+    except Exception as err:  # outside the rows: the target's, or else check's own
+        if raised_in_target(err):
+            raise
+        return _own_failure("running the checks", err, debug)
+    try:
+        if json:
+            print(to_json(reports))
+        else:
+            print_tables(reports)
+    except OSError:  # a closed pipe (attnlab | head): attnlab's main ends quietly
+        raise
+    except Exception as err:
+        return _own_failure("printing the report", err, debug)
     return 0 if all(r.ok for r in reports) else 1
 
 
+def _own_failure(phase: str, error: BaseException, debug: bool) -> int:
+    """Exit code 3, and one line on stderr: check's own code failed (not the module), where, and how to report it;
+    with ``debug``, the traceback before it."""
+    if debug:
+        traceback.print_exception(error, file=sys.stderr)
+    first = str(error).splitlines()[0] if str(error) else ""
+    how = "report it" if debug else "rerun with --debug for the traceback and report it"
+    print(
+        f"attnlab check: internal error of attnlab check itself, not of your module, while {phase}: "
+        f"{type(error).__name__}: {first}; {how} to {REPORT_TO}",
+        file=sys.stderr,
+    )
+    return 3
+
+
 def _with_progress(
-    targets: Sequence[object], names: Sequence[str], *, json: bool, seed: int, batch_size: int, seq_len: int
+    targets: Sequence[object],
+    names: Sequence[str],
+    *,
+    json: bool,
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    strict: bool = False,
 ) -> list[Report]:
     """Run the checks showing what runs: a live bar on a terminal, one plain line per target otherwise.
 
@@ -396,7 +440,7 @@ def _with_progress(
     """
     stream = sys.stderr if json else sys.stdout
     run = lambda on_check: _run_all(
-        targets, names, seed=seed, batch_size=batch_size, seq_len=seq_len, on_check=on_check
+        targets, names, seed=seed, batch_size=batch_size, seq_len=seq_len, on_check=on_check, strict=strict
     )
     if not stream.isatty():
         if json:

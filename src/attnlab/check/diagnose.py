@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from .adapters import AttentionAdapter, Projections, Unsupported
 from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
-from .recipe import Recipe, recipe_attention
+from .recipe import Proj, Recipe, recipe_attention
 from .result import Cause, CheckResult, Report
 from .suite import CHECKS, HALF, Context, placed, their_line
 
@@ -61,6 +61,7 @@ class _Probe:
 def _dims(a: AttentionAdapter, **extra: object) -> dict[str, object]:
     D = a.embed_dim // a.num_heads
     return {
+        "qkv_order": ", ".join(_qkv_order(a)),
         "E": a.embed_dim,
         "H": a.num_heads,
         "G": a.num_kv_heads,
@@ -74,7 +75,27 @@ def _dims(a: AttentionAdapter, **extra: object) -> dict[str, object]:
 
 def _cause(m: Mistake, a: AttentionAdapter, evidence: str, explains: Sequence[str], **extra: object) -> Cause:
     dims = _dims(a, **extra)
-    return Cause(m.id, m.text("found", dims), evidence, m.text("fix", dims), m.seed, tuple(explains))
+    return Cause(m.id, m.text("found", dims), evidence, m.text("fix", dims), m.seed, tuple(explains), m.hardening)
+
+
+_QKV = ("q", "k", "v")
+
+
+def _qkv_order(a: AttentionAdapter) -> tuple[str, ...]:
+    """The order a fused projection's thirds are used in: the probe's finding (``adapter.qkv_order``) when it
+    found one other than q, k, v; else k, q, v, the swap the ``qkv_split_order`` recipe recomputes."""
+    found = tuple(getattr(a, "qkv_order", None) or ())
+    return found if sorted(found) == sorted(_QKV) and found != _QKV else ("k", "q", "v")
+
+
+def _recipe_of(m: Mistake, a: AttentionAdapter) -> Recipe | None:
+    """``m``'s recipe for this target: the split order the probe found, for ``qkv_split_order``."""
+    if m.id != "qkv_split_order":
+        return m.recipe
+    order = _qkv_order(a)
+    # the adapter names the thirds by position (q, k, v); the module's Q is the third it splits off as "q"
+    third = lambda role: cast(Proj, _QKV[order.index(role)])
+    return Recipe(q_from=(third("q"), "query"), k_from=(third("k"), "key"), v_from=(third("v"), "value"))
 
 
 # -- probes ---------------------------------------------------------------------------------------
@@ -136,6 +157,8 @@ def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok:
         return None
     assert probe.out is not None
     sees = (s["weights"].abs().sum(-1) > 0).any(dim=1)  # (B, T_q): rows with a visible key
+    if sees.shape != probe.out.shape[:2]:  # a recipe that reads the axes otherwise (batch_seq_swapped): every row
+        sees = torch.ones(probe.out.shape[:2], dtype=torch.bool, device=probe.out.device)
     if nan_ok:
         sees = sees & torch.isfinite(probe.out).all(dim=-1)
     got, want = probe.out.double()[sees], s["out"][sees]
@@ -317,9 +340,10 @@ def _recipe_causes(
         return [], False
     found = []
     for m in MISTAKES:
-        if m.recipe is None:
+        recipe = _recipe_of(m, a)
+        if recipe is None:
             continue
-        errs = {p.name: _recipe_error(a, m.recipe, p, nan_ok=m.nan_under_masks and bool(p.masks)) for p in ran}
+        errs = {p.name: _recipe_error(a, recipe, p, nan_ok=m.nan_under_masks and bool(p.masks)) for p in ran}
         if any(e is None or e > HYPOTHESIS_TOL for e in errs.values()):
             continue
         worst = max(e for e in errs.values() if e is not None)
@@ -331,7 +355,7 @@ def _recipe_causes(
         if m.nan_under_masks:  # the whole forward is off, and what masked slices give depends on the fill: all of it
             explains = list(failing)
         else:
-            explains = _explained(a, m.recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
+            explains = _explained(a, recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
         found.append((len(explains), -MISTAKES.index(m), _cause(m, a, evidence, explains)))
     found.sort(key=lambda t: (t[0], t[1]), reverse=True)
     return [c for *_, c in found], True
@@ -572,8 +596,12 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
     if missing is None:
         return None
     hint = departure_hint(missing, candidate, stages, a.scale)
-    ok = ", ".join(s for s in matched if s != missing) or "nothing"
-    found = f"your {ok} match the reference; your {missing} does not" + (f": {hint}" if hint else "")
+    ok = ", ".join(s for s in matched if s != missing)
+    found = (
+        f"your {ok} match the reference; your {missing} does not"
+        if ok
+        else f"no stage of yours matches the reference, from the first on: your {missing} already differs"
+    ) + (f": {hint}" if hint else "")
     where = (
         f" (op #{ops.index(candidate) + 1}, {candidate.func}, shape {candidate.shape})" if candidate is not None else ""
     )
@@ -658,6 +686,9 @@ def diagnose(
         if c.id != "crash":  # a catalogued crash first; an unknown one may be a mistake's consequence
             add(c)
     determinism_off = "determinism" in {r.name for r in failing} and "determinism" not in explained  # not a crash
+    drawn = report["determinism"].measured if determinism_off else None
+    # two eval calls that differ by a finite amount: a NaN output is no draw of dropout's (NaN != NaN)
+    determinism_off = isinstance(drawn, float) and math.isfinite(drawn)
     if determinism_off and float(getattr(a, "dropout_p", 0.0)) > 0:
         # outputs drawn at random in eval: every comparison is noise, so this cause comes first and alone
         d = report["determinism"]
@@ -682,8 +713,19 @@ def diagnose(
         # most likely first; more than three fitting mistakes would say that the probes cannot tell them apart
         for c in found[:3]:
             add(c)
+    swapped = next((c for c in causes if c.id == "batch_seq_swapped"), None)
+    if swapped is not None:  # cross-attention's K/V viewed with "the query's length": the batch, read as one
+        for c in [c for c in causes if c.id == "key_length_from_query"]:
+            causes.remove(c)
+            i = causes.index(swapped)
+            swapped = causes[i] = replace(swapped, explains=(*swapped.explains, *c.explains))
     for c in crashes:
-        if c.id == "crash":
+        if c.id == "crash" and swapped is not None and "shape" in c.evidence:
+            # inputs read as (T, B, E): every mask of shape (B, ..) or (T, T) no longer fits; the same mistake
+            i = causes.index(swapped)
+            swapped = causes[i] = replace(swapped, explains=(*swapped.explains, *c.explains))
+            explained.update(c.explains)
+        elif c.id == "crash":
             add(c)
     left = {r.name: r for r in failing if r.name not in explained}
     rows = {r.name: r for r in failing}
@@ -739,13 +781,16 @@ def diagnose(
             add(_stage_cause(a, probes, left_names))
         except Exception:
             pass
+    if run_dtype == torch.float16:  # asked to run in float16, a fill it cannot hold is no robustness matter
+        causes = [replace(c, hardening=False) if c.id == "fill_overflows_half" else c for c in causes]
     return _ordered(causes)
 
 
 def _ordered(causes: list[Cause]) -> list[Cause]:
-    """Catalogued crashes first, then what is wrong with the forward's numbers, then behaviours, then
-    unknown crashes; within each, the cause explaining more rows first (stable: the catalogue's order
-    breaks ties)."""
+    """What makes the attention wrong before robustness it was not written for (hardening causes last);
+    within each, the cause explaining more of the failing rows first, unknown crashes last; ties: catalogued
+    crashes, then what is wrong with the forward's numbers, then behaviours (stable: the catalogue's order
+    breaks the rest)."""
 
     def rank(c: Cause) -> int:
         if by_kind(c.id) == "crash":
@@ -754,7 +799,7 @@ def _ordered(causes: list[Cause]) -> list[Cause]:
             return 1
         return 3 if c.id == "crash" else 2
 
-    return sorted(causes, key=lambda c: (rank(c), -len(c.explains)))
+    return sorted(causes, key=lambda c: (c.hardening, c.id == "crash", -len(c.explains), rank(c)))
 
 
 def by_kind(mistake_id: str) -> str:

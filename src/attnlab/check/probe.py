@@ -18,6 +18,16 @@ G key/value heads, D head dim.
   (seed 002), ``(B*H, T_q, T_k)`` (``nn.MultiheadAttention``) and ``(B, T_q, T_k)``; when none
   gives each sequence its own mask, the module is called one sequence at a time.
 
+When a bool ``(T_q, T_k)`` mask cannot be handed over (the module unsqueezes it, or takes one mask per
+key), every other form is tried on a batch with a different mask per sequence: bool, 0/1 integer or
+float (either polarity), additive float, in the shapes ``(B, T_q, T_k)``, ``(B, 1, T_q, T_k)``,
+``(B*H, T_q, T_k)``, ``(B, 1, 1, T_k)``, ``(B, 1, T_k)``, ``(B, T_k)``, and d2l's ``valid_lens``
+(``(B,)`` or ``(B, T_q)``). The first form under which exactly the hidden keys stop reaching each
+query is the module's. Two more experiments: a module whose output at t never depends on later
+tokens is *always causal* (checked against a causal reference), and a fused ``qkv`` projection's
+thirds are told apart by their effect (adding a constant to every key changes nothing; to every
+value, shifts every output alike; to every query, changes outputs unevenly).
+
 What the module lacks is expressed another way: key padding and causality go through its mask
 when it takes no ``key_padding_mask`` or ``is_causal``. A module with no mask argument at all
 raises :class:`~attnlab.check.adapters.Unsupported` for masked calls, and the checks that need
@@ -38,9 +48,27 @@ from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
 from ..core.functional import causal_keep
-from .adapters import AttentionAdapter, ModuleAdapter, Projections, TorchMHAAdapter, Unsupported, _same_size, _wrap
+from .adapters import (
+    AttentionAdapter,
+    ModuleAdapter,
+    Projections,
+    TorchMHAAdapter,
+    Unsupported,
+    _same_size,
+    _wrap,
+    mha_projections,
+)
 
-__all__ = ["CallForm", "MaskForm", "NotAttention", "ProbedAdapter", "as_adapter", "find_projections"]
+__all__ = [
+    "CallForm",
+    "MaskForm",
+    "NotAttention",
+    "ProbedAdapter",
+    "as_adapter",
+    "find_projections",
+    "is_lazy",
+    "materialise",
+]
 
 
 class NotAttention(TypeError):
@@ -64,7 +92,12 @@ _NAMES = {
 }  # fmt: skip
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "heads", "nhead", "h", "num_attention_heads", "head_count")
 _SCALE_ATTRS = ("scale", "scaling", "softmax_scale", "scale_factor", "attn_scale", "inv_sqrt_d")
-_MASK_ARGS = ("attn_mask", "mask", "attention_mask")
+_MASK_ARGS = ("attn_mask", "mask", "attention_mask", "valid_lens", "valid_len", "src_mask")
+_INPUT_ROLES = {
+    "query": ("query", "q", "queries", "xq", "qin"),
+    "key": ("key", "k", "keys", "xk", "kin"),
+    "value": ("value", "v", "values", "xv", "vin"),
+}
 _PAD_ARGS = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "kv_padding_mask")
 _CAUSAL_ARGS = ("is_causal", "causal")
 _WEIGHTS_ARGS = ("need_weights", "return_weights", "return_attention", "output_attentions")
@@ -79,25 +112,42 @@ def _linear_in(module: nn.Module) -> nn.Linear | None:
 
 @dataclass(frozen=True)
 class _Found:
-    """Where the projections live: child names (``qkv`` for a fused one, split in thirds)."""
+    """Where the projections live, as paths from the module (``q_proj``, ``linears.0``; ``qkv`` for a fused
+    one, split in thirds; ``mha`` for an ``nn.MultiheadAttention`` inside, whose own weights are read)."""
 
     q: str | None
     k: str | None
     v: str | None
     out: str
     qkv: str | None = None
+    mha: str | None = None
+    listed: str | None = None  # the ModuleList they were taken from, in order q, k, v, out
 
     def describe(self) -> str:
-        qkv = f"{self.qkv} (fused, split in thirds)" if self.qkv else f"{self.q}, {self.k}, {self.v}"
-        return f"Q/K/V: {qkv}; out: {self.out}"
+        if self.mha is not None:
+            return f"nn.MultiheadAttention {self.mha}"
+        if self.qkv is not None:
+            return f"{self.qkv} (fused, split in thirds), {self.out}"
+        if self.listed is not None:
+            return f"{self.listed}[0], [1], [2], [3] taken as q, k, v, out"
+        return f"{self.q}, {self.k}, {self.v}, {self.out}"
+
+
+def _inner_mha(module: nn.Module) -> str | None:
+    """The path of the first ``nn.MultiheadAttention`` inside ``module`` (not ``module`` itself)."""
+    return next((n for n, m in module.named_modules() if n and isinstance(m, nn.MultiheadAttention)), None)
 
 
 def find_projections(module: nn.Module) -> _Found:
-    """Name the q/k/v/out projections of ``module`` among its direct children.
+    """Name the q/k/v/out projections of ``module``: among its direct children by name, in a ModuleList of
+    four (q, k, v, out in order), or an ``nn.MultiheadAttention`` inside it.
 
     Raises:
         NotAttention: naming the Linear children found and the names looked for.
     """
+    mha = _inner_mha(module)
+    if mha is not None:
+        return _Found(None, None, None, f"{mha}.out_proj", mha=mha)
     children = {n: lin for n, c in module.named_children() if (lin := _linear_in(c)) is not None}
     by_role: dict[str, str] = {}
     for name in children:
@@ -108,15 +158,82 @@ def find_projections(module: nn.Module) -> _Found:
         return _Found(None, None, None, by_role["out"], qkv=by_role["qkv"])
     if {"q", "k", "v", "out"} <= by_role.keys():
         return _Found(by_role["q"], by_role["k"], by_role["v"], by_role["out"])
+    for name, child in module.named_children():  # the Annotated Transformer: clones(nn.Linear(d, d), 4)
+        if isinstance(child, nn.ModuleList | nn.Sequential):
+            lins = [f"{name}.{i}" for i, m in enumerate(child) if isinstance(m, nn.Linear)]
+            if len(lins) == 4 == len(child):
+                return _Found(lins[0], lins[1], lins[2], lins[3], listed=name)
+            if len(lins) == 3 == len(child) and "out" in by_role:
+                return _Found(lins[0], lins[1], lins[2], by_role["out"], listed=name)
     if len(children) == 4 and not by_role.keys() & {"q", "k", "v"}:
         q, k, v, out = children  # four Linears with names of their own: taken in declaration order
         return _Found(q, k, v, out)
+    nested = _nested_roles(module)
+    if nested is not None:
+        return nested
     listed = ", ".join(f"{n} ({c.in_features}->{c.out_features})" for n, c in children.items()) or "none"
     raise NotAttention(
         f"{type(module).__name__} has no recognisable q/k/v/out projections (nn.Linear children found: {listed}); "
-        f"name them q_proj, k_proj, v_proj, out_proj (or w_q.., query.., a fused qkv), or wrap the module in an "
-        f"attnlab.check.AttentionAdapter"
+        f"name them q_proj, k_proj, v_proj, out_proj (or w_q.., query.., a fused qkv, a ModuleList of four), "
+        f"or wrap the module in an attnlab.check.AttentionAdapter"
     )
+
+
+def _nested_roles(module: nn.Module) -> _Found | None:
+    """Projections further down, each named by its last path part (BERT's ``BertAttention``: ``self.query``,
+    ``self.key``, ``self.value``, ``output.dense``); None unless each role has exactly one Linear."""
+    by_role: dict[str, list[str]] = {}
+    for path, m in module.named_modules():
+        if path and isinstance(m, nn.Linear):
+            for role, names in _NAMES.items():
+                if _key(path.rsplit(".", 1)[-1]) in names:
+                    by_role.setdefault(role, []).append(path)
+                    break
+    one = {role: paths[0] for role, paths in by_role.items() if len(paths) == 1}
+    if {"q", "k", "v", "out"} <= one.keys():
+        return _Found(one["q"], one["k"], one["v"], one["out"])
+    if {"qkv", "out"} <= one.keys() and not by_role.keys() & {"q", "k", "v"}:
+        return _Found(None, None, None, one["out"], qkv=one["qkv"])
+    return None
+
+
+def is_lazy(module: nn.Module) -> bool:
+    """Whether ``module`` still has weights that its first call will create (``nn.LazyLinear``)."""
+    return any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters())
+
+
+@torch.no_grad()
+def materialise(module: nn.Module, embed_dim: int) -> bool:
+    """Create a lazy module's weights with one self-attention call on ``(2, 5, embed_dim)`` (eval mode, no
+    mask); True when there were any to create.
+
+    Raises:
+        NotAttention: the call raised (its one line named), or weights are still missing after it.
+    """
+    if not is_lazy(module):
+        return False
+    form = read_call_form(module)
+    training = module.training
+    module.eval()
+    x = torch.zeros(2, 5, embed_dim).normal_(generator=torch.Generator().manual_seed(7))  # (B, T, E)
+    try:
+        _call(module, form, (x, x, x), {})
+    except Exception as e:
+        raise NotAttention(
+            f"{type(module).__name__} has lazy weights (nn.LazyLinear) that one call on (B, T, E) = (2, 5, {embed_dim}) "
+            f"should create, but {form.describe()} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    finally:
+        module.train(training)
+    for layer in module.modules():  # a lazy projection the call never used (V computed with W_k): at width E
+        if isinstance(layer, nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params():
+            layer(torch.zeros(1, embed_dim))
+    if is_lazy(module):
+        raise NotAttention(
+            f"{type(module).__name__} still has uninitialised weights after one call; call it once yourself before "
+            f"checking it, or use nn.Linear with explicit sizes"
+        )
+    return True
 
 
 def _param_names(fn: Callable) -> tuple[list[str], dict[str, inspect.Parameter]]:
@@ -141,11 +258,21 @@ class CallForm:
     weights_arg: str | None  # need_weights
     average_arg: str | None  # nn.MultiheadAttention's average_attn_weights
     torch_form: bool  # key_padding_mask + need_weights: nn.MultiheadAttention's conventions (True = blocked)
+    # Mask arguments without a default (d2l's forward(queries, keys, values, valid_lens)): None when unused.
+    required_none: tuple[str, ...] = ()
+    # The three inputs go by keyword: their names say which is which, in another order than (query, key, value).
+    by_name: bool = False
 
     def describe(self) -> str:
         sig = ", ".join(self.input_names)
         extras = [a for a in (self.mask_arg, self.padding_arg, self.causal_arg, self.weights_arg) if a]
         return f"forward({sig}{''.join(', ' + e for e in extras)})"
+
+
+def _roles(names: list[str]) -> list[str] | None:
+    """``names`` as query/key/value when each names one of them (``forward(v, k, q)``), else None."""
+    roles = [next((r for r, spellings in _INPUT_ROLES.items() if _key(n) in spellings), "") for n in names]
+    return roles if sorted(roles) == ["key", "query", "value"] else None
 
 
 def read_call_form(module: nn.Module) -> CallForm:
@@ -169,6 +296,8 @@ def read_call_form(module: nn.Module) -> CallForm:
         n_inputs = 2  # forward(x, context=None)
     mask_arg, pad_arg = pick(_MASK_ARGS), pick(_PAD_ARGS)
     weights_arg = pick(_WEIGHTS_ARGS)
+    roles = _roles(inputs[:3]) if n_inputs == 3 else None
+    maskish = (*_MASK_ARGS, *_PAD_ARGS)
     return CallForm(
         inputs=n_inputs,
         input_names=tuple(inputs[:n_inputs]),
@@ -178,7 +307,35 @@ def read_call_form(module: nn.Module) -> CallForm:
         weights_arg=weights_arg,
         average_arg="average_attn_weights" if "average_attn_weights" in params else None,
         torch_form=pad_arg is not None and weights_arg is not None and mask_arg is not None,
+        required_none=tuple(n for n in maskish if n in params and params[n].default is inspect.Parameter.empty),
+        by_name=roles is not None and roles != ["query", "key", "value"],
     )
+
+
+def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: dict) -> object:
+    """``module`` called in ``form`` with ``qkv`` (the first ``form.inputs`` of them) and ``kwargs``; a mask
+    argument without a default gets None when ``kwargs`` has none."""
+    kwargs = {**{n: None for n in form.required_none}, **kwargs}
+    if form.by_name:  # forward(v, k, q): each by its own name
+        roles = _roles(list(form.input_names))
+        assert roles is not None  # read_call_form saw them
+        return module(**{n: qkv[("query", "key", "value").index(r)] for n, r in zip(form.input_names, roles, strict=True)}, **kwargs)  # fmt: skip
+    return module(*qkv[: form.inputs], **kwargs)
+
+
+_Layout = Literal["b1qk", "bhqk", "bqk", "per_sequence", "b11k", "b1k", "bk", "lens", "lens_q"]
+_PER_KEY = ("b11k", "b1k", "bk", "lens")  # one mask per key: what differs between queries cannot go through
+_SHAPES = {
+    "b1qk": "(B, 1, T_q, T_k)",
+    "bhqk": "(B*H, T_q, T_k)",
+    "bqk": "(B, T_q, T_k)",
+    "per_sequence": "one call per sequence",
+    "b11k": "(B, 1, 1, T_k), one mask per key",
+    "b1k": "(B, 1, T_k), one mask per key",
+    "bk": "(B, T_k), one mask per key",
+    "lens": "(B,), the length of each sequence",
+    "lens_q": "(B, T_q), how many keys each query sees",
+}
 
 
 @dataclass(frozen=True)
@@ -186,30 +343,47 @@ class MaskForm:
     """What the module's attention mask means, found by :meth:`ProbedAdapter.probe_masks`."""
 
     bool_reading: Literal["keep", "block"] | None  # what True means to it; None: a bool mask had no clear effect
-    use: Literal["bool", "float"]  # what the checks hand it: bool in its reading, or additive 0 / -inf
-    polarity: Literal["keep", "block"]  # for "bool"
-    layout: Literal["b1qk", "bhqk", "bqk", "per_sequence"]  # a per-sequence mask
+    # What the checks hand it: bool in its reading, additive float 0 / -inf, 0/1 integers or floats (1 = the
+    # polarity), or valid lengths (layout "lens" / "lens_q").
+    use: Literal["bool", "float", "int", "float01", "lens"]
+    polarity: Literal["keep", "block"]  # for "bool", "int" and "float01"
+    layout: _Layout  # a per-sequence mask
     note: str = ""  # what the probe found, for the report
+    two_d: bool = True  # a (T_q, T_k) mask is handed as it is; False: expanded to the batch layout first
+    fill: Literal["-inf", "min"] = "-inf"  # an additive mask's blocked value: -inf, or the dtype's finfo.min
 
     def describe(self) -> str:
-        if self.use == "float":
-            what = "additive float (0 = attend, -inf = blocked)"
-        else:
-            what = f"bool, True = {'may attend' if self.polarity == 'keep' else 'blocked'}"
-        shapes = {
-            "b1qk": "(B, 1, T_q, T_k)",
-            "bhqk": "(B*H, T_q, T_k)",
-            "bqk": "(B, T_q, T_k)",
-            "per_sequence": "one call per sequence",
-        }
-        return f"{what}; per-sequence masks as {shapes[self.layout]}"
+        one = "may attend" if self.polarity == "keep" else "blocked"
+        what = {
+            "float": f"additive float (0 = attend, {'-inf' if self.fill == '-inf' else 'finfo.min'} = blocked)",
+            "bool": f"bool, True = {one}",
+            "int": f"0/1 integers, 1 = {one}",
+            "float01": f"0/1 floats, 1 = {one}",
+            "lens": "valid lengths",
+        }[self.use]
+        if self.use == "lens":
+            return f"{what} {_SHAPES[self.layout]}"
+        if not self.two_d:
+            return f"{what}, shaped {_SHAPES[self.layout]}"
+        return f"{what}; per-sequence masks as {_SHAPES[self.layout]}"
 
 
 EXACT = 1e-5  # relative change of the other queries' outputs when a hidden key's input changes: rounding only
+SEEN = 1e-4  # a visible key's input changing moves the outputs by more than this (relative)
 
 
 def _first(out: object) -> Tensor:
     return out[0] if isinstance(out, tuple | list) else out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Probed:
+    """What the experiments found: the same for every instance of the same code (``resized``, ``cast``)."""
+
+    form: CallForm
+    masks: MaskForm
+    always_causal: bool
+    qkv_order: tuple[str, ...] | None
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -230,6 +404,11 @@ class ProbedAdapter(AttentionAdapter):
         dropout: the attention dropout the module was built with (its constructor's argument): the
             truth for the dropout checks. Default: read off the module (a float ``dropout`` attribute,
             else its first ``nn.Dropout``).
+        embed_dim: E, for a module with lazy weights (``nn.LazyLinear``): one call at that width creates them.
+
+    Attributes found by experiment: ``always_causal`` (the output at t never depends on later tokens),
+    ``qkv_order`` (a fused projection's thirds in their order of use, e.g. ``("k", "q", "v")``; None when
+    the projections are separate or the experiment could not tell), ``lazy`` (weights made by one call).
     """
 
     def __init__(
@@ -242,12 +421,25 @@ class ProbedAdapter(AttentionAdapter):
         name: str | None = None,
         factory: Callable[..., object] | None = None,
         dropout: float | None = None,
-        _forms: tuple[CallForm, MaskForm] | None = None,
+        embed_dim: int | None = None,
+        materialised: bool = False,
+        _forms: _Probed | None = None,
     ) -> None:
         self.module, self.factory = module, factory
         self.name = name or type(module).__name__
+        self.lazy = materialised or is_lazy(module)
+        if is_lazy(module):
+            if embed_dim is None:
+                raise NotAttention(
+                    f"{type(module).__name__} has lazy weights (nn.LazyLinear): pass embed_dim= so that one call "
+                    f"can create them"
+                )
+            materialise(module, embed_dim)
         self.found = find_projections(module)
-        heads = next((getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+        mha = self._mha()
+        heads = mha.num_heads if mha is not None else None
+        if heads is None:
+            heads = next((getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
         heads = heads if heads is not None else num_heads
         if heads is None or heads < 1:
             raise NotAttention(
@@ -272,19 +464,37 @@ class ProbedAdapter(AttentionAdapter):
             (getattr(module, a) for a in _SCALE_ATTRS if isinstance(getattr(module, a, None), float | int)), None
         )
         self.declared_scale = None if raw is None or isinstance(raw, bool) else float(raw)
-        self.dropout_p = _dropout_of(module) if dropout is None else float(dropout)
+        if dropout is not None:
+            self.dropout_p = float(dropout)
+        else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
+            self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
         if _forms is None:
             form = read_call_form(module)
             self.form = form
-            self.convention: Literal["keep", "block"] = mask_convention or ("block" if form.torch_form else "keep")
+            self.convention: Literal["keep", "block"] = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
+            self.always_causal = self.probe_causal()
+            self.qkv_order = self.probe_qkv_order()
             self.masks = self.probe_masks()
         else:
-            self.form, self.masks = _forms
-            self.convention = mask_convention or ("block" if self.form.torch_form else "keep")
+            self.form, self.masks = _forms.form, _forms.masks
+            self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
+            self.convention = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
         self.supports_cross_attention = self.form.inputs > 1
         self.shared_kv = self.form.inputs == 2
+
+    def _default_convention(self) -> Literal["keep", "block"]:
+        """What a bool mask should mean to it: torch's True = blocked for nn.MultiheadAttention's call form or a
+        wrapper of one (its masks pass through), else SDPA's True = may attend."""
+        return "block" if self.form.torch_form or self.found.mha is not None else "keep"
+
+    def _mha(self) -> nn.MultiheadAttention | None:
+        found = self.found.mha
+        return None if found is None else self.module.get_submodule(found)  # type: ignore[return-value]
+
+    def _probed(self) -> _Probed:
+        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order)
 
     def describe(self) -> str:
         """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
@@ -292,11 +502,47 @@ class ProbedAdapter(AttentionAdapter):
         folded = [
             what
             for what, arg in (("key padding", f.padding_arg), ("causality", None if f.torch_form else f.causal_arg))
-            if arg is None
+            if arg is None and not (what == "causality" and self.always_causal)
         ]
         mask = "no mask argument" if f.mask_arg is None else f"{f.mask_arg}: {self.masks.describe()}"
         via = f"; {' and '.join(folded)} through {f.mask_arg}" if folded and f.mask_arg else ""
-        return f"called as {f.describe()}; {mask}{via}; weights from {self.found.describe()}"
+        causal = "; always causal" if self.always_causal else ""
+        return f"called as {f.describe()}; {mask}{via}{causal}; weights from {self.found.describe()}"
+
+    def describe_call(self) -> str | None:
+        """One line: the call form, the mask convention found, causality, and where the weights came from."""
+        f, parts = self.form, [f"called as {self.form.describe()}"]
+        if f.mask_arg is not None:
+            parts.append(f"mask: {f.mask_arg} as {self.masks.describe()}")
+            if self.masks.note:
+                parts.append(self.masks.note)
+        if f.padding_arg is not None:
+            parts.append(f"key padding: {f.padding_arg} (True = padding)")
+        if self.always_causal:
+            parts.append("always causal (no later token reaches an earlier output)")
+        elif f.mask_arg is None and f.causal_arg is None:
+            parts.append("no attention-mask argument" if f.padding_arg else "no mask argument")
+        parts.append(self._describe_weights())
+        return "; ".join(parts)
+
+    def _describe_weights(self) -> str:
+        found = self.found
+        if found.mha is not None:
+            mha = self._mha()
+            assert mha is not None
+            first = "batch_first=True" if mha.batch_first else "batch_first=False, (T, B, E) inputs"
+            return f"projections of the nn.MultiheadAttention {found.mha} ({first}), called through your forward"
+        if found.qkv is not None:
+            order = (
+                f"split as {', '.join(self.qkv_order)} (found by perturbing each third)"
+                if self.qkv_order
+                else "split in thirds, taken as q, k, v (their order could not be told by experiment)"
+            )
+            return f"fused {found.qkv} {order}; out {found.out}"
+        lazy = " (LazyLinear, materialised by one call)" if self.lazy else ""
+        if found.listed is not None:
+            return f"projections {found.listed}[0..3] taken as q, k, v, out{lazy}"
+        return f"projections {found.q}, {found.k}, {found.v}, {found.out}{lazy}"
 
     # -- the protocol ------------------------------------------------------------------------
     @property
@@ -305,14 +551,17 @@ class ProbedAdapter(AttentionAdapter):
 
     def projections(self) -> Projections:
         f, m = self.found, self.module
+        mha = self._mha()
+        if mha is not None:
+            return mha_projections(mha)
 
-        def lin(name: str) -> nn.Linear:
-            found = _linear_in(getattr(m, name))
+        def lin(path: str) -> nn.Linear:
+            found = _linear_in(m.get_submodule(path))
             assert found is not None  # find_projections saw it
             return found
 
         out = lin(f.out)
-        if f.qkv is not None:
+        if f.qkv is not None:  # in the conventional order q, k, v: a module using another is a finding
             fused = lin(f.qkv)
             wq, wk, wv = fused.weight.chunk(3)  # (E, E) each
             bq = bk = bv = None
@@ -337,9 +586,23 @@ class ProbedAdapter(AttentionAdapter):
         self.module.train(mode)
 
     def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
-        if self.form.mask_arg is None:
+        """Self-attention with a bool ``(T_q, T_k)`` mask whose values are handed over as they are: in the
+        shape the module takes, as 0/1 where it takes numbers."""
+        arg, mf = self.form.mask_arg, self.masks
+        if arg is None:
             raise Unsupported(f"{self.name}.forward takes no attention mask")
-        return _first(self._invoke(query, query, query, {self.form.mask_arg: mask}))
+        if mf.use == "lens":
+            raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
+        if mf.use == "float" and _key(arg) == "attentionmask":
+            raise Unsupported(
+                f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "
+                f"is not what it takes"
+            )
+        if not mf.two_d:
+            mask = self._shaped(mask.expand(query.size(0), *mask.shape))  # (B, ...) in its layout
+        if mf.use in ("int", "float01"):
+            mask = mask.long() if mf.use == "int" else mask.to(query.dtype)
+        return _first(self._invoke(query, query, query, {arg: mask}))
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
         return self._sibling(copy.deepcopy(self.module).to(dtype))
@@ -354,6 +617,8 @@ class ProbedAdapter(AttentionAdapter):
             name=self.name,
             factory=self.factory,
             dropout=self.dropout_p,
+            embed_dim=self.embed_dim,
+            materialised=self.lazy,
         )
 
     def parameters(self) -> list[Tensor]:
@@ -372,7 +637,9 @@ class ProbedAdapter(AttentionAdapter):
             name=self.name,
             factory=self.factory,
             dropout=self.dropout_p,
-            _forms=(self.form, self.masks),
+            embed_dim=embed_dim,
+            materialised=self.lazy,
+            _forms=self._probed(),
         )
         return _same_size(built, embed_dim, num_heads, num_kv_heads)
 
@@ -385,23 +652,19 @@ class ProbedAdapter(AttentionAdapter):
             name=self.name,
             factory=self.factory,
             dropout=self.dropout_p,
-            _forms=(self.form, self.masks),
+            embed_dim=self.embed_dim,
+            materialised=self.lazy,
+            _forms=self._probed(),
         )
 
     # -- calling the module ----------------------------------------------------------------------
     def _invoke(self, query: Tensor, key: Tensor, value: Tensor, kwargs: dict) -> object:
         form = self.form
-        if form.inputs == 3:
-            args: tuple[Tensor, ...] = (query, key, value)
-        elif form.inputs == 2:
-            if value is not key:
-                raise Unsupported(f"{self.name} takes one context for K and V ({form.describe()})")
-            args = (query, key)
-        else:
-            if key is not query or value is not query:
-                raise Unsupported(f"{self.name} is self-attention only ({form.describe()})")
-            args = (query,)
-        return self.module(*args, **kwargs)
+        if form.inputs == 2 and value is not key:
+            raise Unsupported(f"{self.name} takes one context for K and V ({form.describe()})")
+        if form.inputs == 1 and (key is not query or value is not query):
+            raise Unsupported(f"{self.name} is self-attention only ({form.describe()})")
+        return _call(self.module, form, (query, key, value), kwargs)
 
     def _run(self, query, key, value, keep_mask, key_padding_mask, is_causal, *, weights: bool) -> object:
         form = self.form
@@ -418,7 +681,7 @@ class ProbedAdapter(AttentionAdapter):
             else:
                 pad_keep = (~key_padding_mask)[:, None, :].expand(B, T_q, T_k)  # (B, T_q, T_k)
                 keep = pad_keep if keep is None else keep & pad_keep
-        if is_causal:
+        if is_causal and not self.always_causal:  # an always-causal module masks the future by itself
             if form.causal_arg is not None and not form.torch_form:
                 kwargs[form.causal_arg] = True
             else:
@@ -427,9 +690,18 @@ class ProbedAdapter(AttentionAdapter):
         if keep is None:
             return self._invoke(query, key, value, kwargs)
         if form.mask_arg is None:
-            raise Unsupported(f"{self.name}.forward takes no attention mask ({form.describe()})")
-        if keep.dim() == 2:
+            what = (
+                "an attention mask"
+                if keep_mask is not None
+                else "key padding"
+                if form.padding_arg is None and key_padding_mask is not None
+                else "causal masking"
+            )
+            raise Unsupported(f"{self.name}.forward takes no attention mask, so {what} cannot be handed to it ({form.describe()})")  # fmt: skip
+        if keep.dim() == 2 and self.masks.two_d:
             return self._invoke(query, key, value, {**kwargs, form.mask_arg: self._mask(keep)})
+        if keep.dim() == 2:
+            keep = keep.expand(B, T_q, T_k)  # (B, T_q, T_k): the module takes per-sequence masks only
         if self.masks.layout == "per_sequence":  # each sequence alone, with its own 2-D mask
             outs = []
             for b in range(B):
@@ -442,20 +714,143 @@ class ProbedAdapter(AttentionAdapter):
     def _mask(self, keep: Tensor) -> Tensor:
         """A keep mask ``(T_q, T_k)`` or ``(B, T_q, T_k)`` in the module's own form."""
         mf = self.masks
+        if mf.use == "lens":
+            return self._lengths(keep)
+        dtype = self.projections().q_weight.dtype
         if mf.use == "float":
-            m: Tensor = torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
-            m = m.to(self.projections().q_weight.dtype)
+            blocked = float("-inf") if mf.fill == "-inf" else torch.finfo(dtype).min
+            m: Tensor = torch.zeros(keep.shape, device=keep.device, dtype=dtype).masked_fill(~keep, blocked)
         else:
             m = keep if mf.polarity == "keep" else ~keep
-        if keep.dim() == 2:
-            return m
-        if mf.layout == "b1qk":
+            if mf.use == "int":
+                m = m.long()
+            elif mf.use == "float01":
+                m = m.to(dtype)
+        return m if keep.dim() == 2 else self._shaped(m)
+
+    def _shaped(self, m: Tensor) -> Tensor:
+        """A per-sequence mask ``(B, T_q, T_k)``, already in the module's values, in its layout."""
+        layout = self.masks.layout
+        if layout == "b1qk":
             return m[:, None]  # (B, 1, T_q, T_k)
-        if mf.layout == "bhqk":
+        if layout == "bhqk":
             return m.repeat_interleave(self.num_heads, dim=0)  # (B*H, T_q, T_k), batch-major
-        return m  # (B, T_q, T_k)
+        if layout in ("bqk", "per_sequence"):
+            return m  # (B, T_q, T_k)
+        if not bool((m == m[:, :1]).all()):
+            raise Unsupported(
+                f"{self.name}.forward's {self.form.mask_arg} takes one mask per key "
+                f"{_SHAPES[layout].removesuffix(', one mask per key')}: "
+                f"a mask that differs between queries (causal, or any (T_q, T_k) mask) cannot be handed to it"
+            )
+        per_key = m[:, 0]  # (B, T_k)
+        if layout == "b11k":
+            return per_key[:, None, None]  # (B, 1, 1, T_k)
+        if layout == "b1k":
+            return per_key[:, None]  # (B, 1, T_k)
+        return per_key  # (B, T_k)
+
+    def _lengths(self, keep: Tensor) -> Tensor:
+        """Valid lengths ``(B,)`` or ``(B, T_q)`` for a keep mask that is a prefix of the keys in every row."""
+        B = keep.size(0) if keep.dim() == 3 else 1
+        keep = keep if keep.dim() == 3 else keep.expand(B, *keep.shape)  # (B, T_q, T_k)
+        lens = keep.sum(-1)  # (B, T_q)
+        prefix = torch.arange(keep.size(-1), device=keep.device) < lens[..., None]  # (B, T_q, T_k)
+        arg = self.form.mask_arg
+        if not bool((prefix == keep).all()):
+            raise Unsupported(
+                f"{self.name}.forward takes valid lengths ({arg}): only masks that hide the last keys of a "
+                f"row can be handed to it"
+            )
+        if self.masks.layout == "lens_q":
+            return lens  # (B, T_q)
+        if not bool((lens == lens[:, :1]).all()):
+            raise Unsupported(
+                f"{self.name}.forward takes one valid length per sequence ({arg} (B,)): a mask that differs "
+                f"between queries (causal) cannot be handed to it"
+            )
+        return lens[:, 0]  # (B,)
 
     # -- probing -------------------------------------------------------------------------------
+    def _plain(self, x: Tensor) -> Tensor:
+        """Self-attention of ``x`` with no mask at all."""
+        return _first(self._invoke(x, x, x, {}))
+
+    @torch.no_grad()
+    def probe_causal(self) -> bool:
+        """Whether the module is causal on its own: changing token 4 leaves outputs 0..3 exactly alone while it
+        moves outputs 5.., and changing token 1 moves the outputs after it."""
+        if self.form.causal_arg is not None and not self.form.torch_form:
+            return False  # it is told when to be causal
+        g = torch.Generator().manual_seed(4321)
+        w = self.projections().q_weight
+        B, T, p = 2, 7, 4
+        x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
+        training = self.module.training
+        self.module.eval()
+        try:
+            base = self._plain(x)
+            if not isinstance(base, Tensor) or base.shape != x.shape or not bool(torch.isfinite(base).all()):
+                return False
+            moved = {i: x.clone() for i in (1, p)}
+            for i, t in moved.items():
+                t[:, i] += 3.0 * torch.randn(B, self.embed_dim, generator=g).to(w)
+            late, early = self._plain(moved[p]) - base, self._plain(moved[1]) - base  # (B, T, E) each
+        except Exception:
+            return False
+        finally:
+            self.module.train(training)
+        size = base.abs().max().clamp_min(1e-12)
+        past_alone = float(late[:, :p].abs().max() / size) <= EXACT
+        reaches_later = float(late[:, p + 1 :].abs().max() / size) > SEEN
+        earlier_reaches = float(early[:, 2:].abs().max() / size) > SEEN
+        return past_alone and reaches_later and earlier_reaches
+
+    @torch.no_grad()
+    def probe_qkv_order(self) -> tuple[str, ...] | None:
+        """A fused projection's thirds in their order of use, told apart by adding a constant vector to one third's
+        output at every position: softmax ignores it on the keys; on the values, it shifts every output alike
+        (the weights sum to 1); on the queries, it changes them unevenly. None when the thirds do not read as
+        one of each (a per-head interleaved split, a module that mixes positions)."""
+        if self.found.qkv is None:
+            return None
+        fused = _linear_in(self.module.get_submodule(self.found.qkv))
+        assert fused is not None
+        W = fused.weight  # (3n, E)
+        if W.size(0) % 3:
+            return None
+        n = W.size(0) // 3
+        g = torch.Generator().manual_seed(2024)
+        u = torch.randn(W.size(1), generator=g).to(W)
+        u = u / u.norm()
+        x = torch.randn(2, 7, W.size(1), generator=g).to(W)  # (B, T, E)
+        x = x - (x @ u)[..., None] * u + u  # every token's component along u is 1: W + c u^T adds c everywhere
+        saved, training = W.detach().clone(), self.module.training
+        self.module.eval()
+        roles: list[str] = []
+        try:
+            base = self._plain(x)
+            size = base.abs().max().clamp_min(1e-12)
+            for i in range(3):
+                c = torch.randn(n, generator=g).to(W)
+                W.data[i * n : (i + 1) * n] += c[:, None] * u[None, :]  # (n, E): rank one
+                try:
+                    diff = self._plain(x) - base  # (B, T, E)
+                finally:
+                    W.data.copy_(saved)
+                if float(diff.abs().max() / size) <= 1e-4:
+                    roles.append("k")
+                elif float((diff - diff[:1, :1]).abs().max() / diff.abs().max().clamp_min(1e-12)) <= 1e-3:
+                    roles.append("v")
+                else:
+                    roles.append("q")
+        except Exception:
+            return None
+        finally:
+            W.data.copy_(saved)
+            self.module.train(training)
+        return tuple(roles) if sorted(roles) == ["k", "q", "v"] else None
+
     @torch.no_grad()
     def probe_masks(self) -> MaskForm:
         """Find what the module's mask means, by experiment (see the module docstring)."""
@@ -507,7 +902,7 @@ class ProbedAdapter(AttentionAdapter):
         try:
             changes = (change(hide), change(~hide))
         except Exception as e:
-            note = f"a bool mask raised {type(e).__name__}"
+            note = f"a bool (T_q, T_k) mask raised {type(e).__name__}"
         exact = reading(*changes, exact=True) if changes else None
         if exact is not None:
             self.masks = MaskForm(exact, "bool", exact, "b1qk")
@@ -521,6 +916,13 @@ class ProbedAdapter(AttentionAdapter):
                 return replace(self.masks, layout=self._probe_layout(x, hide))
         except Exception:
             pass
+        batched = self._probe_batched()
+        if batched is not None:
+            return batched
+        if changes is None:  # no (T_q, T_k) mask runs, and no form masks cleanly: the module mixes positions
+            runs = self._probe_runs()
+            if runs is not None:
+                return runs
         # No clean reading: the module masks after softmax, mixes positions, or ignores the mask. Its bool
         # masks are then handed over in the expected convention; what they seemed to do is only reported.
         weak = reading(*changes, exact=False) if changes else None
@@ -555,6 +957,113 @@ class ProbedAdapter(AttentionAdapter):
             if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
                 return layout
         return "per_sequence"
+
+    def _probe_runs(self) -> MaskForm | None:
+        """The first form a module that masks nothing cleanly (it mixes positions: a mistake the checks will
+        show) runs with, giving ``(B, T, E)``; its name says which forms are tried (valid lengths first for
+        ``valid_lens``, additive and 0/1 for ``attention_mask``, else bool in the expected convention only)."""
+        g = torch.Generator().manual_seed(778)
+        w = self.projections().q_weight
+        B, T = 3, 7
+        x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
+        pos = torch.arange(T, device=w.device)
+        keep = (pos[None, :] < torch.tensor([7, 5, 6], device=w.device)[:, None])[:, None, :].expand(B, T, T)
+        arg = self.form.mask_arg
+        assert arg is not None
+        pol = self.convention
+        bools = [MaskForm(pol, "bool", pol, lay, two_d=False) for lay in ("bqk", "b1qk", "bhqk", "b11k", "b1k", "bk")]  # fmt: skip
+        lens = [MaskForm(None, "lens", "keep", lay, two_d=False) for lay in ("lens_q", "lens")]
+        additive = [
+            MaskForm(None, "float", pol, lay, two_d=False, fill=fill)
+            for fill in ("-inf", "min")
+            for lay in ("b1qk", "b11k", "bqk")
+        ]  # -inf first; finfo.min where -inf gives NaN (a mask subtracted, say)
+        ints = [MaskForm(None, "int", "keep", lay, two_d=False) for lay in ("bk", "b11k", "bqk")]
+        if _key(arg) in ("validlens", "validlen", "lengths"):
+            order = lens + bools
+        elif _key(arg) == "attentionmask":
+            order = additive + ints + bools + lens
+        else:  # a bool mask it cannot take in any shape is a finding (mask_dtype_error): nothing else is tried
+            order = bools
+        for form in order:
+            self.masks = form
+            try:
+                out = _first(self._invoke(x, x, x, {arg: self._mask(keep)}))
+            except Exception:
+                continue
+            if isinstance(out, Tensor) and out.shape == x.shape and bool(torch.isfinite(out).all()):
+                return replace(form, note="its effect could not be read (the output mixes positions); handed as the first form it runs with")  # fmt: skip
+        return None
+
+    def _probe_batched(self) -> MaskForm | None:
+        """Every other mask form, on a batch whose sequences each hide other keys (see the module docstring):
+        the first under which exactly the hidden keys stop reaching each query; None when none does."""
+        g = torch.Generator().manual_seed(777)
+        w = self.projections().q_weight
+        B, T, E = 3, 7, self.embed_dim
+        x = torch.randn(B, T, E, generator=g).to(w)  # (B, T, E)
+        moved = {}
+        for p in (4, 5):
+            moved[p] = x.clone()
+            moved[p][:, p] += 3.0 * torch.randn(B, E, generator=g).to(w)  # (B, T, E): token p changed
+        pos = torch.arange(T, device=w.device)
+        full = torch.ones(B, T, T, dtype=torch.bool, device=w.device)  # (B, T_q, T_k), True = may attend
+        full[0, :3, 4] = full[1, 3:, 4] = full[2, :, 5] = full[0, 4:, 5] = False
+        lens = torch.tensor([6, 4, 5], device=w.device)  # (B,)
+        per_key = (pos[None, :] < lens[:, None])[:, None, :].expand(B, T, T)  # (B, T_q, T_k): the last keys hidden
+        per_query = pos[None, None, :] < (pos[None, :, None] + 3 - torch.arange(B, device=w.device)[:, None, None])
+        per_query[..., 0] = True  # (B, T_q, T_k): a prefix per query, at least one key each
+        arg = self.form.mask_arg
+        assert arg is not None
+        causal = causal_keep(T, T, w.device) if self.always_causal else None  # (T, T)
+
+        def fits(form: MaskForm, keep: Tensor) -> bool:
+            self.masks = form
+            try:
+                mask = self._mask(keep)
+                base = _first(self._invoke(x, x, x, {arg: mask}))
+                if not isinstance(base, Tensor) or base.shape != x.shape or not bool(torch.isfinite(base).all()):
+                    return False
+                size = base.abs().max().clamp_min(1e-12)
+                for p, xp in moved.items():
+                    out = _first(self._invoke(xp, xp, xp, {arg: mask}))
+                    if not isinstance(out, Tensor) or out.shape != x.shape:
+                        return False
+                    change = ((out - base).abs().amax(-1) / size).nan_to_num(math.inf)  # (B, T_q)
+                    seen = keep[:, :, p] if causal is None else keep[:, :, p] & causal[:, p]  # (B, T_q)
+                    others = pos != p  # query p changed itself
+                    if bool((change[~seen & others] > EXACT).any()) or bool((change[seen & others] <= SEEN).any()):
+                        return False
+                return True
+            except Exception:
+                return False
+
+        values: list[tuple[Literal["bool", "float", "int", "float01"], Literal["keep", "block"]]] = [
+            ("bool", "keep"), ("bool", "block"), ("float", "keep"), ("int", "keep"), ("float01", "keep"),
+            ("int", "block"), ("float01", "block"),
+        ]  # fmt: skip
+        if _key(arg) != "attentionmask":
+            # 0/1 numbers are Hugging Face's documented attention_mask; elsewhere a module that only runs on
+            # them rejects the bool mask its signature promises (a finding: mask_dtype_error), so none are tried
+            values = [(use, pol) for use, pol in values if use in ("bool", "float")]
+        tries: list[tuple[tuple[_Layout, ...], Tensor]] = [
+            (("bqk", "b1qk", "bhqk"), full),
+            (("b11k", "b1k", "bk"), per_key),
+        ]
+        for layouts, keep in tries:
+            # one mask per key, (B, T_k): Hugging Face's 0/1 attention_mask before an additive reading of it
+            ordered = values if keep is full else sorted(values, key=lambda v: v[0] == "float")
+            for use, polarity in ordered:
+                for layout in layouts:
+                    reading = polarity if use == "bool" else None
+                    form = MaskForm(reading, use, polarity, layout, two_d=False)
+                    if fits(form, keep):
+                        return form
+        for layout, keep in (("lens_q", per_query), ("lens", per_key)):
+            form = MaskForm(None, "lens", "keep", layout, two_d=False)
+            if fits(form, keep):
+                return form
+        return None
 
 
 def _sequence(query: Tensor, key: Tensor, value: Tensor, b: int) -> tuple[Tensor, Tensor, Tensor]:

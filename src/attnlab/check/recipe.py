@@ -19,7 +19,7 @@ padding), ``is_causal`` bottom-right aligned. A query with no visible key gets a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import torch
@@ -50,7 +50,12 @@ class Recipe:
     bool_mask_added: bool = False  # the keep mask added to the scores as 0/1 floats instead of masking
     mask_ignored: bool = False  # no mask of any kind reaches the scores
     causal: Literal["right", "sees_next", "hides_self", "reversed"] = "right"
-    padding: Literal["keys", "ignored", "inverted", "queries"] = "keys"
+    # "added": the key padding mask added to the scores as 0/1 floats (padded keys +1, nothing blocked)
+    padding: Literal["keys", "ignored", "inverted", "queries", "added"] = "keys"
+    # "tiled": (sequence b, head h) gets the masks of sequence (b*H + h) mod B (valid_lens.repeat(H) on (B*H, ..) rows)
+    rows: Literal["right", "tiled"] = "right"
+    # False: (B, T, E) read as (T, B, E) (nn.MultiheadAttention without batch_first): attention across the batch
+    batch_first: bool = True
     merge: Literal["transpose", "no_transpose", "interleaved"] = "transpose"
     out_proj: bool = True
 
@@ -156,6 +161,21 @@ def recipe_attention(
     if recipe.mask_ignored:
         keep_mask = key_padding_mask = bias = None
         is_causal = False
+    if not recipe.batch_first:
+        if keep_mask is not None or key_padding_mask is not None or bias is not None or is_causal:
+            raise RuntimeError("a (B, T) mask does not fit inputs read as (T, B, E)")  # the module raises too
+        swapped = recipe_attention(
+            p,
+            query.transpose(0, 1),  # (T_q, B, E): B read as the sequence
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            scale=scale,
+            recipe=replace(recipe, batch_first=True),
+        )
+        swapped["out"] = swapped["out"].transpose(0, 1)  # (B, T_q, E), as the module returns it
+        return swapped
     f64 = torch.float64
     w = p.to(f64)
     inputs = {"query": query.to(f64), "key": key.to(f64), "value": value.to(f64)}
@@ -191,7 +211,9 @@ def recipe_attention(
         b4 = bias.to(f64).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
         keep = keep & (b4 != float("-inf"))
         added = added + b4.masked_fill(b4 == float("-inf"), 0.0)
-    if key_padding_mask is not None and recipe.padding != "ignored":
+    if key_padding_mask is not None and recipe.padding == "added":
+        added = added + key_padding_mask[:, None, None, :].to(f64)  # (B, 1, 1, T_k): a padded key's score +1
+    elif key_padding_mask is not None and recipe.padding != "ignored":
         pad = ~key_padding_mask if recipe.padding == "inverted" else key_padding_mask  # (B, T_k)
         if recipe.padding == "queries":  # the mask laid along the query axis: padded *queries* see nothing
             keep = keep & ~pad[:, None, :, None]  # (B, 1, T_q = T_k, 1)
@@ -199,6 +221,10 @@ def recipe_attention(
             keep = keep & ~pad[:, None, None, :]  # (B, 1, 1, T_k)
     if is_causal:
         keep = keep & _causal(recipe, T_q, T_k, query.device)  # (T_q, T_k) broadcast
+    if recipe.rows == "tiled":  # (b, h) reads the masks of sequence (b*H + h) mod B
+        rows = (torch.arange(B)[:, None] * H + torch.arange(H)[None, :]) % B  # (B, H)
+        keep = keep.expand(B, 1, T_q, T_k)[rows.to(keep.device), 0]  # (B, H, T_q, T_k)
+        added = added.expand(B, 1, T_q, T_k)[rows.to(added.device), 0]  # (B, H, T_q, T_k)
     scores = s["scaled"] + added  # (B, H, T_q, T_k)
     if recipe.mask_stage == "before":
         s["masked"] = scores.masked_fill(~keep, float("-inf"))

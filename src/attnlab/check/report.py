@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Sequence
 
 from .result import Cause, CheckResult, Report
 
-__all__ = ["print_tables", "skip_line", "to_json"]
+__all__ = ["print_tables", "skip_line", "summary_line", "to_json"]
 
-_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
+_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow", "note": "yellow"}
+
+
+def _status(r: CheckResult, strict: bool) -> str:
+    """``pass``, ``fail``, ``skip``, or ``note``: a failing row that only hardening causes explain."""
+    return "note" if r.status == "fail" and r.hardening and not strict else r.status
 
 
 def _figure(value: float | str | None) -> str:
@@ -20,10 +26,11 @@ def _figure(value: float | str | None) -> str:
     return "0" if value == 0 else f"{value:.2e}"
 
 
-def _row(r: CheckResult, *, detail: bool = True) -> tuple[str, ...]:
+def _row(r: CheckResult, *, detail: bool = True, strict: bool = False) -> tuple[str, ...]:
     from rich.markup import escape  # names like "low_precision[bf16]" would otherwise read as markup tags
 
-    status = f"[{_STYLE[r.status]}]{r.status.upper()}[/]"
+    shown = _status(r, strict)
+    status = f"[{_STYLE[shown]}]{shown.upper()}[/]"
     cells = (escape(r.name), status, escape(_figure(r.measured)), escape(_figure(r.tolerance)))
     return (*cells, escape(r.detail)) if detail else cells
 
@@ -45,6 +52,9 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
     console = Console(width=width)
     for report in reports:
         cfg = report.config
+        if cfg.get("call_form"):  # what the probe found: the call form and the mask convention, in one line
+            for line in textwrap.wrap(cfg["call_form"], max(40, console.width), subsequent_indent="  "):
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
         shown = [r for r in report.results if r.status != "skip"] or report.results[:1]
         figures = [(r.name, r.status, _figure(r.measured), _figure(r.tolerance)) for r in shown]
         # each column's widest cell plus rich's borders and padding: 3 per column and 1 for the last border
@@ -58,27 +68,46 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
             min_width=min(len(title), console.width),  # the title on one line, however narrow the columns
             caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
             f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']}{_where(cfg)} torch {cfg['torch']}"
-            + (f"\n{cfg['called_as']}" if cfg.get("called_as") else ""),
+            + (f"\n{cfg['called_as']}" if cfg.get("called_as") and not cfg.get("call_form") else ""),
             caption_justify="left",
         )
         for col, kw in zip(_HEADS if wide else _HEADS[:4], _COLUMN_STYLE, strict=False):
             table.add_column(col, **kw)
         for r in shown:
-            table.add_row(*_row(r, detail=wide))
+            table.add_row(*_row(r, detail=wide, strict=report.strict))
         console.print(table)
         if not wide:
             _print_details(console, shown)
-        counts = {s: sum(r.status == s for r in report.results) for s in ("pass", "fail", "skip")}
-        verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
-        if report.partial:  # the rows that ran are real results; the ones that did not are no verdict
-            verdict = f"[bold yellow]PARTIAL[/] ({escape(report.partial)}), so far"
-        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+        console.print(summary_line(report))
         skipped = skip_line(report, console.width)
         if skipped:
             console.print(skipped, markup=False, highlight=False, soft_wrap=True)
         if report.diagnosis:
             _print_diagnosis(console, report)
         console.print()
+
+
+def summary_line(report: Report) -> str:
+    """The verdict in one line (rich markup): ``OK: 24 passed, 0 failed, 8 skipped``, with the hardening notes
+    counted and said to pass: ``OK: 19 passed, 0 failed, 8 skipped; computes attention correctly, with 5
+    hardening notes (--strict fails on them)``."""
+    from rich.markup import escape
+
+    notes = len(report.notes)
+    counts = (
+        f"{sum(r.status == 'pass' for r in report.results)} passed, {len(report.failures)} failed, "
+        f"{sum(r.status == 'skip' for r in report.results)} skipped"
+    )
+    plural, them = ("s", "them") if notes != 1 else ("", "it")
+    if report.partial:  # the rows that ran are real results; the ones that did not are no verdict
+        verdict = f"[bold yellow]PARTIAL[/] ({escape(report.partial)}), so far"
+    else:
+        verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+    if not notes or report.partial:
+        return f"{verdict}: {counts}" + (f"; {notes} hardening note{plural}" if notes else "")
+    if report.ok:
+        return f"{verdict}: {counts}; computes attention correctly, with {notes} hardening note{plural} (--strict fails on {them})"
+    return f"{verdict}: {counts}; and {notes} hardening note{plural} (--strict fails on {them})"
 
 
 def _where(cfg: dict) -> str:
@@ -120,14 +149,30 @@ def _print_diagnosis(console: object, report: Report) -> None:
         for line in textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    console.print()
-    console.print("[bold]Likely cause[/]" + (" (most likely first)" if len(report.diagnosis) > 1 else ""))
-    for i, c in enumerate(report.diagnosis, 1):
-        out(f"{c.found} [{c.id}]", f"{i}. ", "   ")
-        for label, text in (("evidence", c.evidence), ("fix", c.fix), ("see", c.seed)):
-            out(text, f"   {label}: ", " " * (5 + len(label)))
-        if c.explains:
-            out(_rows(c), "   explains: ", " " * 13)
+    notes = {r.name for r in report.notes}
+    # a hardening cause is a note when every row it explains is one (strict: none is)
+    is_note = lambda c: c.hardening and not report.strict and set(c.explains) <= notes
+    sections = (
+        ("Likely cause", [c for c in report.diagnosis if not is_note(c)]),
+        ("Hardening notes", [c for c in report.diagnosis if is_note(c)]),
+    )
+    for title, causes in sections:
+        if not causes:
+            continue
+        console.print()
+        if title == "Hardening notes":
+            console.print(
+                "[bold]Hardening notes[/] (robustness a textbook module is not written for; the attention it "
+                "computes is right, and --strict fails on them)"
+            )
+        else:
+            console.print(f"[bold]{title}[/]" + (" (most likely first)" if len(causes) > 1 else ""))
+        for i, c in enumerate(causes, 1):
+            out(f"{c.found} [{c.id}]", f"{i}. ", "   ")
+            for label, text in (("evidence", c.evidence), ("fix", c.fix), ("see", c.seed)):
+                out(text, f"   {label}: ", " " * (5 + len(label)))
+            if c.explains:
+                out(_rows(c), "   explains: ", " " * 13)
     explained = {n for c in report.diagnosis for n in c.explains}
     rest = [r.name for r in report.failures if r.name not in explained]
     if rest:

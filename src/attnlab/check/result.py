@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 Status = Literal["pass", "fail", "skip"]
 
-__all__ = ["Cause", "CheckResult", "Report", "Status"]
+__all__ = ["Cause", "CheckError", "CheckResult", "Report", "Status"]
+
+
+class CheckError(RuntimeError):
+    """attnlab check's own failure, not the module's: an exception in check's code, not in the target's
+    constructor or forward. ``phase`` says what check was doing ("running check dropout_rate", "diagnosing")."""
+
+    def __init__(self, phase: str, error: BaseException) -> None:
+        super().__init__(f"{phase}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        self.phase, self.error = phase, error
 
 
 @dataclass(frozen=True)
@@ -21,6 +30,9 @@ class CheckResult:
     tolerance: float | str | None = None  # the bound the figure had to meet
     detail: str = ""  # how it was measured, or why it was skipped
     data: dict = field(default_factory=dict, compare=False)  # figures the diagnosis reads (JSON too)
+    # A failing row that only hardening causes explain (NaN in padded values, fully masked rows, a fill
+    # float16 cannot hold, float32 inside a float64 run): a note, not a failure, unless the run is strict.
+    hardening: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,9 @@ class Cause:
     fix: str  # the one-line fix
     seed: str  # the seed section it relates to
     explains: tuple[str, ...] = ()  # the failing rows it accounts for
+    # Robustness a textbook module is not written for (attnlab.check.catalogue.Mistake.hardening): the
+    # attention it computes is right; its rows are notes unless the run is strict.
+    hardening: bool = False
 
 
 @dataclass
@@ -44,15 +59,40 @@ class Report:
     config: dict = field(default_factory=dict)  # dims, seed, torch version: what reproduces the run
     diagnosis: list[Cause] = field(default_factory=list)  # most likely cause first; empty when nothing failed
     partial: str | None = None  # why the run stopped early ("interrupted (SIGTERM) after 5 of 32 checks"), or None
+    strict: bool = False  # hardening notes count as failures (attnlab check --strict)
 
     @property
-    def failures(self) -> list[CheckResult]:
+    def failing(self) -> list[CheckResult]:
+        """Every row whose figure missed its bound, hardening notes included."""
         return [r for r in self.results if r.status == "fail"]
 
     @property
+    def failures(self) -> list[CheckResult]:
+        """The rows that fail the target: every failing row but the hardening notes (all of them when strict)."""
+        return [r for r in self.failing if self.strict or not r.hardening]
+
+    @property
+    def notes(self) -> list[CheckResult]:
+        """The hardening notes: failing rows that only hardening causes explain (none when strict)."""
+        return [r for r in self.failing if r.hardening and not self.strict]
+
+    @property
     def ok(self) -> bool:
-        """True when no check failed (skips do not count against the target)."""
+        """True when the module computes attention correctly: no check failed but hardening notes (skips do not
+        count against the target)."""
         return not self.failures
+
+    def apply_diagnosis(self, causes: list[Cause]) -> None:
+        """Record ``causes`` and mark as hardening each failing row that only hardening causes explain.
+
+        A row no cause explains stays a failure: a note is a finding named and understood, never a guess."""
+        self.diagnosis = causes
+        hardening = {n for c in causes if c.hardening for n in c.explains}
+        real = {n for c in causes if not c.hardening for n in c.explains}
+        self.results = [
+            replace(r, hardening=r.status == "fail" and r.name in hardening and r.name not in real)
+            for r in self.results
+        ]
 
     def __getitem__(self, name: str) -> CheckResult:
         for r in self.results:
@@ -70,6 +110,8 @@ class Report:
         return {
             "target": self.target,
             "ok": self.ok,
+            "strict": self.strict,
+            "notes": [r.name for r in self.notes],
             "config": self.config,
             "results": rows,
             "diagnosis": [asdict(c) for c in self.diagnosis],

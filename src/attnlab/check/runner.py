@@ -6,11 +6,12 @@ from collections.abc import Iterable
 
 import torch
 
+from .adapters import AttentionAdapter
 from .diagnose import diagnose as find_causes
-from .result import Report
-from .suite import run_rows
+from .result import Cause, CheckError, Report
+from .suite import raised_at, raised_in_target, run_rows
 
-__all__ = ["run_checks"]
+__all__ = ["diagnosed", "run_checks"]
 
 
 def run_checks(
@@ -24,6 +25,7 @@ def run_checks(
     diagnose: bool = True,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    strict: bool = False,
 ) -> Report:
     """Audit an attention module against attnlab's float64 reference.
 
@@ -46,17 +48,55 @@ def run_checks(
             to flash-attention's rule, 2x plain PyTorch's error in that dtype
             (:meth:`attnlab.check.suite.Context.tol`). A device or dtype this machine cannot check
             on raises :class:`attnlab.runtime.UsageError` (a ``ValueError``) saying what it has.
+        strict: count hardening notes as failures (see :class:`Report`).
 
     Returns:
-        A :class:`Report`; ``report.ok`` is False when a check failed, and ``report.diagnosis``
-        names the likely causes, most likely first. The target is left in eval mode, and the
-        global RNG state is untouched.
+        A :class:`Report`; ``report.ok`` is False when the module does not compute attention
+        correctly; a failing row that only hardening causes explain (NaN in padded values, fully
+        masked rows, a fill float16 cannot hold, float32 inside float64) is a note in
+        ``report.notes`` instead, unless ``strict``. ``report.diagnosis`` names the likely causes,
+        most likely first. The target is left in eval mode, and the global RNG state is untouched.
+
+    Raises:
+        CheckError: attnlab check's own code failed (not the target's): ``error.phase`` says where.
     """
     adapter, report = run_rows(
         target, checks=checks, seed=seed, batch=batch, seq_len=seq_len, scale=scale, device=device, dtype=dtype
     )
-    if diagnose and not report.ok:
+    report.strict = strict
+    call = getattr(adapter, "describe_call", lambda: None)()
+    if call:
+        report.config["call_form"] = call
+    if diagnose and report.failing:
+        diagnosed(adapter, report, seed=seed, batch=batch, seq_len=seq_len)
+    return report
+
+
+def diagnosed(adapter: AttentionAdapter, report: Report, *, seed: int, batch: int, seq_len: int) -> Report:
+    """``report`` with its diagnosis, and its rows that only hardening causes explain marked as notes.
+
+    A crash of check's own code while diagnosing is a :class:`CheckError`; one of the target's that the
+    diagnosis did not expect is a cause of its own (the rows stay failures)."""
+    try:
         with torch.random.fork_rng(devices=[]):  # the diagnosis draws too: leave the caller's RNG alone
-            report.diagnosis = find_causes(adapter, report, seed=seed, batch=batch, seq_len=seq_len)
+            causes = find_causes(adapter, report, seed=seed, batch=batch, seq_len=seq_len)
+    except CheckError:
+        raise
+    except Exception as e:
+        if not raised_in_target(e):
+            raise CheckError("diagnosing the failing rows", e) from e
+        at = raised_at(e)
+        message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        causes = [
+            Cause(
+                "crash",
+                f"the module raises {type(e).__name__} on the diagnosis's probe inputs",
+                message + (f"; raised at {at}" if at else ""),
+                "run the module alone on those inputs (attnlab check --debug shows the traceback)",
+                "seed 002, section 4.1",
+            )
+        ]
+    finally:
         adapter.set_training(False)
+    report.apply_diagnosis(causes)
     return report

@@ -8,24 +8,32 @@ Accepted forms:
 
 ``Name`` is an ``nn.Module`` class, a factory returning a module or an adapter, or a module
 instance. A class or factory is called with whichever of these its signature names, under any of
-the usual spellings: the width (``embed_dim``, ``d_model``, ``model_dim``, ``dim``, ``hidden_size``
-...), the heads (``num_heads``, ``n_heads``, ``nhead``, ``heads``, ``h`` ...), the K/V heads
-(``num_kv_heads``, ``n_kv_heads`` ...) and dropout (``dropout``, ``dropout_p``, ``p`` ...). Any
-other argument without a default is an error naming it. Projection biases that are all zero
-(the usual init) get small random values, seeded, so that a bias bug cannot hide.
+the usual spellings: the width (``embed_dim``, ``d_model``, ``model_dim``, ``dim``, ``hidden_size``,
+d2l's ``num_hiddens`` ...), the heads (``num_heads``, ``n_heads``, ``nhead``, ``heads``, ``h`` ...),
+the K/V heads (``num_kv_heads``, ``n_kv_heads`` ...; when required and not given, H/2) and dropout
+(``dropout``, ``dropout_p``, ``p`` ...); a required ``layer_idx`` gets 0, a required ``block_size``
+(``max_len``, ``context_length`` ...) 1024, a required ``bias`` True. A ``config`` argument
+(nanoGPT's, Hugging Face's) gets an object carrying each ``config.X`` that the class's source reads:
+``n_embd``, ``hidden_size``, ``n_head``, ``num_attention_heads``, ``num_key_value_heads``,
+``head_dim``, ``attn_pdrop``, ``bias``, ``block_size`` ... (:data:`CONFIG_FIELDS`). Any other
+required argument or config field is an error naming it. Lazy weights (``nn.LazyLinear``) are made
+by one call. Projection biases that are all zero (the usual init) get small random values, seeded,
+so that a bias bug cannot hide.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Literal, cast
 
 import torch
@@ -34,7 +42,7 @@ from torch import nn
 from ..runtime import UsageError
 from .adapters import AttentionAdapter
 from .device import place, resolve_device, resolve_dtype
-from .probe import NotAttention, ProbedAdapter, as_adapter
+from .probe import NotAttention, ProbedAdapter, as_adapter, is_lazy, materialise
 
 __all__ = ["TargetError", "build_target", "load_object", "random_biases"]
 
@@ -52,6 +60,49 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "dropout": ("dropout", "dropout_p", "p", "attn_dropout", "dropout_rate", "attention_dropout", "drop", "attn_drop",
                 "dropout_prob"),
 }  # fmt: skip
+# Spellings filled with the width too: d2l's (num_hiddens; query_size, key_size, value_size of its older
+# MultiHeadAttention), "LLMs from scratch"'s d_in, d_out.
+_WIDTH_TOO = ("num_hiddens", "query_size", "key_size", "value_size", "d_in", "d_out")
+# Arguments filled only when they have no default: (spellings, value).
+_REQUIRED_ONLY: dict[str, tuple[tuple[str, ...], object]] = {
+    "layer_idx": (("layer_idx", "layer_id", "layer_number", "layer"), 0),
+    "block_size": (("block_size", "max_len", "max_seq_len", "context_length", "max_position_embeddings", "n_ctx",
+                    "max_length", "seq_len", "max_seq_length", "n_positions", "context_size"), 1024),
+    "bias": (("bias", "qkv_bias", "use_bias", "attention_bias"), True),
+    "causal": (("causal", "is_causal"), False),
+}  # fmt: skip
+_CONFIG_ARGS = ("config", "cfg", "args", "params", "hparams", "model_args", "conf", "configs")
+# The fields a config may carry, by what they mean; a callable takes (E, H, G, dropout). The longest
+# sequence the checks run is 1024 tokens: a causal buffer of block_size must hold it.
+CONFIG_FIELDS: dict[tuple[str, ...], object] = {
+    ("n_embd", "n_embed", "hidden_size", "d_model", "dim", "embed_dim", "emb_dim", "num_hiddens", "model_dim",
+     "embedding_dim", "d_embed", "embed_size", "width", "hidden_dim", "n_embd_attn"): lambda E, H, G, p: E,
+    ("n_head", "n_heads", "num_attention_heads", "num_heads", "nhead", "heads", "n_attn_heads", "head_count",
+     "num_head"): lambda E, H, G, p: H,
+    ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads", "n_query_groups",
+     "num_query_groups", "multi_query_group_num"): lambda E, H, G, p: G,
+    ("head_dim", "d_head", "head_size", "d_k", "kv_channels", "attention_head_size", "dim_head"):
+        lambda E, H, G, p: E // H,
+    ("dropout", "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attn_dropout", "dropout_rate",
+     "attn_drop", "attn_dropout_prob", "dropout_p", "attention_dropout_prob", "drop_rate"): lambda E, H, G, p: p,
+    ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "resid_dropout", "proj_dropout", "embd_pdrop",
+     "proj_drop", "output_dropout", "residual_dropout"): 0.0,  # after the out-projection: off, the checks want it exact
+    ("bias", "attention_bias", "qkv_bias", "use_bias", "add_bias_linear", "add_qkv_bias", "attn_bias"): True,
+    ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "context_length",
+     "seq_len", "max_seq_length", "max_length", "max_sequence_length"): 1024,
+    ("is_causal", "causal", "is_decoder", "use_cache", "output_attentions", "scale_attn_by_inverse_layer_idx",
+     "reorder_and_upcast_attn"): False,
+    ("scale_attn_weights",): True,
+    ("layer_norm_eps", "layer_norm_epsilon", "norm_eps"): 1e-5,
+    ("rms_norm_eps",): 1e-6,
+    ("initializer_range",): 0.02,
+    ("pretraining_tp",): 1,
+    ("n_layer", "num_hidden_layers", "num_layers", "n_layers"): 1,
+    ("vocab_size",): 256,
+    ("position_embedding_type",): "absolute",
+    ("_attn_implementation", "attn_implementation"): "eager",
+}  # fmt: skip
+_CONFIG_VALUES = {name: value for names, value in CONFIG_FIELDS.items() for name in names}
 
 
 def random_biases(module: nn.Module, seed: int) -> nn.Module:
@@ -59,6 +110,8 @@ def random_biases(module: nn.Module, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                continue  # made by the first call: materialise() first
             if name.endswith("bias") and p.dtype.is_floating_point and not bool(p.any()):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     return module
@@ -140,29 +193,127 @@ def load_object(spec: str) -> tuple[object, str]:
     return getattr(module, attr), attr
 
 
+def default_kv_heads(num_heads: int) -> int:
+    """K/V heads for a module that needs a count and was given none: H/2 (grouped-query, so that a K/V head
+    bug shows), or H when H is odd."""
+    return num_heads // 2 if num_heads % 2 == 0 and num_heads > 1 else num_heads
+
+
+def _config_reads(obj: Callable, name: str) -> tuple[list[str], set[str]]:
+    """``(the attributes of argument `name` that obj's source reads, those read with a default)``."""
+    source = _own_source(obj)
+    read = list(dict.fromkeys(re.findall(rf"\b{name}\.([A-Za-z_]\w*)", source)))
+    optional = set(re.findall(rf"getattr\(\s*{name}\s*,\s*['\"](\w+)['\"]\s*,", source))
+    optional |= set(re.findall(rf"hasattr\(\s*{name}\s*,\s*['\"](\w+)['\"]", source))
+    return read, optional
+
+
+def _own_source(obj: Callable) -> str:
+    """The source of ``obj``, of its base classes, and of the classes and functions of its file that it names
+    (BertAttention builds BertSelfAttention(config)), transitively: where its config's fields are read."""
+    home = inspect.getmodule(obj)
+    seen: set[int] = set()
+    todo: list[object] = [obj]
+    sources: list[str] = []
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        try:
+            text = inspect.getsource(item)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            continue
+        sources.append(text)
+        if inspect.isclass(item):
+            todo += [c for c in item.__mro__[1:] if inspect.getmodule(c) is home]
+        for name in set(re.findall(r"\b([A-Za-z_]\w*)\b", text)):
+            found = getattr(home, name, None)
+            if (inspect.isclass(found) or inspect.isfunction(found)) and inspect.getmodule(found) is home:
+                todo.append(found)
+    return "\n".join(sources)
+
+
+def _shares_dropout(obj: Callable, name: str) -> bool:
+    """Whether ``name.dropout`` also feeds a dropout after the out-projection (nanoGPT's ``resid_dropout``)."""
+    pattern = rf"(resid|proj|out|hidden)\w*\s*=\s*(nn\.)?Dropout\(\s*{name}\.dropout\b"
+    return re.search(pattern, _own_source(obj)) is not None
+
+
+def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dict[str, object]) -> object:
+    """The config object for argument ``param``: each field the source reads, filled (see :data:`CONFIG_FIELDS`)."""
+    E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
+    G = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H)
+    p = cast(float, wanted.get("dropout") or 0.0)
+    read, optional = _config_reads(obj, param.name)
+    if _shares_dropout(obj, param.name):
+        p = 0.0  # nanoGPT's config.dropout also drops the output: the rate checks would see both; off
+    default = param.default if param.default is not inspect.Parameter.empty else None
+    config = copy.copy(default) if default is not None else SimpleNamespace()
+    unknown = []
+    for field in read:
+        value = _CONFIG_VALUES.get(field, _MISSING)
+        if value is _MISSING:
+            if field not in optional and not hasattr(config, field):
+                unknown.append(field)
+            continue
+        try:
+            setattr(config, field, value(E, H, G, p) if callable(value) else value)
+        except (AttributeError, TypeError):  # a frozen dataclass: a namespace with its fields instead
+            config = SimpleNamespace(**{**vars(config), field: value(E, H, G, p) if callable(value) else value})
+    if unknown:
+        what = getattr(obj, "__name__", "it")
+        raise TargetError(
+            f"--target {spec!r}: {what}() reads {', '.join(f'{param.name}.{f}' for f in unknown)} from its "
+            f"{param.name!r} argument, which check cannot fill (it fills the width, heads, K/V heads, head_dim, "
+            f"dropout, bias and block_size under their usual names); give {param.name} a default object that "
+            f"has them, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
+        )
+    return config
+
+
+_MISSING = object()
+
+
 def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> dict[str, object]:
-    """The keyword arguments to build ``obj`` with: each of ``wanted`` under the spelling its signature uses."""
+    """The keyword arguments to build ``obj`` with: each of ``wanted`` under the spelling its signature uses,
+    a config object for a ``config`` argument, defaults for a required layer index, block size or bias."""
     try:
         params = inspect.signature(obj).parameters
     except (TypeError, ValueError):
         return {}
     kwargs: dict[str, object] = {}
-    for canonical, value in wanted.items():
-        name = next((n for n in ALIASES[canonical] if n in params), None)
-        if name is not None and value is not None:
-            kwargs[name] = value
-    unguessable = [
+    required = {
         n
         for n, p in params.items()
         if p.default is inspect.Parameter.empty
         and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and n not in kwargs
-    ]
+    }
+    for canonical, value in wanted.items():
+        if canonical == "num_kv_heads" and value is None:
+            name = next((n for n in ALIASES[canonical] if n in required), None)
+            value = default_kv_heads(cast(int, wanted["num_heads"]))  # it needs a count: grouped-query
+        else:
+            name = next((n for n in ALIASES[canonical] if n in params), None)
+        if name is not None and value is not None:
+            kwargs[name] = value
+    for n in _WIDTH_TOO:
+        if n in params and n not in kwargs:
+            kwargs[n] = wanted["embed_dim"]
+    for names, value in _REQUIRED_ONLY.values():
+        for n in names:
+            if n in required and n not in kwargs:
+                kwargs[n] = value
+    for n in _CONFIG_ARGS:
+        if n in params and n not in kwargs and params[n].kind != inspect.Parameter.VAR_KEYWORD:
+            kwargs[n] = _make_config(spec, obj, params[n], wanted)
+    unguessable = [n for n in params if n in required and n not in kwargs]
     if unguessable:
         what = getattr(obj, "__name__", "it")
         raise TargetError(
             f"--target {spec!r}: {what}() needs {', '.join(repr(n) for n in unguessable)}, which check cannot guess "
-            f"(it fills the width, heads, K/V heads and dropout from --embed-dim, --num-heads, --num-kv-heads, --dropout); "
+            f"(it fills the width, heads, K/V heads and dropout from --embed-dim, --num-heads, --num-kv-heads, --dropout, "
+            f"a config object, layer_idx, block_size and bias); "
             f"give them defaults, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
         )
     return kwargs
@@ -212,6 +363,14 @@ def build_target(
         raise TargetError(
             f"--target {spec!r}: {attr} is a {type(obj).__name__}, not an nn.Module class, a factory or a module."
         )
+    lazy = isinstance(built, nn.Module) and is_lazy(built)
+    if lazy:
+        try:
+            materialise(
+                cast(nn.Module, built), embed_dim
+            )  # nn.LazyLinear: one call makes the weights before they are read
+        except NotAttention as e:
+            raise TargetError(f"--target {spec!r}: {e}; give its layers explicit sizes (nn.Linear).") from None
     if isinstance(built, nn.Module):
         random_biases(built, seed)  # drawn on the CPU, as in every run: then moved
         built = place(built, dev, dt, copy_module=built is obj)
@@ -220,7 +379,8 @@ def build_target(
 
         if not isinstance(built, MultiHeadAttention):
             try:
-                took_dropout = callable(obj) and not isinstance(obj, nn.Module) and _takes(obj, "dropout")
+                # a dropout argument of its own; through a config it may feed other dropouts too: read off the module
+                took_dropout = callable(obj) and not isinstance(obj, nn.Module) and _takes(obj, "dropout", config=False)
                 probed = ProbedAdapter(
                     built,
                     num_heads=num_heads,
@@ -229,6 +389,8 @@ def build_target(
                     name=attr,
                     factory=factory,
                     dropout=dropout if took_dropout else None,  # what it was asked for is the truth
+                    embed_dim=embed_dim,
+                    materialised=lazy,
                 )
             except NotAttention as e:
                 raise TargetError(f"--target {spec!r}: {e}.") from None
@@ -245,11 +407,26 @@ def build_target(
     return adapter
 
 
-def _takes(obj: Callable, canonical: str) -> bool:
+def _takes(obj: Callable, canonical: str, *, config: bool = True) -> bool:
+    """Whether ``obj`` takes ``canonical`` (a key of :data:`ALIASES`), as an argument or (``config``) a field of
+    its config."""
     try:
-        return any(n in inspect.signature(obj).parameters for n in ALIASES[canonical])
+        params = inspect.signature(obj).parameters
     except (TypeError, ValueError):
         return False
+    spellings = ALIASES[canonical] + (_WIDTH_TOO if canonical == "embed_dim" else ())
+    if any(n in params for n in spellings):
+        return True
+    if not config:
+        return False
+    fields = {
+        "embed_dim": "n_embd",
+        "num_heads": "n_head",
+        "num_kv_heads": "num_key_value_heads",
+        "dropout": "attn_pdrop",
+    }  # one spelling of each: the value CONFIG_FIELDS gives it tells the meaning
+    meaning = next(names for names in CONFIG_FIELDS if fields[canonical] in names)
+    return any(f in meaning for n in _CONFIG_ARGS if n in params for f in _config_reads(obj, n)[0])
 
 
 def _canonical_factory(spec: str, obj: Callable) -> Callable[..., object]:
@@ -258,6 +435,8 @@ def _canonical_factory(spec: str, obj: Callable) -> Callable[..., object]:
 
     def build(**wanted: object) -> object:
         built = obj(**_constructor_kwargs(spec, obj, wanted))
+        if isinstance(built, nn.Module) and is_lazy(built):
+            materialise(built, cast(int, wanted["embed_dim"]))
         return random_biases(built, 0) if isinstance(built, nn.Module) else built
 
     def make(embed_dim: int, num_heads: int, dropout: float = 0.0) -> object:

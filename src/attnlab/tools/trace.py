@@ -513,6 +513,8 @@ def trace_module(
     cannot take these inputs or masks at all) propagates.
     """
     adapter = as_adapter(target)
+    # An always-causal module (nanoGPT's forward(x)) masks the future by itself: the reference's stages too.
+    is_causal = is_causal or getattr(adapter, "always_causal", False)
     key = query if key is None else key
     value = key if value is None else value
     inputs = _input_names(query, key, value)
@@ -583,8 +585,11 @@ def _call_form(adapter: AttentionAdapter) -> str:
 
 def _mask_form(adapter: AttentionAdapter) -> str:
     form, masks = getattr(adapter, "form", None), getattr(adapter, "masks", None)
+    causal = (
+        "; always causal (no later token reaches an earlier output)" if getattr(adapter, "always_causal", False) else ""
+    )
     if form is not None and form.mask_arg is None:
-        return "none (forward takes no mask)"
+        return f"none (forward takes no mask){causal}"
     return masks.describe() if masks is not None else "bool, as its adapter translates it"
 
 
