@@ -242,7 +242,7 @@ def departure_hint(missing: str, op: Op | None, stages: dict[str, Tensor], scale
             return "each column sums to 1, so softmax ran over the query axis"
         if rows < 1e-4:
             return "each row sums to 1, but the values differ: the scores going into softmax are not the reference's"
-        return f"its rows sum to {float(t.sum(-1).mean()):.3g} on average, not 1"
+        return f"their rows sum to {float(t.sum(-1).mean()):.3g} on average, not 1"
     if missing == "masked" and t.dim() == 4:
         want = stages["masked"]
         blocked = ~torch.isfinite(want)

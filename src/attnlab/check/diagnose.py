@@ -24,6 +24,7 @@ failures are so grouped under their cause instead of drowning it.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import traceback
@@ -89,13 +90,47 @@ def _qkv_order(a: AttentionAdapter) -> tuple[str, ...]:
 
 
 def _recipe_of(m: Mistake, a: AttentionAdapter) -> Recipe | None:
-    """``m``'s recipe for this target: the split order the probe found, for ``qkv_split_order``."""
+    """``m``'s recipe for this target: the split order the probe found, for ``qkv_split_order``; for
+    ``mask_ignored``, only what travels through the mask argument is lost (see :func:`_apart_from_mask`)."""
+    if m.id == "mask_ignored" and m.recipe is not None:
+        return replace(m.recipe, kept_apart=_apart_from_mask(a))
+    masks = getattr(a, "masks", None)
+    if m.id == "padding_inverted" and m.recipe is not None and masks is not None and masks.use == "float":
+        # key padding handed as an additive mask: read the other way round, it is subtracted (HF's extended mask)
+        fill = float("-inf") if masks.fill == "-inf" else torch.finfo(a.projections().q_weight.dtype).min
+        return replace(m.recipe, padding_fill=fill) if math.isfinite(fill) else m.recipe
     if m.id != "qkv_split_order":
         return m.recipe
     order = _qkv_order(a)
     # the adapter names the thirds by position (q, k, v); the module's Q is the third it splits off as "q"
     third = lambda role: cast(Proj, _QKV[order.index(role)])
     return Recipe(q_from=(third("q"), "query"), k_from=(third("k"), "key"), v_from=(third("v"), "value"))
+
+
+def _apart_from_mask(a: AttentionAdapter) -> tuple[str, ...]:
+    """The masks that reach the module otherwise than through its attention-mask argument: key padding with
+    an argument of its own, causality with an ``is_causal`` flag of its own or built in (always causal)."""
+    form = getattr(a, "form", None)
+    if form is None:  # not a probed module: every mask goes in one argument
+        return ("is_causal",) if getattr(a, "always_causal", False) else ()
+    apart = ["key_padding_mask"] if form.padding_arg is not None else []
+    if getattr(a, "always_causal", False) or (form.causal_arg is not None and not form.torch_form):
+        apart.append("is_causal")
+    return tuple(apart)
+
+
+def _recipes_of(m: Mistake, a: AttentionAdapter) -> list[Recipe]:
+    """The forms ``m`` takes in the code people write, first the catalogue's: heads split with interleaved
+    features are merged back either the same way or, as in HF's ``transpose_for_scores``, as plain blocks;
+    a softmax over the queries meets masks filled with -inf or with a finite -1e9."""
+    recipe = _recipe_of(m, a)
+    if recipe is None:
+        return []
+    if m.id == "heads_interleaved":
+        return [recipe, replace(recipe, merge="transpose")]
+    if m.id == "softmax_query_axis":  # a finite fill (-1e9) makes a padded key's column uniform, not zero
+        return [recipe, replace(recipe, fill="finite")]
+    return [recipe]
 
 
 # -- probes ---------------------------------------------------------------------------------------
@@ -137,6 +172,12 @@ def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
     return [p for p in probes if p.error != "unsupported"]
 
 
+def _own_masks(a: AttentionAdapter, masks: dict) -> dict:
+    """``masks`` as the module applies them: an always-causal module (nanoGPT's ``forward(x)``) masks the
+    future on every call, so each recipe it is compared with does too (as :meth:`Context.own_masks`)."""
+    return {**masks, "is_causal": True} if getattr(a, "always_causal", False) else masks
+
+
 def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok: bool = False) -> float | None:
     """Relative error of the module against ``recipe`` on ``probe``, over the queries that see a key (and,
     with ``nan_ok``, whose outputs are finite); None: the recipe cannot be computed at these sizes (so it
@@ -151,7 +192,7 @@ def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok:
             num_kv_heads=a.num_kv_heads,
             scale=a.scale,
             recipe=recipe,
-            **probe.masks,
+            **_own_masks(a, probe.masks),
         )
     except RuntimeError:
         return None
@@ -180,6 +221,7 @@ class _Formula(AttentionAdapter):
         self.kdim, self.vdim = target.kdim, target.vdim
         self.supports_cross_attention = getattr(target, "supports_cross_attention", True)
         self.shared_kv = getattr(target, "shared_kv", False)
+        self.always_causal = getattr(target, "always_causal", False)  # its checks' reference is causal too
 
     @property
     def scale(self) -> float:
@@ -190,6 +232,7 @@ class _Formula(AttentionAdapter):
 
     def _stage(self, stage: str, query: Tensor, key: Tensor, value: Tensor, **masks: object) -> Tensor:
         heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "scale": self.scale}
+        masks = _own_masks(self, masks)  # as the target, masked causally on every call when it is always causal
         s = recipe_attention(self.projections(), query, key, value, recipe=self.recipe, **heads, **masks)  # type: ignore[arg-type]
         return s[stage].to(query.dtype)
 
@@ -329,27 +372,59 @@ def _recipe_causes(
     seq_len: int,
     nan_rows: set[str],
 ) -> tuple[list[Cause], bool]:
-    """(the numerical mistakes that fit, whether the textbook formula failed a probe)."""
+    """(the numerical mistakes that fit, whether the textbook formula failed a probe).
+
+    Where none fits a module not found always causal, they are tried once more with the future masked on
+    every call: a module that masks causally by itself but makes a mistake that lets later tokens reach
+    earlier outputs (a merge that mixes positions, a mask one step off) is not found causal by the probe."""
+    found, off = _fitting(a, probes, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
+    if found or not off or getattr(a, "always_causal", False):
+        return found, bool(off)
+    assumed = copy.copy(a)
+    assumed.always_causal = True
+    causal, _ = _fitting(
+        assumed, probes, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows, note="causal"
+    )
+    return causal, True
+
+
+def _fitting(
+    a: AttentionAdapter,
+    probes: list[_Probe],
+    failing: list[str],
+    *,
+    seed: int,
+    batch: int,
+    seq_len: int,
+    nan_rows: set[str],
+    note: str = "",
+) -> tuple[list[Cause], dict[str, float]]:
+    """(the numerical mistakes that fit ``a``'s outputs on ``probes``, the probes the textbook formula is off on)."""
     ran = [p for p in probes if p.out is not None]
     masks = getattr(a, "masks", None)
     if masks is not None and masks.use == "float":  # the float-mask probes ran another code path than a bool mask
-        ran = [p for p in ran if not p.masks or p.raw_bool is not None]
+        # ... unless it has no bool path at all (HF's additive masks): its key padding then goes no other way
+        only = not any(p.raw_bool is not None for p in ran)
+        ran = [
+            p for p in ran if not p.masks or p.raw_bool is not None or (only and set(p.masks) == {"key_padding_mask"})
+        ]
     textbook = {p.name: _recipe_error(a, Recipe(), p) for p in ran}
     off = {n: e for n, e in textbook.items() if e is not None and e > DISTINCT}
     if not off:
-        return [], False
+        return [], off
+    taken = " with the future masked on every call (the module masks it by itself)" if note else ""
     found = []
     for m in MISTAKES:
-        recipe = _recipe_of(m, a)
-        if recipe is None:
-            continue
-        errs = {p.name: _recipe_error(a, recipe, p, nan_ok=m.nan_under_masks and bool(p.masks)) for p in ran}
-        if any(e is None or e > HYPOTHESIS_TOL for e in errs.values()):
+        for recipe in _recipes_of(m, a):
+            errs = {p.name: _recipe_error(a, recipe, p, nan_ok=m.nan_under_masks and bool(p.masks)) for p in ran}
+            if all(e is not None and e <= HYPOTHESIS_TOL for e in errs.values()):
+                break
+        else:
             continue
         worst = max(e for e in errs.values() if e is not None)
         gap_case = max(off, key=off.__getitem__)
         evidence = (
-            f"the output matches this mistake to {worst:.1e} on {len(errs)} probe inputs ({', '.join(errs)}); "
+            f"the output matches this mistake{taken} to {worst:.1e} on {len(errs)} probe inputs ({', '.join(errs)}); "
             f"the textbook formula is off by {off[gap_case]:.1e} ({gap_case})"
         )
         if m.nan_under_masks:  # the whole forward is off, and what masked slices give depends on the fill: all of it
@@ -358,7 +433,7 @@ def _recipe_causes(
             explains = _explained(a, recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
         found.append((len(explains), -MISTAKES.index(m), _cause(m, a, evidence, explains)))
     found.sort(key=lambda t: (t[0], t[1]), reverse=True)
-    return [c for *_, c in found], True
+    return [c for *_, c in found], off
 
 
 @torch.no_grad()
@@ -375,6 +450,16 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
             torch.autograd.grad(full.sum(), xg)[0] if full.requires_grad and bool(torch.isfinite(full).all()) else None
         )
     out = full.detach()[:, 2]  # (B, E)
+    inference = a(x, x, x, keep_mask=keep)[:, 2]  # (B, E): no_grad may take another path (torch's MHA fast path)
+    if bool(torch.isfinite(out).all()) and not bool(torch.isfinite(inference).all()):
+        n = int((~torch.isfinite(inference)).sum())
+        return _cause(
+            by_id("fully_masked_nan"),
+            a,
+            f"query 2 with every key masked: finite with autograd, but {n} of {inference.numel()} outputs NaN/inf "
+            f"under torch.no_grad (another code path, e.g. nn.MultiheadAttention's fast path)",
+            ["fully_masked_rows"],
+        )
     if grad is not None and not bool(torch.isfinite(grad).all()):
         n = int((~torch.isfinite(grad)).sum())
         return _cause(
@@ -589,18 +674,22 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
         num_heads=a.num_heads,
         num_kv_heads=a.num_kv_heads,
         scale=a.scale,
-        **probe.masks,
+        **_own_masks(a, probe.masks),
     )
     match_stages(ops, stages)
-    matched, missing, candidate = first_departure(ops, stages, masked=bool(probe.masks))
+    matched, missing, candidate = first_departure(ops, stages, masked=bool(_own_masks(a, probe.masks)))
     if missing is None:
         return None
     hint = departure_hint(missing, candidate, stages, a.scale)
-    ok = ", ".join(s for s in matched if s != missing)
+    same = [s for s in matched if s != missing]
+    ok = ", ".join(same)
+    plural = missing.endswith("s")  # weights, scores, q_heads: "do"; q, masked, context: "does"
+    match = "match" if len(same) > 1 or ok.endswith("s") else "matches"
     found = (
-        f"your {ok} match the reference; your {missing} does not"
+        f"your {ok} {match} the reference; your {missing} {'do' if plural else 'does'} not"
         if ok
-        else f"no stage of yours matches the reference, from the first on: your {missing} already differs"
+        else f"no stage of yours matches the reference, from the first on: your {missing} already "
+        f"{'differ' if plural else 'differs'}"
     ) + (f": {hint}" if hint else "")
     where = (
         f" (op #{ops.index(candidate) + 1}, {candidate.func}, shape {candidate.shape})" if candidate is not None else ""

@@ -47,11 +47,20 @@ class Recipe:
     scale_after_softmax: bool = False  # the factor applied to the weights instead of the scores
     softmax_dim: int = -1  # over keys
     mask_stage: Literal["before", "after"] = "before"  # masked scores -inf before softmax
+    # "finite": masked scores at -1e9 (the Annotated Transformer's fill): a softmax slice with every entry
+    # blocked is then uniform rather than zero (with softmax_dim=-2, a padded key's column)
+    fill: Literal["-inf", "finite"] = "-inf"
     bool_mask_added: bool = False  # the keep mask added to the scores as 0/1 floats instead of masking
-    mask_ignored: bool = False  # no mask of any kind reaches the scores
+    mask_ignored: bool = False  # no mask of any kind reaches the scores ...
+    # ... but these, which reach the module through arguments of their own: "key_padding_mask" (a separate
+    # key_padding_mask argument, as nn.MultiheadAttention's), "is_causal" (an is_causal flag, or always causal)
+    kept_apart: tuple[str, ...] = ()
     causal: Literal["right", "sees_next", "hides_self", "reversed"] = "right"
     # "added": the key padding mask added to the scores as 0/1 floats (padded keys +1, nothing blocked)
     padding: Literal["keys", "ignored", "inverted", "queries", "added"] = "keys"
+    # with padding="inverted", the additive mask (0 = attend, this fill = padding) subtracted rather than added:
+    # padded keys' scores move up by -fill, real keys keep theirs (a finfo.min fill swamps the padded scores)
+    padding_fill: float | None = None
     # "tiled": (sequence b, head h) gets the masks of sequence (b*H + h) mod B (valid_lens.repeat(H) on (B*H, ..) rows)
     rows: Literal["right", "tiled"] = "right"
     # False: (B, T, E) read as (T, B, E) (nn.MultiheadAttention without batch_first): attention across the batch
@@ -159,8 +168,9 @@ def recipe_attention(
             G < H): that mistake cannot be what the module does.
     """
     if recipe.mask_ignored:
-        keep_mask = key_padding_mask = bias = None
-        is_causal = False
+        keep_mask = bias = None
+        key_padding_mask = key_padding_mask if "key_padding_mask" in recipe.kept_apart else None
+        is_causal = is_causal and "is_causal" in recipe.kept_apart
     if not recipe.batch_first:
         if keep_mask is not None or key_padding_mask is not None or bias is not None or is_causal:
             raise RuntimeError("a (B, T) mask does not fit inputs read as (T, B, E)")  # the module raises too
@@ -213,6 +223,9 @@ def recipe_attention(
         added = added + b4.masked_fill(b4 == float("-inf"), 0.0)
     if key_padding_mask is not None and recipe.padding == "added":
         added = added + key_padding_mask[:, None, None, :].to(f64)  # (B, 1, 1, T_k): a padded key's score +1
+    elif key_padding_mask is not None and recipe.padding == "inverted" and recipe.padding_fill is not None:
+        up = key_padding_mask[:, None, None, :].to(f64) * -recipe.padding_fill  # (B, 1, 1, T_k): mask subtracted
+        added = added + up
     elif key_padding_mask is not None and recipe.padding != "ignored":
         pad = ~key_padding_mask if recipe.padding == "inverted" else key_padding_mask  # (B, T_k)
         if recipe.padding == "queries":  # the mask laid along the query axis: padded *queries* see nothing
@@ -226,7 +239,12 @@ def recipe_attention(
         keep = keep.expand(B, 1, T_q, T_k)[rows.to(keep.device), 0]  # (B, H, T_q, T_k)
         added = added.expand(B, 1, T_q, T_k)[rows.to(added.device), 0]  # (B, H, T_q, T_k)
     scores = s["scaled"] + added  # (B, H, T_q, T_k)
-    if recipe.mask_stage == "before":
+    unseen = ~keep.any(dim=2)[..., None]  # (B, 1 or H, T_k, 1): keys no query may see
+    if recipe.mask_stage == "before" and recipe.fill == "finite":
+        s["masked"] = scores.masked_fill(~keep, -1e9)
+        weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)  # a fully blocked slice: uniform
+        unseen = torch.zeros_like(unseen)  # their values reach the output through those uniform weights
+    elif recipe.mask_stage == "before":
         s["masked"] = scores.masked_fill(~keep, float("-inf"))
         weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)
         empty = ~keep.any(dim=recipe.softmax_dim, keepdim=True)  # a softmax over nothing but -inf ...
@@ -237,7 +255,7 @@ def recipe_attention(
     if recipe.scale_after_softmax:
         weights = weights * factor
     s["weights"] = weights  # (B, H, T_q, T_k)
-    s["context"] = weights @ v.masked_fill(~keep.any(dim=2)[..., None], 0.0)  # (B, H, T_q, D); unseen keys: 0
+    s["context"] = weights @ v.masked_fill(unseen, 0.0)  # (B, H, T_q, D); unseen keys: 0
     s["merged"] = _merge(s["context"], recipe.merge)  # (B, T_q, H*D)
     s["out"] = F.linear(s["merged"], w.out_weight, w.out_bias) if recipe.out_proj else s["merged"]  # (B, T_q, E)
     return s

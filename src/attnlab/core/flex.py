@@ -98,7 +98,7 @@ class FlexCall:
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, v: Tensor, masks: Masks, st: Structure) -> FlexCall:
-        """The kernel :func:`flex_variant` builds for these inputs."""
+        """The kernel :func:`_flex_variant` builds for these inputs."""
         parts = {
             "causal": st.causal or masks.causal,
             "window": st.window is not None,
@@ -554,8 +554,7 @@ def _sinks_by_lse(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-@torch.compiler.disable  # a caller's torch.compile runs this as it is: it compiles flex_attention itself
-def flex_variant(
+def _flex_variant(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -606,6 +605,20 @@ def flex_variant(
             stacklevel=2,
         )
         return run(q, k, v, masks, st, scale=scale)
+
+
+flex_variant: Callable[..., Tensor]  # :func:`_flex_variant`, made by the module's ``__getattr__`` on first use
+
+
+def __getattr__(name: str) -> Callable[..., Tensor]:
+    """``flex_variant``: :func:`_flex_variant` under ``torch.compiler.disable`` (a caller's torch.compile runs
+    it as it is: it compiles flex_attention itself), made on first use, because the decorator imports
+    torch._dynamo: 2-3 s of every ``attnlab`` start (measured on a CPU, torch 2.13) that no flex call paid for."""
+    if name != "flex_variant":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    disabled = cast(Callable[..., Tensor], torch.compiler.disable(_flex_variant))  # type: ignore[no-untyped-call]
+    globals()["flex_variant"] = disabled  # later lookups find it without coming here
+    return disabled
 
 
 def _fallback(q: Tensor, st: Structure) -> tuple[str, Callable[..., Tensor]]:
