@@ -63,6 +63,18 @@ MINE = textwrap.dedent(
 ROWS = ["parity_self", "parity_cross", "no_causal_leak", "padding_invariance", "permutation_equivariance"]
 
 
+def _probe_calls(tmp_path: Path) -> int:
+    """How many times building the target calls MINE's forward (check's probe reads its call form and mask
+    convention by experiment): an interrupt meant to land mid-row is counted from there."""
+    from attnlab.check.target import build_target
+
+    (tmp_path / "probe").mkdir(exist_ok=True)
+    spec = _target(tmp_path / "probe", stop_at=-1)
+    build_target(spec, embed_dim=16, num_heads=2, num_kv_heads=None, dropout=0.0, seed=0)
+    (module,) = [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == spec.split(":")[0]]
+    return int(module.CALLS[0])
+
+
 def _target(tmp_path: Path, stop_at: int, signum: int = signal.SIGTERM) -> str:
     path = tmp_path / "mine.py"
     path.write_text(MINE.format(stop_at=stop_at, signum=int(signum)))
@@ -121,7 +133,7 @@ def test_check_interrupted_mid_row_prints_the_rows_done_as_partial_and_blames_no
     tmp_path, capsys, monkeypatch, signum, code, how
 ):
     monkeypatch.setenv("COLUMNS", "200")
-    target = _target(tmp_path, stop_at=11, signum=signum)
+    target = _target(tmp_path, stop_at=_probe_calls(tmp_path) + 3, signum=signum)
     rc = main(["check", "--target", target, "--embed-dim", "16", "--num-heads", "2", "--checks", *ROWS])
     out, err = capsys.readouterr()
     assert rc == code
@@ -136,7 +148,8 @@ def test_check_interrupted_mid_row_prints_the_rows_done_as_partial_and_blames_no
 
 
 def test_check_json_interrupted_is_valid_json_marked_partial_and_not_ok(tmp_path, capsys):
-    rc = main(["check", "--target", _target(tmp_path, stop_at=11), "--embed-dim", "16", "--num-heads", "2", "--json"])
+    target = _target(tmp_path, stop_at=_probe_calls(tmp_path) + 11)
+    rc = main(["check", "--target", target, "--embed-dim", "16", "--num-heads", "2", "--json"])
     out, err = capsys.readouterr()
     assert rc == 143
     _one_interrupt_line(err, "check", "SIGTERM")
@@ -158,7 +171,7 @@ def test_check_interrupted_in_the_diagnosis_keeps_the_failing_rows_unblamed_by_t
     def interrupted(*args, **kwargs):
         raise Terminated
 
-    monkeypatch.setattr("attnlab.check.cli.diagnose", interrupted)
+    monkeypatch.setattr("attnlab.check.cli.diagnosed", interrupted)
     rc = main(["check", "--target", f"{path}:Attn", "--embed-dim", "16", "--num-heads", "2", "--checks", "parity_self"])
     out, err = capsys.readouterr()
     assert rc == 143
