@@ -656,21 +656,19 @@ def _stream(lm: Any, tok: Any, ids: list[int], n: int, ask: _Ask, out: Stdout) -
     run = _print_steps(ask.steps(lm, ids, n, tok.eos_token_id), text, out)
     out.write("\n")
     _note_cut(text, n, cut=not run.tokens or run.tokens[-1] != tok.eos_token_id)
-    decode = f"{_tokens(len(run.tokens) - 1)} in {run.end - run.first:.2f} s"
-    if ask.compile and len(run.tokens) > 2:  # the rate of the compiled steps, the compilation apart
+    compiled = ask.compile and len(run.tokens) > 2
+    prefill = run.first - run.start
+    rate = StreamRate(
+        len(ids), len(run.tokens), prefill, run.end - run.first, run.second - run.first if compiled else None
+    )
+    out.streams.append(rate)
+    decode = f"{_tokens(len(run.tokens) - 1)} in {rate.decode_s:.2f} s"
+    if rate.compile_s is not None:  # the rate of the compiled steps, the compilation apart
         decode += (
-            f" ({(len(run.tokens) - 2) / max(run.end - run.second, 1e-9):.1f} tokens/s after the first step, "
-            f"which compiled in {run.second - run.first:.1f} s)"
+            f" ({rate.decode_tokens_per_s:.1f} tokens/s after the first step, which compiled in {rate.compile_s:.1f} s)"
         )
     elif len(run.tokens) > 1:
-        decode += f" ({(len(run.tokens) - 1) / max(run.end - run.first, 1e-9):.1f} tokens/s)"
-    prefill = run.first - run.start
-    compiled = ask.compile and len(run.tokens) > 2
-    out.streams.append(
-        StreamRate(
-            len(ids), len(run.tokens), prefill, run.end - run.first, run.second - run.first if compiled else None
-        )
-    )
+        decode += f" ({rate.decode_tokens_per_s:.1f} tokens/s)"
     print(
         f"attnlab: prefill {_tokens(len(ids))} in {prefill:.2f} s ({len(ids) / max(prefill, 1e-9):.0f} tokens/s); "
         f"decode {decode}",
