@@ -55,6 +55,8 @@ class Mistake:
     # under a mask, only the module's finite rows are compared.
     nan_under_masks: bool = False
     hardening: bool = False  # robustness, not correctness: a note unless --strict (see the module docstring)
+    # other forms the same mistake takes in code people write (for kind "recipe"); each is tried as well
+    also: tuple[Recipe, ...] = ()
 
     def text(self, field: str, dims: dict[str, object]) -> str:
         return str(getattr(self, field)).format(**dims)
@@ -99,6 +101,8 @@ MISTAKES: tuple[Mistake, ...] = (
         "softmax runs over the query axis (dim=-2): each column of the weights sums to 1, not each row",
         "torch.softmax(scores, dim=-1): each query's weights over the keys sum to 1",
         S_WALK, "every output row", _R(softmax_dim=-2), nan_under_masks=True,
+        # with a finite fill (-1e9), a padded key's column is uniform, not zero
+        also=(_R(softmax_dim=-2, fill="finite"),),
     ),
     Mistake(
         "softmax_head_axis", "recipe",
@@ -193,6 +197,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "heads take interleaved features (view(B, T, D, H)): head h is features h, h+H, ..., not the block h*D .. (h+1)*D",
         "q.view(B, T, num_heads, head_dim): each head takes head_dim consecutive features, as nn.MultiheadAttention and checkpoints do",
         S_SPLIT, "every output row", _R(split="interleaved", merge="interleaved"),
+        also=(_R(split="interleaved", merge="transpose"),),  # merged back as plain blocks (HF's transpose_for_scores)
     ),
     Mistake(
         "gqa_kv_heads_tiled", "recipe",

@@ -120,17 +120,10 @@ def _apart_from_mask(a: AttentionAdapter) -> tuple[str, ...]:
 
 
 def _recipes_of(m: Mistake, a: AttentionAdapter) -> list[Recipe]:
-    """The forms ``m`` takes in the code people write, first the catalogue's: heads split with interleaved
-    features are merged back either the same way or, as in HF's ``transpose_for_scores``, as plain blocks;
-    a softmax over the queries meets masks filled with -inf or with a finite -1e9."""
+    """The forms ``m`` takes in the code people write: its recipe for this target, then the catalogue's
+    other forms (``Mistake.also``)."""
     recipe = _recipe_of(m, a)
-    if recipe is None:
-        return []
-    if m.id == "heads_interleaved":
-        return [recipe, replace(recipe, merge="transpose")]
-    if m.id == "softmax_query_axis":  # a finite fill (-1e9) makes a padded key's column uniform, not zero
-        return [recipe, replace(recipe, fill="finite")]
-    return [recipe]
+    return [] if recipe is None else [recipe, *m.also]
 
 
 # -- probes ---------------------------------------------------------------------------------------
