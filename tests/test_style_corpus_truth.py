@@ -116,7 +116,14 @@ def first(out):
 
 
 def build_annotated(cls):
-    return cls(H, E, dropout=0.0)
+    m = cls(H, E, dropout=0.0)
+    # clones() deep-copies one Linear, so all four start equal; the Annotated Transformer's make_model then redraws
+    # every matrix (xavier_uniform_). Do the same, biases too, or a q/k/v mix-up would be invisible here.
+    with torch.no_grad():
+        for layer in m.linears:
+            torch.nn.init.xavier_uniform_(layer.weight)
+            torch.nn.init.normal_(layer.bias, std=0.1)
+    return m
 
 
 def weights_annotated(m):

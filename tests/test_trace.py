@@ -371,8 +371,9 @@ def test_cli_trace_target_fits_80_columns_and_json_parses(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["trace", "--target", spec]) == 0
     wide = capsys.readouterr().out.splitlines()
-    assert wide[4].split() == ["#", "operation", "shape", "memory", "reference"]
-    assert len(wide) == 4 + 2 + 18 + 1  # title, header and rule, one line per op, the verdict
+    assert wide[3].startswith("  weights: projections q_proj, k_proj, v_proj, out_proj"), wide[3]
+    assert wide[5].split() == ["#", "operation", "shape", "memory", "reference"]
+    assert len(wide) == 5 + 2 + 18 + 1  # title, header and rule, one line per op, the verdict
     monkeypatch.setenv("COLUMNS", "40")
     assert main(["trace", "--target", spec, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

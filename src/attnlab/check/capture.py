@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -63,6 +64,30 @@ class _Mode(TorchFunctionMode):
             self.ids.setdefault(id(t), -1 - i)
             self.keep.append(t)
 
+    def _inside_mha(self, func: Callable[..., object], args: tuple, kwargs: dict) -> object:
+        """``nn.MultiheadAttention``'s forward as its own ops (in-projection, split, scores, softmax ...), not one.
+
+        ``F.multi_head_attention_forward`` is written in Python and hands itself to an active mode whole (its
+        first line asks ``has_torch_function``). It runs again here with this mode pushed back and that one
+        question answered no, once: every op in its body then reaches the mode as usual.
+        """
+        asked = F.has_torch_function  # type: ignore[attr-defined]
+        answered = False
+
+        def once(ops: object) -> bool:
+            nonlocal answered
+            if answered:
+                return bool(asked(ops))
+            answered = True
+            return False
+
+        F.has_torch_function = once  # type: ignore[attr-defined]
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            F.has_torch_function = asked  # type: ignore[attr-defined]
+
     def _arg(self, a: object) -> int | str:
         if isinstance(a, Tensor):
             if id(a) in self.ids:
@@ -80,6 +105,8 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward:
+            return self._inside_mha(func, args, kwargs)
         out = func(*args, **kwargs)
         flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
         tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
@@ -150,6 +177,8 @@ def _layouts(t: Tensor, want: Tensor) -> list[Tensor]:
     if t.numel() != want.numel():
         return []
     out = [t] if t.shape == want.shape else []
+    if want.dim() == 3 and t.dim() == 3 and t.shape == (want.shape[1], want.shape[0], want.shape[2]) != want.shape:
+        out.append(t.transpose(0, 1))  # (T, B, E): nn.MultiheadAttention's own layout, batch_first or not
     if want.dim() == 4:
         B, H, T, D = want.shape
         if t.dim() == 4 and t.shape == (B, T, H, D):
@@ -182,6 +211,7 @@ def match_stages(ops: list[Op], stages: dict[str, Tensor]) -> None:
     """Set each op's ``stage``: the reference stage its output equals, moving forward through :data:`STAGES`."""
     reached = -1
     for op in ops:
+        op.stage = None  # matched afresh: a second reference (the causal one) replaces the first's labels
         if not op.out.is_floating_point():
             continue
         hits = []
@@ -196,6 +226,9 @@ def match_stages(ops: list[Op], stages: dict[str, Tensor]) -> None:
         op.stage = STAGES[pick]
         reached = max(reached, pick)
 
+
+# Ops that compute several stages inside (scores, softmax, weights times V) and hand back only the context.
+FUSED = ("scaled_dot_product_attention", "flex_attention", "multi_head_attention_forward")
 
 # Stages that every later step feeds on: one of them matching means that nothing before it departed.
 DOWNSTREAM = ("scaled", "masked", "weights", "context", "merged", "out")
@@ -219,14 +252,23 @@ def first_departure(
         required.insert(4, "scaled")
     if masked and "scaled" in required:  # a mask applies: the masked scores are a stage of their own
         required.insert(required.index("scaled") + 1, "masked")
-    missing = next((s for s in required if s not in matched), None)
-    if missing is None or any(s in matched for s in STAGES[STAGES.index(missing) + 1 :] if s in DOWNSTREAM):
+
+    def vouched(stage: str) -> bool:
+        # a later stage vouches for a missing one only if it is computed from it: the scores and weights from Q
+        # and K alone, so V (a value projection mixed up) shows first in the context
+        vouching = ("context", "merged", "out") if stage in ("v", "v_heads") else DOWNSTREAM
+        return any(s in matched for s in STAGES[STAGES.index(stage) + 1 :] if s in vouching)
+
+    missing = next((s for s in required if s not in matched and not vouched(s)), None)
+    if missing is None:
         return matched, None, None
     before = STAGES[: STAGES.index(missing)]
     floats = [op for op in ops if op.out.is_floating_point()]
     last = max((n for n, op in enumerate(floats) if op.stage in before), default=-1)
     want = stages[missing]
     candidate = next((op for op in floats[last + 1 :] if _layouts(op.out, want)), None)
+    if candidate is None:  # computed inside a fused kernel (SDPA): the stage never leaves it, the kernel is the place
+        candidate = next((op for op in floats[last + 1 :] if op.func in FUSED), None)
     return matched, missing, candidate
 
 
@@ -234,6 +276,10 @@ def departure_hint(missing: str, op: Op | None, stages: dict[str, Tensor], scale
     """What is off about ``op``'s tensor, the one that should have been stage ``missing`` (for messages)."""
     if op is None:
         return f"no tensor of its shape {list(stages[missing].shape)} comes after the last matching one"
+    if op.func in FUSED and not _layouts(op.out, stages[missing]):
+        err = stage_error(op.out, stages["context"])
+        off = f": its output is off the reference's context by {err:.1e} (relative)" if err is not None else ""
+        return f"{op.func} computes it inside, unseen{off}"
     t = op.out.double()
     if missing == "weights" and t.dim() == 4:
         rows = float((t.sum(-1) - 1).abs().max())

@@ -522,10 +522,11 @@ class ProbedAdapter(AttentionAdapter):
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
             parts.append("no attention-mask argument" if f.padding_arg else "no mask argument")
-        parts.append(self._describe_weights())
+        parts.append(self.describe_weights())
         return "; ".join(parts)
 
-    def _describe_weights(self) -> str:
+    def describe_weights(self) -> str:
+        """Where the q, k, v and out weights were found (and any redrawn, see ``distinct_copies``)."""
         found = self.found
         if found.mha is not None:
             mha = self._mha()
@@ -540,6 +541,9 @@ class ProbedAdapter(AttentionAdapter):
             )
             return f"fused {found.qkv} {order}; out {found.out}"
         lazy = " (LazyLinear, materialised by one call)" if self.lazy else ""
+        copies = getattr(self.module, "_attnlab_redrawn", ())  # see attnlab.check.target.distinct_copies
+        if copies:
+            lazy += f" ({', '.join(copies)} were copies of an earlier projection's weights: redrawn, seeded)"
         if found.listed is not None:
             return f"projections {found.listed}[0..3] taken as q, k, v, out{lazy}"
         return f"projections {found.q}, {found.k}, {found.v}, {found.out}{lazy}"

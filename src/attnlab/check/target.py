@@ -27,6 +27,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import re
 import sys
@@ -37,14 +38,14 @@ from types import ModuleType, SimpleNamespace
 from typing import Literal, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..runtime import UsageError
 from .adapters import AttentionAdapter
 from .device import place, resolve_device, resolve_dtype
 from .probe import NotAttention, ProbedAdapter, as_adapter, is_lazy, materialise
 
-__all__ = ["TargetError", "build_target", "load_object", "random_biases"]
+__all__ = ["TargetError", "build_target", "distinct_copies", "load_object", "random_biases"]
 
 
 class TargetError(UsageError):
@@ -115,6 +116,37 @@ def random_biases(module: nn.Module, seed: int) -> nn.Module:
             if name.endswith("bias") and p.dtype.is_floating_point and not bool(p.any()):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     return module
+
+
+REDRAWN = "_attnlab_redrawn"  # the module attribute naming the layers distinct_copies redrew (see describe_call)
+
+
+def distinct_copies(module: nn.Module, seed: int) -> list[str]:
+    """Redraw, seeded, each ``nn.Linear`` whose weight equals an earlier one's; returns their names.
+
+    The Annotated Transformer builds its four projections with ``clones`` (deep copies of one Linear) and
+    redraws them only later, in ``make_model``. Built alone, such a module computes Q, K and V with one
+    matrix, so a q/k/v mix-up (V through the key projection, K and V swapped) changes nothing and would pass.
+    Each copy gets ``nn.Linear``'s own initial distribution, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), weight and bias.
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    seen: list[Tensor] = []
+    redrawn: list[str] = []
+    with torch.no_grad():
+        for name, layer in module.named_modules():
+            if not isinstance(layer, nn.Linear) or isinstance(layer.weight, nn.parameter.UninitializedParameter):
+                continue
+            w = layer.weight
+            if any(o.shape == w.shape and torch.equal(o, w) for o in seen):
+                bound = 1.0 / math.sqrt(w.shape[1])
+                w.copy_((torch.rand(w.shape, generator=g) * 2 - 1) * bound)
+                if layer.bias is not None:
+                    layer.bias.copy_((torch.rand(layer.bias.shape, generator=g) * 2 - 1) * bound)
+                redrawn.append(name)
+            seen.append(w.detach().clone())
+    if redrawn:
+        object.__setattr__(module, REDRAWN, tuple(redrawn))
+    return redrawn
 
 
 def _import_file(spec: str, path: Path) -> ModuleType:
@@ -373,6 +405,7 @@ def build_target(
             raise TargetError(f"--target {spec!r}: {e}; give its layers explicit sizes (nn.Linear).") from None
     if isinstance(built, nn.Module):
         random_biases(built, seed)  # drawn on the CPU, as in every run: then moved
+        distinct_copies(built, seed)
         built = place(built, dev, dt, copy_module=built is obj)
     if isinstance(built, nn.Module) and not isinstance(built, nn.MultiheadAttention):
         from ..core.attention import MultiHeadAttention
@@ -437,7 +470,10 @@ def _canonical_factory(spec: str, obj: Callable) -> Callable[..., object]:
         built = obj(**_constructor_kwargs(spec, obj, wanted))
         if isinstance(built, nn.Module) and is_lazy(built):
             materialise(built, cast(int, wanted["embed_dim"]))
-        return random_biases(built, 0) if isinstance(built, nn.Module) else built
+        if isinstance(built, nn.Module):
+            random_biases(built, 0)
+            distinct_copies(built, 0)
+        return built
 
     def make(embed_dim: int, num_heads: int, dropout: float = 0.0) -> object:
         return build(embed_dim=embed_dim, num_heads=num_heads, dropout=dropout)

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from ..check.adapters import AttentionAdapter, Unsupported
 from ..check.capture import Op, capture_until_error, departure_hint, first_departure, match_stages
 from ..check.cli import model_flag_conflicts, model_layer, say_layer_weights
-from ..check.probe import as_adapter
+from ..check.probe import ProbedAdapter, as_adapter
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
@@ -400,6 +400,7 @@ class TargetTrace:
     matched: list[str] = field(default_factory=list)  # the reference stages some op reproduced, in order
     departure: Departure | None = None
     error: Raised | None = None
+    weights: str = ""  # where the probe found the projections ("" when the adapter says nothing)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -423,6 +424,7 @@ class TargetTrace:
             *wrap(self.module, "    "),
             *wrap(f"  called as {self.call}", "    "),
             *wrap(f"  its mask: {self.mask}", "    "),
+            *(wrap(f"  weights: {self.weights}", "    ") if self.weights else []),
             *wrap(f"  inputs: {given}; masks: {', '.join(self.masks) or 'none'}; {mode}", "    "),
         ]
         body = [(str(r.index), r.operation, str(r.shape), r.memory, r.reference()) for r in self.rows]
@@ -525,17 +527,36 @@ def trace_module(
     ops, error = capture_until_error(lambda: adapter(query, key, value, **masks), inputs, module)
     if isinstance(error, Unsupported):
         raise error
-    stages = recipe_attention(
-        adapter.projections(),
-        query,
-        key,
-        value,
-        num_heads=adapter.num_heads,
-        num_kv_heads=adapter.num_kv_heads,
-        scale=adapter.scale,
-        **masks,
-    )
+
+    def reference(**given: Any) -> dict[str, Tensor]:
+        return recipe_attention(
+            adapter.projections(),
+            query,
+            key,
+            value,
+            num_heads=adapter.num_heads,
+            num_kv_heads=adapter.num_kv_heads,
+            scale=adapter.scale,
+            **given,
+        )
+
+    stages = reference(**masks)
     match_stages(ops, stages)
+    causal_inside = False
+    if error is None and not masks and _may_mask_itself(adapter):
+        # forward takes no mask, yet the module was not found causal by experiment (a mistake after the
+        # attention, such as a merge without transpose, mixes positions): follow the causal reference when
+        # the module's ops do (they match more of it, or the same and mask something themselves)
+        plain = len({op.stage for op in ops if op.stage})
+        causal = reference(is_causal=True)
+        match_stages(ops, causal)
+        followed = len({op.stage for op in ops if op.stage})
+        masks_itself = any(op.func == "masked_fill" or op.kwargs.get("is_causal") == "True" for op in ops)
+        if followed > plain or (followed == plain and masks_itself):
+            stages, is_causal, causal_inside = causal, True, True
+            masks = {"is_causal": True}
+        else:
+            match_stages(ops, stages)
     rows: list[TargetRow] = []
     for i, op in enumerate(ops, 1):
         shown = _SHOWN.get(op.stage, op.stage) if op.stage else f"t{i}"
@@ -548,12 +569,14 @@ def trace_module(
     trace_ = TargetTrace(
         module=name or getattr(adapter, "name", None) or type(target).__name__,
         call=_call_form(adapter),
-        mask=_mask_form(adapter),
+        mask=_mask_form(adapter)
+        + ("; causal by its own ops (compared with the causal reference, which they follow)" if causal_inside else ""),
         inputs={n: list(t.shape) for n, t in inputs.items()},
         masks=[k if isinstance(v, bool) else f"{k} {list(v.shape)}" for k, v in masks.items()],
         training=bool(module is not None and module.training),
         reference={s: list(t.shape) for s, t in stages.items()},
         rows=rows,
+        weights=adapter.describe_weights() if isinstance(adapter, ProbedAdapter) else "",
     )
     if error is not None:
         trace_.matched = [s for s in STAGES if any(op.stage == s for op in ops)]
@@ -578,6 +601,17 @@ def _departure(
     )
 
 
+def _may_mask_itself(adapter: AttentionAdapter) -> bool:
+    """A probed module whose forward takes neither a mask nor a causal flag, not found causal by experiment."""
+    form = getattr(adapter, "form", None)
+    return (
+        form is not None
+        and form.mask_arg is None
+        and form.causal_arg is None
+        and not getattr(adapter, "always_causal", False)
+    )
+
+
 def _call_form(adapter: AttentionAdapter) -> str:
     form = getattr(adapter, "form", None)  # a ProbedAdapter read it off forward's signature
     return form.describe() if form is not None else "forward(query, key, value)"
@@ -590,7 +624,16 @@ def _mask_form(adapter: AttentionAdapter) -> str:
     )
     if form is not None and form.mask_arg is None:
         return f"none (forward takes no mask){causal}"
-    return masks.describe() if masks is not None else "bool, as its adapter translates it"
+    if masks is None:
+        return "bool, as its adapter translates it"
+    expected = getattr(adapter, "convention", masks.polarity)  # SDPA's keep, or torch's block for nn.MultiheadAttention
+    if masks.use in ("bool", "int", "float01") and masks.polarity != expected:
+        want = "may attend" if expected == "keep" else "blocked"
+        return (
+            f"{masks.describe()}: the reverse of the True = {want} that a module of this form takes (attnlab check "
+            "names it mask_polarity; the masks traced here are given in the module's own reading)"
+        )
+    return masks.describe()
 
 
 def trace_command(

@@ -1,0 +1,130 @@
+"""``attnlab trace --target`` on the style corpus: every style traced as written, the mistake shown where it is.
+
+tests/style_corpus/ holds modules in the six styles people learn attention from (see
+tests/test_check_style_corpus.py). Each is traced as ``attnlab trace --target FILE:TARGET`` traces it, on four
+inputs: self-attention, cross-attention (where the module takes a separate context), key padding and causal.
+
+* A correct module reproduces the reference on every input it takes: no departure, no error.
+* A one-mistake module departs on at least one input, and every departure is at a stage its mistake
+  changes first (``FIRST_STAGES``): a wrong scale at the scaled scores, a merge without transpose at the
+  merged heads, V through the key projection at V. A module that raises is reported as raising.
+* A mask the module reads with the reverse polarity is said so in the header line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.check.adapters import Unsupported
+from attnlab.check.target import build_target
+from attnlab.tools.trace import TargetTrace, trace_module
+
+CORPUS = Path(__file__).parent / "style_corpus"
+FILES = sorted(CORPUS.glob("*.py"))
+
+# The stage where each mistake first shows, as the reference names it. A mistake computed inside a fused kernel
+# (SDPA: scores, mask, softmax and weights V in one call) shows at "weights", the first stage the kernel hides.
+FIRST_STAGES: dict[str, set[str]] = {
+    "scale_missing": {"scaled"},
+    "scale_embed_dim": {"scaled"},
+    "merge_without_transpose": {"merged"},
+    "softmax_query_axis": {"weights"},
+    "v_uses_k_proj": {"v"},
+    "kv_proj_swapped": {"weights"},  # K through v_proj: the rows label it v; the scores change first
+    "qkv_split_order": {"weights"},
+    "split_without_transpose": {"q_heads"},
+    "heads_interleaved": {"weights"},  # each head's slice holds the reference's values, mixed between heads
+    "gqa_kv_heads_tiled": {"weights"},
+    "mask_after_softmax": {"masked"},
+    "mask_ignored": {"masked", "weights"},
+    "padding_inverted": {"masked", "weights"},
+    "padding_mask_added": {"weights"},
+    "rows_misassigned": {"masked"},
+    "causal_sees_next": {"masked"},
+    "batch_seq_swapped": {"q_heads"},
+    "mask_polarity": set(),  # traced in the module's own reading: the header line says it is reversed
+}
+
+
+def _constants(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                out[node.targets[0].id] = node.value.value
+    return out
+
+
+def _traces(path: Path) -> dict[str, TargetTrace | str]:
+    """Each input's trace, or ``"unsupported"`` where the module cannot take it (no context argument)."""
+    c = _constants(path)
+    adapter = build_target(f"{path}:{c['TARGET']}", embed_dim=64, num_heads=8, num_kv_heads=None, dropout=0.0, seed=0)
+    g = torch.Generator().manual_seed(0)
+    x, context = torch.randn(2, 10, 64, generator=g), torch.randn(2, 12, 64, generator=g)  # (B, T, E), (B, T_k, E)
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    pad[0, -3:] = True  # the last three keys of the first sequence
+    cases = {
+        "self": {"query": x},
+        "cross": {"query": x, "key": context},
+        "padding": {"query": x, "key_padding_mask": pad},
+        "causal": {"query": x, "is_causal": True},
+    }
+    out: dict[str, TargetTrace | str] = {}
+    for name, kwargs in cases.items():
+        try:
+            out[name] = trace_module(adapter, **kwargs)  # type: ignore[arg-type]
+        except Unsupported:
+            out[name] = "unsupported"
+    return out
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_trace_shows_the_mistake_where_it_is(path: Path) -> None:
+    expected = _constants(path)["EXPECTED"]
+    traces = {k: t for k, t in _traces(path).items() if isinstance(t, TargetTrace)}
+    assert "self" in traces, f"{path.name}: self-attention could not be traced"
+    for t in traces.values():
+        assert t.to_text(80) and t.to_text(None)  # it prints, wrapped or not
+    if expected == "pass":
+        for name, t in traces.items():
+            assert t.error is None, f"{path.name} [{name}]: {t.error.text()}"
+            assert t.departure is None, f"{path.name} [{name}]: {t.departure.text()}"
+        return
+    if expected == "mask_polarity":
+        assert "the reverse of the True = may attend" in traces["self"].mask
+        return
+    departed = {name: t.departure.stage for name, t in traces.items() if t.departure is not None}
+    raised = [name for name, t in traces.items() if t.error is not None]
+    assert departed or raised, f"{path.name} ({expected}): every input reproduced the reference"
+    wrong = {name: stage for name, stage in departed.items() if stage not in FIRST_STAGES[expected]}
+    assert not wrong, f"{path.name} ({expected}): departed at {wrong}, expected one of {FIRST_STAGES[expected]}"
+
+
+def test_every_corpus_mistake_has_its_first_stage() -> None:
+    """A new corpus mistake must say where trace is to show it."""
+    mistakes = {_constants(p)["EXPECTED"] for p in FILES} - {"pass"}
+    assert mistakes <= set(FIRST_STAGES), sorted(mistakes - set(FIRST_STAGES))
+
+
+def test_cloned_projections_are_told_apart() -> None:
+    """The Annotated Transformer's ``clones`` makes four equal Linears; traced as built, K and V would be
+    indistinguishable from Q. They are redrawn (seeded) and the header says so; each row is named for its role."""
+    t = _traces(CORPUS / "annotated_correct.py")["self"]
+    assert isinstance(t, TargetTrace)
+    assert "linears.1, linears.2, linears.3 were copies" in t.weights
+    roles = [r.stage for r in t.rows if r.func == "linear"]
+    assert roles == ["q", "k", "v", "out"], roles
+
+
+def test_nn_multihead_attention_is_traced_inside() -> None:
+    """A wrapper of ``nn.MultiheadAttention`` shows torch's own steps (in-projection, heads, SDPA, out-projection),
+    not one opaque call: the trace reaches the reference's heads, context and output."""
+    t = _traces(CORPUS / "torchwrap_correct.py")["self"]
+    assert isinstance(t, TargetTrace)
+    funcs = [r.func for r in t.rows]
+    assert "linear" in funcs and "scaled_dot_product_attention" in funcs, funcs
+    assert {"q_heads", "k_heads", "v_heads", "context", "out"} <= set(t.matched), t.matched
