@@ -70,3 +70,6 @@ def test_a_style_module_is_read_as_written_and_judged_right(path):
         return
     assert report.ok == by_id(expected).hardening, [(r.name, r.detail) for r in report.failing]
     assert ids[:1] == [expected], (ids, [r.name for r in report.failures])
+    # and nothing that fails is left unaccounted for: every failing row is explained by some cause
+    explained = {name for cause in report.diagnosis for name in cause.explains}
+    assert {r.name for r in report.failing} <= explained, sorted({r.name for r in report.failing} - explained)

@@ -57,6 +57,9 @@ class Mistake:
     hardening: bool = False  # robustness, not correctness: a note unless --strict (see the module docstring)
     # other forms the same mistake takes in code people write (for kind "recipe"); each is tried as well
     also: tuple[Recipe, ...] = ()
+    # rows this mistake fails by what it is, not by its numbers (they measure the module alone, without a
+    # reference the recipe could replace): explained whenever they fail beside it
+    implies: tuple[str, ...] = ()
 
     def text(self, field: str, dims: dict[str, object]) -> str:
         return str(getattr(self, field)).format(**dims)
@@ -128,6 +131,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "the attention mask never reaches the scores: masked and unmasked calls give the same output",
         "apply the mask to the scores before softmax: scores.masked_fill(~attn_mask, float('-inf'))",
         S_MASK, "every masked row", _R(mask_ignored=True),
+        implies=("mask_semantics",),  # a mask that reaches nothing reads as neither keep nor block
     ),
     Mistake(
         "causal_sees_next", "recipe",

@@ -253,8 +253,8 @@ def _explained(
 ) -> list[str]:
     """The rows in ``failing`` that ``recipe``'s mistake accounts for; those where the mistake alone makes
     NaN/inf too are added to ``nan_rows``."""
-    ctx = Context(a, batch=batch, seq_len=seq_len, seed=seed, recipe=recipe)
-    oracle = Context(_Formula(a, recipe), batch=batch, seq_len=seq_len, seed=seed)
+    ctx = Context(a, batch=batch, seq_len=seq_len, seed=seed, recipe=recipe, long_lens=(63, 64))
+    oracle = Context(_Formula(a, recipe), batch=batch, seq_len=seq_len, seed=seed, long_lens=(63, 64))
     out = []
     with torch.random.fork_rng(devices=[]):
         for name in failing:
@@ -424,6 +424,10 @@ def _fitting(
             explains = list(failing)
         else:
             explains = _explained(a, recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
+        # by what the mistake is: its implied rows; and found with the future masked, the module is causal by
+        # itself, so position order matters to it (permutation_equivariance holds for bidirectional modules only)
+        implied = (*m.implies, *(("permutation_equivariance",) if note else ()))
+        explains = [*explains, *(r for r in implied if r in failing and r not in explains)]
         found.append((len(explains), -MISTAKES.index(m), _cause(m, a, evidence, explains)))
     found.sort(key=lambda t: (t[0], t[1]), reverse=True)
     return [c for *_, c in found], off

@@ -224,8 +224,7 @@ def recipe_attention(
     if key_padding_mask is not None and recipe.padding == "added":
         added = added + key_padding_mask[:, None, None, :].to(f64)  # (B, 1, 1, T_k): a padded key's score +1
     elif key_padding_mask is not None and recipe.padding == "inverted" and recipe.padding_fill is not None:
-        up = key_padding_mask[:, None, None, :].to(f64) * -recipe.padding_fill  # (B, 1, 1, T_k): mask subtracted
-        added = added + up
+        keep = keep & ~key_padding_mask[:, None, None, :]  # (B, 1, 1, T_k): blocked, then subtracted below
     elif key_padding_mask is not None and recipe.padding != "ignored":
         pad = ~key_padding_mask if recipe.padding == "inverted" else key_padding_mask  # (B, T_k)
         if recipe.padding == "queries":  # the mask laid along the query axis: padded *queries* see nothing
@@ -234,6 +233,11 @@ def recipe_attention(
             keep = keep & ~pad[:, None, None, :]  # (B, 1, 1, T_k)
     if is_causal:
         keep = keep & _causal(recipe, T_q, T_k, query.device)  # (T_q, T_k) broadcast
+    if recipe.padding == "inverted" and recipe.padding_fill is not None:
+        # one additive mask carries padding, causality and keep-masks alike (HF's extended mask), with one fill
+        # per blocked pair: subtracted, each blocked pair's score moves up by -fill, and nothing is blocked
+        added = added + (~keep).to(f64) * -recipe.padding_fill
+        keep = torch.ones_like(keep)
     if recipe.rows == "tiled":  # (b, h) reads the masks of sequence (b*H + h) mod B
         rows = (torch.arange(B)[:, None] * H + torch.arange(H)[None, :]) % B  # (B, H)
         keep = keep.expand(B, 1, T_q, T_k)[rows.to(keep.device), 0]  # (B, H, T_q, T_k)

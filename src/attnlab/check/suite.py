@@ -100,6 +100,9 @@ class Context:
     # What the reference computes: None, the textbook formula; a catalogued mistake when the
     # diagnosis asks which failing rows that mistake explains (they pass against it).
     recipe: Recipe | None = None
+    # odd_lengths' long sequences: 1023 (no block size divides it) and 1024 (all do). The diagnosis, asking only
+    # whether a mistake's formula accounts for that row, reruns it at 63 and 64: a formula shows at any length.
+    long_lens: tuple[int, int] = (1023, 1024)
     # Flash-attention's rule in a half dtype, per kind of figure (outputs, input grads): measured once.
     _budgets: dict[tuple[bool, bool], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -393,7 +396,7 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
     g = ctx.generator("odd_lengths")
     cross = getattr(a, "supports_cross_attention", True)
     cases: list[tuple[str, int, int | None, _MaskKwargs]] = []  # (name, T_q, T_k or None: self-attention, masks)
-    for T in (1, 1023, 1024):  # 1023: a length no block size divides, next to one they all do
+    for T in (1, *ctx.long_lens):  # 1023: a length no block size divides, next to one they all do
         cases += [(f"T={T}", T, None, {}), (f"T={T} causal", T, None, {"is_causal": True})]
     if cross:
         pad = torch.zeros(ctx.batch, 5, dtype=torch.bool, device=ctx.device)
@@ -408,7 +411,7 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
         ref = ctx.reference(q, kv, kv, **kw)
         for mode in MODES:
             errs[f"{name}, {mode}"] = (_rel(_call(a, mode, q, kv, kv, **kw), ref), ctx.tol(PARITY_TOL, long=True))
-    detail = "T=1, 1023, 1024 (plain, causal); " + (
+    detail = f"T=1, {ctx.long_lens[0]}, {ctx.long_lens[1]} (plain, causal); " + (
         "cross T_q/T_k = 1/7, 7/1, 13/5 (plain, padding)" if cross else "cross-attention not run (unsupported)"
     )
     return _worst_row(errs, detail)
