@@ -41,7 +41,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -103,11 +103,36 @@ _CAUSAL_ARGS = ("is_causal", "causal")
 _WEIGHTS_ARGS = ("need_weights", "return_weights", "return_attention", "output_attentions")
 
 
-def _linear_in(module: nn.Module) -> nn.Linear | None:
-    """``module`` itself if it is a Linear, else its first Linear (``to_out = Sequential(Linear, Dropout)``)."""
-    if isinstance(module, nn.Linear):
+def _is_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's GPT-2 ``Conv1D``: a Linear with its weight stored transposed, ``(in, out)``, applied as
+    ``addmm(bias, x, weight)``; known by its ``nf`` (the output width) and that layout, not by import."""
+    w = getattr(m, "weight", None)
+    nf = getattr(m, "nf", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 2 and isinstance(nf, int) and w.size(1) == nf
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or _is_conv1d(m)
+
+
+def _linear_in(module: nn.Module) -> nn.Module | None:
+    """``module`` itself if it is a Linear (or GPT-2's Conv1D), else its first one (``to_out = Sequential(Linear,
+    Dropout)``)."""
+    if _is_linear(module):
         return module
-    return next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    return next((m for m in module.modules() if _is_linear(m)), None)
+
+
+def linear_weights(m: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """``(weight, bias)`` in ``nn.Linear``'s layout, ``weight`` ``(out, in)``: a Conv1D's is a transposed view,
+    so that gradients and in-place changes reach its own parameter."""
+    weight = cast(Tensor, m.weight)
+    return (weight.t() if _is_conv1d(m) else weight), cast("Tensor | None", getattr(m, "bias", None))
+
+
+def _widths(m: nn.Module) -> str:
+    w, _ = linear_weights(m)
+    return f"{w.size(1)}->{w.size(0)}"
 
 
 @dataclass(frozen=True)
@@ -160,7 +185,7 @@ def find_projections(module: nn.Module) -> _Found:
         return _Found(by_role["q"], by_role["k"], by_role["v"], by_role["out"])
     for name, child in module.named_children():  # the Annotated Transformer: clones(nn.Linear(d, d), 4)
         if isinstance(child, nn.ModuleList | nn.Sequential):
-            lins = [f"{name}.{i}" for i, m in enumerate(child) if isinstance(m, nn.Linear)]
+            lins = [f"{name}.{i}" for i, m in enumerate(child) if _is_linear(m)]
             if len(lins) == 4 == len(child):
                 return _Found(lins[0], lins[1], lins[2], lins[3], listed=name)
             if len(lins) == 3 == len(child) and "out" in by_role:
@@ -171,7 +196,7 @@ def find_projections(module: nn.Module) -> _Found:
     nested = _nested_roles(module)
     if nested is not None:
         return nested
-    listed = ", ".join(f"{n} ({c.in_features}->{c.out_features})" for n, c in children.items()) or "none"
+    listed = ", ".join(f"{n} ({_widths(c)})" for n, c in children.items()) or "none"
     raise NotAttention(
         f"{type(module).__name__} has no recognisable q/k/v/out projections (nn.Linear children found: {listed}); "
         f"name them q_proj, k_proj, v_proj, out_proj (or w_q.., query.., a fused qkv, a ModuleList of four), "
@@ -184,7 +209,7 @@ def _nested_roles(module: nn.Module) -> _Found | None:
     ``self.key``, ``self.value``, ``output.dense``); None unless each role has exactly one Linear."""
     by_role: dict[str, list[str]] = {}
     for path, m in module.named_modules():
-        if path and isinstance(m, nn.Linear):
+        if path and _is_linear(m):
             for role, names in _NAMES.items():
                 if _key(path.rsplit(".", 1)[-1]) in names:
                     by_role.setdefault(role, []).append(path)
@@ -559,21 +584,21 @@ class ProbedAdapter(AttentionAdapter):
         if mha is not None:
             return mha_projections(mha)
 
-        def lin(path: str) -> nn.Linear:
+        def lin(path: str) -> tuple[Tensor, Tensor | None]:
             found = _linear_in(m.get_submodule(path))
             assert found is not None  # find_projections saw it
-            return found
+            return linear_weights(found)
 
-        out = lin(f.out)
+        wo, bo = lin(f.out)
         if f.qkv is not None:  # in the conventional order q, k, v: a module using another is a finding
-            fused = lin(f.qkv)
-            wq, wk, wv = fused.weight.chunk(3)  # (E, E) each
+            w, b = lin(f.qkv)
+            wq, wk, wv = w.chunk(3)  # (E, E) each
             bq = bk = bv = None
-            if fused.bias is not None:
-                bq, bk, bv = fused.bias.chunk(3)
-            return Projections(wq, wk, wv, out.weight, bq, bk, bv, out.bias)
-        q, k, v = lin(f.q), lin(f.k), lin(f.v)  # type: ignore[arg-type]
-        return Projections(q.weight, k.weight, v.weight, out.weight, q.bias, k.bias, v.bias, out.bias)
+            if b is not None:
+                bq, bk, bv = b.chunk(3)
+            return Projections(wq, wk, wv, wo, bq, bk, bv, bo)
+        (wq, bq), (wk, bk), (wv, bv) = lin(f.q), lin(f.k), lin(f.v)  # type: ignore[arg-type]
+        return Projections(wq, wk, wv, wo, bq, bk, bv, bo)
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
         return _first(self._run(query, key, value, keep_mask, key_padding_mask, is_causal, weights=False))
@@ -820,7 +845,7 @@ class ProbedAdapter(AttentionAdapter):
             return None
         fused = _linear_in(self.module.get_submodule(self.found.qkv))
         assert fused is not None
-        W = fused.weight  # (3n, E)
+        W, _ = linear_weights(fused)  # (3n, E)
         if W.size(0) % 3:
             return None
         n = W.size(0) // 3
