@@ -359,16 +359,18 @@ def test_bench_decode_refuses_a_prompt_past_the_context_before_hf_loads(tiny_lla
 
 def test_bench_decode_refuses_a_batch_past_this_machines_memory(tiny_llama, tmp_path, capsys, monkeypatch):
     from attnlab.bench import decode
+    from attnlab.runtime import memory
 
-    monkeypatch.setattr(decode, "available_bytes", lambda device: 2 << 20)  # 2 MiB free
+    monkeypatch.setattr(memory, "memory_limit", lambda device: (2 << 20, "MemAvailable in /proc/meminfo"))  # 2 MiB
     monkeypatch.setattr(decode, "_load_hf", lambda *a: pytest.fail("HF was loaded for a run that cannot fit"))
     args = _model(tiny_llama, "--out-dir", str(tmp_path))
     args[args.index("--batch-sizes") + 1] = "4096"
     assert main(args) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(
-        r"attnlab: error: --batch-sizes 4096 at 7 tokens needs about \d+ MiB \(weights, K/V cache and logits, twice "
-        r"for HF\) but cpu has 2 MiB available; pass --batch-sizes at most \d+ or --no-hf\.\n",
+        r"attnlab: error: --batch-sizes 4096 at 7 tokens \(weights, K/V cache and logits, twice for HF\) needs about "
+        r"\d+ MiB but cpu has 2 MiB available \(MemAvailable in /proc/meminfo\); pass --batch-sizes at most \d+ or "
+        r"--no-hf\.\n",
         err,
     ), err
 

@@ -4,9 +4,14 @@ or dataclass by tyro: no hand-copied flag lists, unknown flags rejected.
 What reaches the user is one of: the command's own output; ``attnlab: error: <what>, <got>, <fix>``
 with exit code 2 for a mistake in the input (:class:`attnlab.runtime.UsageError`, and the
 ``ValueError``/``TypeError`` of attnlab's argument checks); one line, ``attnlab: <command>
-interrupted (...)``, naming any partial results kept, and exit code 130 (Ctrl-C) or 143 (SIGTERM)
-for an interrupt. Output piped into ``head`` or ``less`` and cut short ends quietly (exit 141, as a
-Unix tool killed by SIGPIPE). Never a traceback, unless ``ATTNLAB_DEBUG=1`` asks for it.
+interrupted (...)``, naming any partial results kept, and exit code 128 + the signal's number (130
+Ctrl-C, 143 SIGTERM, 129 SIGHUP, ...) for an interrupt by any stop signal
+(:data:`attnlab.runtime.signals.STOP_SIGNALS`, where each is argued); one line and exit 75 under
+torchrun when another rank died or stopped answering (:mod:`attnlab.distributed.failures`). Output
+piped into ``head`` or ``less`` and cut short ends quietly (exit 141, as a Unix tool killed by SIGPIPE).
+Memory or disk space that runs out during the work (each command estimates both first and refuses,
+with exit 2, what cannot fit) is one line with the size and the fix, and exit 1. Never a traceback,
+unless ``ATTNLAB_DEBUG=1`` asks for it.
 """
 
 from __future__ import annotations
@@ -23,20 +28,51 @@ import tyro
 from .bench.attention import bench
 from .bench.decode import bench_decode
 from .check.cli import check
+from .distributed.failures import RankLost
 from .lab.cli import ablate_command, lab_main, train_command
 from .lab.stopping import TrainingInterrupted
 from .models.generate_cli import generate_command
-from .runtime import INTERRUPTS, Terminated, UsageError, interrupt_exit, kept
+from .runtime import INTERRUPTS, Terminated, UsageError, disk_full_line, interrupt_exit, kept, out_of_memory_line
+from .runtime.signals import STOP_SIGNALS, detach_hung_up_terminal
 from .tools.demo import demo
 from .tools.doctor import doctor
 from .tools.inspect_cli import inspect_command
 from .tools.trace import trace_command
 
 LAB = ("train", "ablate-heads")  # they also take --config FILE as tyro defaults, and own their interrupts: lab/cli.py
+# What to shrink when a command runs out of memory past its estimate (each estimates its work before it starts)
+SHRINK = {
+    "train": "--data.batch-size, sequence length or --model.embed-dim",
+    "ablate-heads": "--train.data.batch-size or --train.model.embed-dim",
+    "bench": "--tokens, --lengths or --embed-dim",
+    "bench-decode": "--batch-sizes, --prompt-len or --max-new-tokens",
+    "generate": "model (or --dtype gguf / bfloat16 weights) or --max-new-tokens",
+    "inspect": "--max-tokens, --probe-batch or --probe-len",
+}
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise Terminated
+    if signum == getattr(signal, "SIGHUP", None):
+        detach_hung_up_terminal()  # the terminal is gone: the last line must not fail on it
+    raise Terminated(signum)
+
+
+def _lost_rank(err: RankLost) -> None:
+    """Another rank died or stopped answering: print the line (one rank does) and end the process now.
+
+    Not a return: the process group holds a dead or frozen peer, and gloo's threads would abort the
+    interpreter's shutdown ("terminate called without an active exception") or wait on the peer.
+    """
+    if err.announce:
+        try:
+            print(err.line, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(err.exit_code)
 
 
 def _quiet_stdout() -> None:
@@ -76,11 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args = list(sys.argv[1:] if argv is None else argv)
     command = args[0] if args and args[0] in commands else "attnlab"
-    # train and ablate-heads finish their step and save on SIGTERM themselves; the rest stop at once, in one line
+    # train and ablate-heads finish their step and save on a stop signal themselves; the rest stop at once, in one
+    # line (SIGINT is Python's KeyboardInterrupt already)
     own_sigterm = command not in LAB and threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS if sig != signal.SIGINT}
     if own_sigterm:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        for sig in previous:
+            signal.signal(sig, _raise_terminated)
     try:
         if command in LAB:
             return lab_main(args)
@@ -106,16 +144,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = f"kept {saved}" if saved else "nothing more was written"
         print(f"attnlab: {command} interrupted ({how}) before it finished; {outcome}.", file=sys.stderr)
         return code
+    except RankLost as err:  # under torchrun: another rank died or stopped answering
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        _lost_rank(err)
+        raise  # not reached: _lost_rank ends the process
     except BrokenPipeError:  # `attnlab ... | head`: the reader has what it wanted
         _quiet_stdout()
         return 141
+    except (MemoryError, RuntimeError, OSError) as err:  # memory or disk space ran out all the same: one line, exit 1
+        line = disk_full_line(err) or out_of_memory_line(err, command, SHRINK.get(command, "request"))
+        if line is None or os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        print(f"attnlab: error: {line}", file=sys.stderr)
+        return 1
     except SystemExit:  # --help and tyro's own usage errors: their text may sit in a pipe's buffer still
         if not _flushed():
             return 141
         raise
     finally:
         if own_sigterm:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if not _flushed():
         return 141
     return int(result or 0)

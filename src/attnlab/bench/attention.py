@@ -36,16 +36,21 @@ from torch import Tensor, nn
 from ..core.attention import MultiHeadAttention
 from ..runtime import (
     INTERRUPTS,
+    LOCK_NAME,
+    RunLock,
     UsageError,
     atomic_write_text,
+    check_fits,
     check_range,
     check_writable_dir,
+    gib,
     resolve_device,
     resolve_dtype,
 )
 from .decode import copy_bandwidth
 from .memory import PeakMemory
-from .partial import carried_by_interrupts, drop_partial, save_partial
+from .output import check_room, save_png
+from .partial import PromptStop, carried_by_interrupts, drop_partial, save_partial
 from .seed_module import SeedMultiHeadAttention
 from .table import aligned, terminal_width, wrap
 
@@ -100,6 +105,8 @@ class BenchConfig:
     """with --context-parallel: how the sequence is split over the ranks."""
     cp_causal: bool = True
     """with --context-parallel: causal attention (--no-cp-causal: every query sees every key)."""
+    rank_timeout: float = 50.0
+    """with --context-parallel: seconds the ranks wait for one that died or stopped answering before all stop."""
 
 
 # -- runners ---------------------------------------------------------------------------------
@@ -346,12 +353,137 @@ def validate(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:
     check_range("--window", cfg.window, low=1, integer=True, hint="query i sees keys i - W < j <= i")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    check_memory(cfg, device, dtype)
     check_writable_dir(cfg.out_dir, "--out-dir")
+    check_room(cfg.out_dir, "bench", f"bench_{'window' if cfg.variant == 'window' else 'attention'}.json, .md, .png")
     return device, dtype
 
 
-def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
-    """Time every runner at every length (after :func:`validate`, which ``bench`` calls first)."""
+# -- memory, estimated before anything is allocated -----------------------------------------
+# What one length holds at once, counted from the flags. The constants are tensors of the shape named, in the
+# run's dtype; they are rounded up from what forward+backward keeps (x, grad_out, the projections' inputs and
+# outputs, q/k/v/context and their gradients), so that a run refused is one that could not have fitted.
+ACTIVATION_COPIES = 16  # (B, T, E): one fused runner's forward+backward, x and grad_out included
+SCORE_COPIES = 4  # (B, H, T, T): a math runner's scores, softmax weights and both their gradients
+COPY_BYTES = 2 * 256 * 2**20  # copy_bandwidth's two 256 MiB buffers
+
+
+def memory_parts(cfg: BenchConfig, itemsize: int) -> tuple[int, dict[str, int]]:
+    """``(T, bytes by part)`` at the length that holds the most at once: weights, activations, the ``(T, T)``
+    masks torch-mha and seed-000 keep per length, the math runners' ``(B, H, T, T)`` scores, and the GEMM
+    and copy probes (which run alone, beside the weights)."""
+    E, H, runners = cfg.embed_dim, cfg.num_heads, set(cfg.runners)
+    if cfg.variant == "window":  # B = 1; attnlab-auto/flex/dense share weights with the projections runner
+        weights = 3 * 4 * E * E * itemsize * 2  # weights and their gradients
+        T = max(cfg.lengths)
+        return T, {
+            "weights": weights,
+            "activations": ACTIVATION_COPIES * T * E * itemsize,
+            "the (T, T) window mask": T * T,
+            "sdpa-dense's (H, T, T) scores": SCORE_COPIES * H * T * T * itemsize,
+        }
+    weights = (len(runners) + 1) * 4 * E * E * itemsize * 2  # each runner's module and attnlab's, weights and grads
+    probes = max(3 * cfg.gemm_size**2 * itemsize, COPY_BYTES)
+    worst: tuple[int, dict[str, int]] = (0, {})
+    masks = 0  # torch-mha's and seed-000's cached (T, T) masks of every length so far
+    for T in cfg.lengths:
+        B = max(1, cfg.tokens // T)
+        math_len = T <= cfg.math_max_len
+        masks += T * T * itemsize * (("torch-mha" in runners) + ("seed-000" in runners and math_len))
+        parts = {
+            "weights": weights,
+            "activations": ACTIVATION_COPIES * B * T * E * itemsize,
+            "(T, T) masks": masks,
+            "math runners' (B, H, T, T) scores": (
+                SCORE_COPIES * B * H * T * T * itemsize if math_len and runners & {"attnlab-math", "seed-000"} else 0
+            ),
+        }
+        if sum(parts.values()) > sum(worst[1].values()):
+            worst = (T, parts)
+    T, parts = worst
+    if probes > sum(parts.values()) - weights:
+        return T, {"weights": weights, "GEMM and copy probes": probes}
+    return T, parts
+
+
+def _need(cfg: BenchConfig, itemsize: int) -> int:
+    return sum(memory_parts(cfg, itemsize)[1].values())
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest ``x`` in ``low .. high`` with ``fits(x)`` (true up to some point), or ``low - 1``."""
+    if high < low or not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def check_memory(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before anything is allocated, a bench whose largest length needs more memory than ``device`` has;
+    the :class:`attnlab.runtime.LimitError` names the part that is too large and the flag value that fits."""
+    size = dtype.itemsize
+    T, parts = memory_parts(cfg, size)
+    B = 1 if cfg.variant == "window" else max(1, cfg.tokens // T)
+
+    def fix(free: int) -> str:
+        """The change of one flag that fits, trying the flag behind the largest part first."""
+
+        def fits(**changes: Any) -> bool:
+            return _need(replace(cfg, **changes), size) <= free
+
+        def shorter(t: int, **more: Any) -> dict[str, Any]:
+            return {"lengths": (*[x for x in cfg.lengths if x < t], t), **more}
+
+        H, longest = cfg.num_heads, max(cfg.lengths)
+        tries: dict[str, Callable[[], str | None]] = {
+            "weights": lambda: (
+                f"pass --embed-dim {e * H} or less (a multiple of --num-heads {H})"
+                if (e := _largest(lambda e: fits(embed_dim=e * H), 1, cfg.embed_dim // H)) >= 1
+                else None
+            ),
+            "GEMM and copy probes": lambda: (
+                f"pass --gemm-size {n} or less"
+                if (n := _largest(lambda g: fits(gemm_size=g), 1, cfg.gemm_size))
+                else None
+            ),
+            "activations": lambda: (
+                f"pass --tokens {n} or less (B = tokens // T)"
+                if (n := _largest(lambda t: fits(tokens=t), longest, cfg.tokens)) >= longest
+                else None
+            ),
+            "math runners' (B, H, T, T) scores": lambda: (
+                f"pass --math-max-len {n} or less (the math runners materialise the scores up to it)"
+                if (n := _largest(lambda t: fits(math_max_len=t), 1, cfg.math_max_len)) >= 1
+                else None
+            ),
+        }
+        for part in sorted(parts, key=lambda k: -parts[k]):
+            line = tries[part]() if part in tries and cfg.variant != "window" else None
+            if line is not None:
+                return line
+        masks = (
+            ", or leave torch-mha out of --runners" if "(T, T) masks" in parts and "torch-mha" in cfg.runners else ""
+        )
+        n = _largest(lambda t: fits(**shorter(t)), 1, T)
+        if n >= 1:
+            return f"pass --lengths no longer than {n}{masks}"
+        n = _largest(lambda t: fits(**shorter(t, tokens=t)), 1, T)  # B = 1 at the longest length
+        return f"pass --lengths no longer than {max(n, 1)} and --tokens {max(n, 1)}{masks}"
+
+    listed = ", ".join(f"{name} {gib(n)}" for name, n in parts.items() if n)
+    check_fits(
+        sum(parts.values()),
+        f"bench at T={T} (B={B}, --embed-dim {cfg.embed_dim}, {str(dtype).removeprefix('torch.')}: {listed})",
+        fix,
+        device,
+    )
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print, watch: PromptStop | None = None) -> BenchResult:
+    """Time every runner at every length (after :func:`validate`, which ``bench`` calls first); ``watch`` is
+    handed the result as it grows, to keep it on a stop signal that arrives inside one long call."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -377,6 +509,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> BenchResu
         copy_GB_per_s=round(copy_rate, 2),
         skipped=dict(skipped),
     )
+    if watch is not None:
+        watch.result = result
     with carried_by_interrupts(result):  # an interrupt hands up the lengths measured so far
         E = cfg.embed_dim
         checked = False
@@ -577,8 +711,7 @@ def plot(res: BenchResult, path: Path) -> None:
         f"causal self-attention, E={res.config['embed_dim']}, H={res.config['num_heads']}, {res.device} {res.dtype}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
@@ -597,24 +730,38 @@ def bench(cfg: Annotated[BenchConfig, tyro.conf.arg(name="")]) -> int:
         cfg = replace(cfg, lengths=lengths, tokens=max(lengths, default=1))
     cfg = gpu_sizes(cfg)
     validate(cfg)  # flags, device, dtype and --out-dir: a mistake fails now, not after minutes of timing
+    with RunLock(cfg.out_dir):  # one command writes --out-dir at a time (issue 39)
+        return _bench(cfg)
+
+
+def _lock_gone(out: Path) -> Callable[[], None]:
+    """What ``RunLock``'s release does (delete the lock file while holding it), for a :class:`PromptStop` that ends
+    the process with ``os._exit``, past the ``with RunLock`` that would."""
+    return lambda: (out / LOCK_NAME).unlink(missing_ok=True)
+
+
+def _bench(cfg: BenchConfig) -> int:
+    """``bench`` once its flags are checked and its --out-dir is this process's."""
     if cfg.variant == "window":
         return bench_window(cfg)
     width = terminal_width()
     log = lambda text: print(wrap(text, width), flush=True)
-    try:
-        res = run_bench(cfg, log=log)
-    except INTERRUPTS as err:  # the lengths timed so far are kept, marked partial
-        raise save_partial(err, cfg.out_dir, "bench_attention", markdown) from None
-    summary = goals(res)
-    if cfg.train:
-        from .train import train_throughput
+    watch = PromptStop("bench", cfg.out_dir, "bench_attention", markdown, cleanup=_lock_gone(cfg.out_dir))
+    with watch:  # a stop signal ends the process within a second, even inside one long torch call
+        try:
+            res = run_bench(cfg, log=log, watch=watch)
+        except INTERRUPTS as err:  # the lengths timed so far are kept, marked partial
+            raise save_partial(err, cfg.out_dir, "bench_attention", markdown) from None
+        summary = goals(res)
+        if cfg.train:
+            from .train import train_throughput
 
-        tp = train_throughput()
-        res.train_throughput = asdict(tp) | {"ratio": tp.ratio}
-        summary += (
-            f"\ntraining throughput ({tp.model}): attnlab {tp.attnlab_tok_s:,.0f} tok/s, "
-            f"torch.nn.MultiheadAttention {tp.torch_tok_s:,.0f} tok/s, ratio {tp.ratio:.2f}x"
-        )
+            tp = train_throughput()
+            res.train_throughput = asdict(tp) | {"ratio": tp.ratio}
+            summary += (
+                f"\ntraining throughput ({tp.model}): attnlab {tp.attnlab_tok_s:,.0f} tok/s, "
+                f"torch.nn.MultiheadAttention {tp.torch_tok_s:,.0f} tok/s, ratio {tp.ratio:.2f}x"
+            )
     out = cfg.out_dir
     paths = [out / "bench_attention.json", out / "bench_attention.md", out / "bench_attention.png"]
     atomic_write_text(paths[0], json.dumps(asdict(res), indent=2))
@@ -631,10 +778,12 @@ def bench_window(cfg: BenchConfig) -> int:
     from .window import run_window_bench, window_goals, window_markdown, window_plot, window_table
 
     width = terminal_width()
-    try:
-        res = run_window_bench(cfg, log=lambda text: print(wrap(text, width), flush=True))
-    except INTERRUPTS as err:  # the lengths timed so far are kept, marked partial
-        raise save_partial(err, cfg.out_dir, "bench_window", window_markdown) from None
+    watch = PromptStop("bench", cfg.out_dir, "bench_window", window_markdown, cleanup=_lock_gone(cfg.out_dir))
+    with watch:  # a stop signal ends the process within a second, even inside one long torch call
+        try:
+            res = run_window_bench(cfg, log=lambda text: print(wrap(text, width), flush=True), watch=watch)
+        except INTERRUPTS as err:  # the lengths timed so far are kept, marked partial
+            raise save_partial(err, cfg.out_dir, "bench_window", window_markdown) from None
     summary = window_goals(res)
     out = cfg.out_dir
     paths = [out / "bench_window.json", out / "bench_window.md", out / "bench_window.png"]

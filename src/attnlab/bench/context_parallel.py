@@ -18,7 +18,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from ..core.attention import MultiHeadAttention
 from ..distributed import LAYOUTS, METHODS, ContextParallel
+from ..distributed.failures import Job, RankLost, check_rank_timeout, diagnose, ended, join, mark_left
 from ..runtime import (
     INTERRUPTS,
     UsageError,
@@ -156,6 +159,7 @@ def plan_cp(cfg: Any) -> CPPlan:
     )
     check_range("--repeats", cfg.repeats, low=1, integer=True, hint="the median of the timed repeats is reported")
     check_range("--warmup", cfg.warmup, low=0, integer=True)
+    check_rank_timeout(cfg.rank_timeout)
     combos, skipped = _combos(cfg, n)
     device = _cp_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -505,16 +509,36 @@ def compact_table(res: CPResult) -> str:
 
 
 # -- the command -----------------------------------------------------------------------------
-def _join(plan: CPPlan) -> tuple[int, torch.device]:
-    """Join the process group (gloo on CPU, nccl on CUDA); ``(rank, this rank's device)``."""
+def _join(plan: CPPlan, timeout_s: float) -> tuple[Job, torch.device]:
+    """Join the process group (gloo on CPU, nccl on CUDA), whose collectives fail after ``timeout_s`` when a rank
+    stops answering (:mod:`attnlab.distributed.failures`); ``(job, this rank's device)``."""
     device = plan.device
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    job = join("nccl" if device.type == "cuda" else "gloo", timeout_s)
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-    return dist.get_rank(), device
+    return job, device
+
+
+def _lost(job: Job, err: BaseException) -> RankLost | None:
+    """The one line for a rank that died or stopped answering (the benchmark has no resume: it is run again).
+
+    ``err`` is the failed collective's error, or an interrupt: torchrun, seeing a rank die, sends the others
+    SIGTERM, which may arrive before any collective fails; the dead rank is then the news, not the signal.
+    """
+    failure = diagnose(job, err, grace_s=0.0 if isinstance(err, INTERRUPTS) else None)
+    if failure is None:
+        return None
+    from ..lab.run_dir import launcher  # the torchrun command this job was started with
+
+    mark_left(job)
+    again = " ".join([launcher(), *map(shlex.quote, sys.argv[1:])])
+    line = (
+        f"attnlab: {failure.what}; so every rank stopped, and no result was written. Run it again"
+        f"{ended(job, failure)} with `{again}`"
+    )
+    return RankLost(line, failure=failure, announce=job.rank == failure.reporter)
 
 
 def _module(cfg: Any, plan: CPPlan) -> MultiHeadAttention:
@@ -579,19 +603,31 @@ def cp_defaults(cfg: Any, defaults: Any) -> Any:
 def bench_context_parallel(cfg: Any) -> int:
     """``bench --context-parallel N`` on one rank: checks, joins the group, measures; rank 0 prints and writes."""
     plan = plan_cp(cfg)
-    rank, device = _join(plan)
+    job, device = _join(plan, cfg.rank_timeout)
+    rank = job.rank
     plan = replace(plan, device=device)
     width = terminal_width()
     log = (lambda text: print(wrap(text, width), flush=True)) if rank == 0 else (lambda text: None)
     try:
-        res = run_cp_bench(cfg, plan, log)
-    except INTERRUPTS as err:  # rank 0 keeps the lengths measured so far, marked partial
+        try:
+            res = run_cp_bench(cfg, plan, log)
+        except INTERRUPTS as err:  # rank 0 keeps the lengths measured so far, marked partial
+            lost = _lost(job, err)
+            if lost is not None:
+                raise lost from None
+            if rank == 0:
+                raise save_partial(err, cfg.out_dir, STEM, markdown) from None
+            raise
         if rank == 0:
-            raise save_partial(err, cfg.out_dir, STEM, markdown) from None
-        raise
-    if rank == 0:
-        _write(res, cfg.out_dir, width)
-    dist.barrier()  # nobody leaves (and tears down the group) while rank 0 still writes
+            _write(res, cfg.out_dir, width)
+        dist.barrier()  # nobody leaves (and tears down the group) while rank 0 still writes
+    except RuntimeError as err:  # a collective failed: a rank died or stopped answering (else: ours, as it is)
+        if isinstance(err, RankLost):
+            raise
+        lost = _lost(job, err)
+        if lost is None:
+            raise
+        raise lost from None
     dist.destroy_process_group()
     return 0
 

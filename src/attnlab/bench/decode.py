@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from ..models.file_checks import gpt_weight_count
 from ..models.generation import generate
 from ..models.gguf import open_gguf
 from ..models.gpt import GPTConfig, TinyGPT
@@ -32,7 +33,7 @@ from ..runtime import (
     LimitError,
     UsageError,
     atomic_write_text,
-    available_bytes,
+    check_fits,
     check_range,
     check_writable_dir,
     cpu_info,
@@ -43,6 +44,7 @@ from ..runtime import (
     resolve_device,
     resolve_dtype,
 )
+from .output import check_room, save_png
 from .table import aligned, terminal_width, wrap
 
 
@@ -181,14 +183,16 @@ def bench_decode(
         )
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    out_dir = check_writable_dir(out_dir, "--out-dir")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
     block_size = max(contexts) + max(max_new_tokens, recompute_max_new_tokens)
     config = GPTConfig(
         vocab_size=vocab_size, block_size=block_size, n_layer=num_layers, n_head=num_heads, n_embd=embed_dim
     )
+    _check_sweep_fits(config, dt, hf, dev)  # before the model exists
+    out_dir = check_writable_dir(out_dir, "--out-dir")
+    check_room(out_dir, "bench-decode", "decode.json, decode.md")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
     gpt = TinyGPT(config).to(device=dev, dtype=dt).eval()
 
     runners: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], int]] = {
@@ -345,6 +349,7 @@ def _bench_model_command(
     dev = resolve_device(device)
     dtypes, why = _model_dtypes(source, dtype, dev)
     out = check_writable_dir(out_dir, "--out-dir")
+    check_room(out, "bench-decode", "decode_model.json, .md, .png")
     hf = hf and dtypes != ("gguf",)  # Hugging Face has no runner for the blocks as stored
     if threads is not None:
         torch.set_num_threads(threads)
@@ -691,15 +696,34 @@ def _check_fits(
     itemsizes = [dt.itemsize for dt in dtypes if isinstance(dt, torch.dtype) and dt != torch.float32]
     weights = model.num_params() * (4 + sum(itemsizes)) * runners  # "gguf": its blocks are fewer than float32's
     per_row = length * (model.kv_cache_bytes_per_token + 4 * model.config.vocab_size)  # fp32 K/V + a logits row
-    need = weights + runners * batch * per_row
-    free = available_bytes(device)
-    if free is not None and need > free:
-        fits = max(0, int((free - weights) // (runners * per_row)))
-        raise LimitError(
-            f"--batch-sizes {batch} at {length} tokens needs about {gib(need)} (weights, K/V cache and logits"
-            f"{', twice for HF' if hf else ''}) but {device} has {gib(free)} available; pass --batch-sizes at most "
-            f"{fits}" + (" or --no-hf" if hf else "") + "."
-        )
+    check_fits(
+        weights + runners * batch * per_row,
+        f"--batch-sizes {batch} at {length} tokens (weights, K/V cache and logits{', twice for HF' if hf else ''})",
+        lambda free: (
+            f"pass --batch-sizes at most {max(0, int((free - weights) // (runners * per_row)))}"
+            + (" or --no-hf" if hf else "")
+        ),
+        device,
+    )
+
+
+def _check_sweep_fits(config: GPTConfig, dtype: torch.dtype, hf: bool, device: torch.device) -> None:
+    """The GPT-2 sweep's model (and HF's copy of it), its K/V cache and a recompute's logits within this machine's
+    memory: a :class:`LimitError` naming the flag, before the model is built."""
+    runners = 2 if hf else 1
+    weights = gpt_weight_count(config) * dtype.itemsize * runners
+    cache = runners * 2 * config.n_layer * config.block_size * config.n_embd * dtype.itemsize  # K and V, batch 1
+    logits = runners * config.block_size * config.vocab_size * 4  # a recompute's forward over the whole context
+    fix = "pass a smaller --embed-dim, --num-layers or --vocab-size"
+    if cache + logits > weights:
+        fix = "pass shorter --contexts or fewer --max-new-tokens"
+    check_fits(
+        weights + cache + logits,
+        f"the sweep's model ({config.n_layer} layers, --embed-dim {config.n_embd}, --vocab-size {config.vocab_size}"
+        f"{', and HF its copy' if hf else ''}: weights {gib(weights)}, K/V cache {gib(cache)}, logits {gib(logits)})",
+        fix + (", or --no-hf" if hf else ""),
+        device,
+    )
 
 
 def _context_fix(block: int, prompt_len: int, max_new_tokens: int) -> str:
@@ -878,8 +902,7 @@ def plot_decode_model(report: dict[str, Any], path: Path) -> Path:
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return path
 
 

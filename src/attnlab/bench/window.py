@@ -48,6 +48,7 @@ from ..core.masks import Masks
 from ..core.variants import Structure, banded_sdpa
 from ..runtime import resolve_device, resolve_dtype
 from .memory import PeakMemory
+from .output import save_png
 from .partial import carried_by_interrupts
 from .table import aligned, wrap
 
@@ -198,7 +199,7 @@ def slope(points: list[tuple[int, float]]) -> float | None:
     return fit.slope
 
 
-def run_window_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> WindowResult:
+def run_window_bench(cfg: BenchConfig, log: Callable[[str], None] = print, watch: Any = None) -> WindowResult:
     """Time, check and measure every runner at every length of ``cfg`` (``--variant window``)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -219,6 +220,8 @@ def run_window_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Wi
         f"window={cfg.window}, E={cfg.embed_dim}, H={cfg.num_heads}, B=1; device {device}, {dtype_name}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+    if watch is not None:  # a PromptStop: it keeps these rows on a stop signal inside one long call
+        watch.result = res
     with carried_by_interrupts(res):  # an interrupt hands up the lengths measured so far
         for T in cfg.lengths:
             fwd_runs = {n: fn for n, fn in _runners(cfg, T, device, dtype, mods, False).items() if n not in res.skipped}
@@ -511,5 +514,4 @@ def window_plot(res: WindowResult, path: Path) -> None:
         f"{res.threads} thread{'s' if res.threads > 1 else ''} (solid: kernels, dashed: modules)"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

@@ -49,6 +49,7 @@ from ..runtime import (
     check_writable_dir,
     keep,
 )
+from ..runtime.signals import STOP_SIGNALS
 from ..runtime.text import check_text
 from .capture import attention_layers, run_and_capture
 from .scores import (
@@ -245,7 +246,7 @@ def check_result_dir(out: Path, *, overwrite: bool, names: Mapping[str, str] = P
 
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM held back inside the block and delivered as it ends, so that an interrupt
+    """The stop signals (Ctrl-C, SIGTERM, SIGHUP, ...) held back inside the block and delivered as it ends, so that an interrupt
     cannot split the renames of a set.
 
     The Python handlers are swapped for one that notes the signal, rather than the signals blocked:
@@ -262,7 +263,7 @@ def _interrupts_held() -> Iterator[None]:
     def hold(signum: int, frame: object) -> None:
         held.append(signum)
 
-    usual = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    usual = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}  # SIGHUP, SIGQUIT, ... too: the same split
     try:
         yield
     finally:

@@ -7,7 +7,8 @@
 * :mod:`.train`: the loop (single process or ``torchrun``/DDP); :mod:`.train_state`: the training state it saves and resumes.
 * :mod:`.head_scores`: every head's previous-token/induction (and recall lookup) scores, logged at each evaluation.
 * :mod:`.run_dir`: a run already in a directory is never replaced; ``--resume`` needs a checkpoint.
-* :mod:`.stopping`: SIGINT/SIGTERM stop a run with a checkpoint; a NaN loss stops it keeping the last good one.
+* :mod:`.stopping`: a stop signal (SIGINT, SIGTERM, SIGHUP, ...) stops a run with a checkpoint; a NaN loss
+  stops it keeping the last good one.
 * :mod:`.ablate`: the head-count experiment of seed 002 section 4.4.
 """
 

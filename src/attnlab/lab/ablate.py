@@ -7,9 +7,16 @@ in-process calls of :func:`attnlab.lab.train.train`, each in its own run directo
 ``ablation.md``) and one PNG of loss curves with a band per head count.
 
 A study is never lost: ``out_dir/config.json`` is written first, each run keeps its checkpoint
-and summary, SIGINT/SIGTERM stop the run under way after its current step with a checkpoint, and
+and summary, a stop signal (SIGINT, SIGTERM, SIGHUP, ...) stops the run under way after its current step with
+a checkpoint, and
 ``attnlab ablate-heads --out-dir D --resume`` keeps the finished runs, resumes the interrupted one
 and runs the rest. A study already in ``out_dir`` is never replaced.
+
+As a training run's folder (:mod:`.run_dir`), a study's belongs to one process: the study holds the
+lock of ``out_dir`` (each run also locks its own folder), taken before the folder is looked at. A
+study that fails before its first run's first step removes what it wrote. On ``--resume`` the
+study's ``config.json`` and each kept run's ``summary.json`` and ``metrics.jsonl`` are read as files
+attnlab wrote: damage is one error naming the file and the field.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..runtime import UsageError, atomic_write_text, check_range, check_writable_dir, resolve_device
+from ..runtime import DiskFullError, RunLock, UsageError, atomic_write_text, check_writable_dir, resolve_device
 from .config import (
     DataConfig,
+    FieldError,
     ModelConfig,
     OptimConfig,
     TrainConfig,
@@ -36,13 +44,25 @@ from .config import (
     dataclass_from_dict,
     load_config,
     read_config_dict,
+    read_json_file,
     save_config,
+    shown,
 )
-from .run_dir import free_sibling, launcher, listing
+from .footprint import check_study_room
+from .run_dir import free_sibling, launcher, listing, missing_dirs, read_metrics, read_run_config, remove_if_empty
 from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted
-from .train import read_metrics, retry_lr, train
+from .train import retry_lr, train
 from .train_state import CKPT_NAME
-from .validation import check_number, validate_data, validate_model, validate_optim
+from .validation import (
+    check_number,
+    checked_range,
+    checking_file,
+    refuse,
+    validate_data,
+    validate_lengths,
+    validate_model,
+    validate_optim,
+)
 
 __all__ = ["AblateConfig", "AblateTrain", "ablate", "ablate_command_line"]
 
@@ -59,7 +79,7 @@ class AblateTrain:
     steps: int = 500  # optimiser steps per run; seed 002's block solves 8-pair recall within ~500 at every head count
     eval_every: int = 25  # steps between held-out evaluations (the resolution of "steps to 90%")
     eval_batches: int = 4  # held-out batches per evaluation, always the same ones
-    ckpt_every: int = 100  # steps between each run's checkpoints (SIGINT/SIGTERM always write one); 0: only at the end
+    ckpt_every: int = 100  # steps between each run's checkpoints (a stop signal always writes one); 0: only at the end
     log_head_scores: bool = True  # each evaluation also logs every head's previous-token and induction scores
     device: str = "auto"  # one of: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps
 
@@ -87,7 +107,13 @@ def ablate_train_from(cfg: TrainConfig) -> AblateTrain:
 
 
 def load_ablate_config(path: str | Path, flag: str = "--config") -> AblateConfig:
-    """A study's own ``config.json``, or a training run's (which becomes the base run)."""
+    """A study's own ``config.json``, or a training run's (which becomes the base run).
+
+    ``flag="--resume"``: the study's own file (``--out-dir D --resume``), read as a file attnlab wrote:
+    damage is one error naming the file and the field, and a fix that does not change the study.
+    """
+    if flag == "--resume":
+        return _read_study_config(Path(path))
     data = read_config_dict(path, flag)
     if "heads" in data or "seeds" in data:
         cfg: AblateConfig = dataclass_from_dict(AblateConfig, data)
@@ -102,28 +128,60 @@ def ablate_command_line(cfg: AblateConfig, out_dir: Path, *, resume: bool = Fals
     return " ".join([launcher(), "ablate-heads", *flags])
 
 
-def validate_ablate(cfg: AblateConfig) -> None:
-    """Every field, named as typed (``--heads``, ``--train.optim.lr``); raises :class:`UsageError`."""
+def _read_study_config(path: Path) -> AblateConfig:
+    """The study's own ``config.json`` on ``--resume``: a file attnlab wrote, checked field by field."""
+    where = f"--resume: {str(path)!r}"
+    fix = "restore it from a copy, or start a new study in another --out-dir"
+    try:
+        data = read_json_file(path)
+        if isinstance(data, dict) and not ("heads" in data and "seeds" in data):
+            missing = "heads" if "heads" not in data else "seeds"
+            raise FieldError(f"field {missing} is missing (a study's config.json has heads and seeds)")
+        cfg: AblateConfig = dataclass_from_dict(AblateConfig, data, strict=True)
+    except FileNotFoundError:
+        raise UsageError(f"{where} does not exist; {fix}.") from None
+    except FieldError as e:
+        raise UsageError(f"{where} is damaged: {e}; {fix}.") from None
+    with checking_file(where, fix):
+        validate_ablate(cfg, resolve=False)
+    return cfg
+
+
+def validate_ablate(cfg: AblateConfig, *, resolve: bool = True) -> None:
+    """Every field, named as typed (``--heads``, ``--train.optim.lr``); raises :class:`UsageError`.
+
+    ``resolve``: also resolve ``--train.device`` on this machine (not when checking a saved file).
+    """
     t = cfg.train
     e = t.model.embed_dim
     check_number(t.model, "--train.model.", "embed_dim", low=1, integer=True)
     if not isinstance(cfg.heads, list) or not cfg.heads:
-        raise UsageError(f"--heads needs at least one head count, got {cfg.heads!r}; pass e.g. --heads 1 2 4 8.")
+        raise refuse(
+            f"--heads needs at least one head count, got {cfg.heads!r}; pass e.g. --heads 1 2 4 8.",
+            "a list of at least one head count",
+            ("--heads", cfg.heads),
+        )
     for h in cfg.heads:
-        check_range("--heads", h, low=1, integer=True, hint="pass e.g. --heads 1 2 4 8")
+        checked_range("--heads", h, low=1, integer=True, hint="pass e.g. --heads 1 2 4 8")
     bad = [h for h in cfg.heads if e % h]
     if bad:
         divisors = [h for h in range(1, e + 1) if e % h == 0][:8]
-        raise UsageError(
+        raise refuse(
             f"--heads {' '.join(map(str, bad))} {'does' if len(bad) == 1 else 'do'} not divide d_model = "
             f"--train.model.embed-dim {e}; "
-            f"pass divisors of {e}, e.g. --heads {' '.join(map(str, divisors[:4]))}."
+            f"pass divisors of {e}, e.g. --heads {' '.join(map(str, divisors[:4]))}.",
+            "head counts that divide train.model.embed_dim",
+            ("--heads", cfg.heads),
+            ("--train.model.embed-dim", e),
         )
     kv = t.model.num_kv_heads
     if kv is not None and any(h % kv for h in cfg.heads):
-        raise UsageError(
+        raise refuse(
             f"--heads {' '.join(map(str, cfg.heads))} must all be multiples of --train.model.num-kv-heads {kv}; "
-            f"pass --train.model.num-kv-heads 1 or leave it out."
+            f"pass --train.model.num-kv-heads 1 or leave it out.",
+            "head counts that are multiples of train.model.num_kv_heads",
+            ("--heads", cfg.heads),
+            ("--train.model.num-kv-heads", kv),
         )
     validate_data(t.data, "--train.data.")
     validate_model(dataclasses.replace(t.model, num_heads=cfg.heads[0]), "--train.model.")
@@ -133,24 +191,42 @@ def validate_ablate(cfg: AblateConfig) -> None:
     check_number(t, "--train.", "eval_batches", low=1, integer=True)
     check_number(t, "--train.", "ckpt_every", low=0, integer=True)
     if not isinstance(t.log_head_scores, bool):
-        raise UsageError(
+        raise refuse(
             f"--train.log-head-scores must be true or false, got {t.log_head_scores!r}; "
-            f"pass --train.log-head-scores or --train.no-log-head-scores."
+            f"pass --train.log-head-scores or --train.no-log-head-scores.",
+            "true or false",
+            ("--train.log-head-scores", t.log_head_scores),
         )
+    validate_lengths(t.data, log_head_scores=t.log_head_scores, prefix="--train.")
     if not isinstance(t.device, str):
-        raise UsageError(f"--train.device must be a name, got {t.device!r}; pass e.g. --train.device auto.")
-    resolve_device(t.device, "--train.device")
-    if not isinstance(cfg.seeds, list):
-        raise UsageError(f"--seeds must be a list of integers, got {cfg.seeds!r}; pass e.g. --seeds 0 1 2.")
-    for s in cfg.seeds:
-        check_range("--seeds", s, low=0, integer=True, hint="pass e.g. --seeds 0 1 2")
-    if len(set(cfg.seeds)) < 3:
-        raise UsageError(
-            f"--seeds needs at least 3 distinct seeds for a mean ± std, got {cfg.seeds}; pass e.g. --seeds 0 1 2."
+        raise refuse(
+            f"--train.device must be a name, got {t.device!r}; pass e.g. --train.device auto.",
+            "a device name",
+            ("--train.device", t.device),
         )
-    check_range("--target-acc", cfg.target_acc, low=0, low_inclusive=False, high=1, hint="pass e.g. --target-acc 0.9")
+    if resolve:
+        resolve_device(t.device, "--train.device")
+    if not isinstance(cfg.seeds, list):
+        raise refuse(
+            f"--seeds must be a list of integers, got {cfg.seeds!r}; pass e.g. --seeds 0 1 2.",
+            "a list of integers",
+            ("--seeds", cfg.seeds),
+        )
+    for s in cfg.seeds:
+        checked_range("--seeds", s, low=0, integer=True, hint="pass e.g. --seeds 0 1 2")
+    if len(set(cfg.seeds)) < 3:
+        raise refuse(
+            f"--seeds needs at least 3 distinct seeds for a mean ± std, got {cfg.seeds}; pass e.g. --seeds 0 1 2.",
+            "at least 3 distinct seeds",
+            ("--seeds", cfg.seeds),
+        )
+    checked_range("--target-acc", cfg.target_acc, low=0, low_inclusive=False, high=1, hint="pass e.g. --target-acc 0.9")
     if not isinstance(cfg.resume, bool):
-        raise UsageError(f"--resume must be true or false, got {cfg.resume!r}; pass --resume or --no-resume.")
+        raise refuse(
+            f"--resume must be true or false, got {cfg.resume!r}; pass --resume or --no-resume.",
+            "true or false",
+            ("--resume", cfg.resume),
+        )
 
 
 def _check_study_dir(cfg: AblateConfig) -> None:
@@ -203,7 +279,7 @@ _SAME = ("data", "model", "optim", "seed", "steps", "eval_every", "eval_batches"
 
 def _check_same_run(cfg: AblateConfig, run: TrainConfig) -> None:
     """``--resume`` continues only runs made with the settings asked for now."""
-    saved = load_config(Path(run.out_dir) / "config.json")
+    saved = read_run_config(Path(run.out_dir) / "config.json")  # a file attnlab wrote, checked as one
     differ = [name for name in _SAME if getattr(saved, name) != getattr(run, name)]
     if differ:
         raise UsageError(
@@ -214,9 +290,21 @@ def _check_same_run(cfg: AblateConfig, run: TrainConfig) -> None:
 
 
 def _finished_run(run: TrainConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The summary and history of a run that finished before the study was interrupted."""
+    """The summary and history of a run that finished before the study was interrupted, each checked."""
     out = Path(run.out_dir)
-    final = json.loads((out / "summary.json").read_text())
+    path = out / "summary.json"
+    fix = f"delete it (`rm {shlex.quote(str(path))}`) and run the command again, which trains that run again"
+    try:
+        final = read_json_file(path)
+    except FieldError as e:
+        raise UsageError(f"--resume: {str(path)!r} is damaged: {e}; {fix}.") from None
+    if not isinstance(final, dict):
+        raise UsageError(f"--resume: {str(path)!r} is damaged: it holds {shown(final)}, expected an object; {fix}.")
+    for key in ("eval_loss", "eval_acc", "wall_s"):
+        value = final.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            what = f"field {key} is missing" if key not in final else f"field {key} holds {shown(value)}"
+            raise UsageError(f"--resume: {str(path)!r} is damaged: {what}, expected a number; {fix}.")
     return final, read_metrics(out / "metrics.jsonl")
 
 
@@ -235,18 +323,62 @@ def ablate(cfg: AblateConfig, *, stop: StopSignals | None = None) -> dict[int, d
     Raises:
         UsageError: a bad setting, an ``out_dir`` that holds a study (without ``resume``) or cannot be
             written, or ``resume`` with no study there. Raised before any training.
-        TrainingInterrupted: SIGINT/SIGTERM; the run under way saved its checkpoint after its current step.
+        TrainingInterrupted: a stop signal; the run under way saved its checkpoint after its current step.
         TrainingDiverged: a run's loss became NaN/inf.
     """
     validate_ablate(cfg)
-    _check_study_dir(cfg)
+    out = Path(cfg.out_dir)
+    if cfg.resume and not out.exists():
+        _check_study_dir(cfg)  # refuses: nothing to resume, and nothing to create
+    created = missing_dirs(out)
     out = check_writable_dir(cfg.out_dir, "--out-dir")
+    fix = (
+        "wait for it to finish: --resume continues a study that has stopped, and this one is still running"
+        if cfg.resume
+        else f"wait for it to finish, or start this study in another folder with "
+        f"`{ablate_command_line(cfg, free_sibling(out))}`"
+    )
+    lock = RunLock(out, fix=fix)
+    try:
+        lock.acquire()
+        _check_study_dir(cfg)  # after the lock: a study started at the same instant cannot pass it too
+        try:
+            return _study(cfg, out, stop)
+        except BaseException as err:
+            if not cfg.resume and not isinstance(err, TrainingInterrupted):
+                _abandon_study(out)
+            raise
+    finally:
+        lock.release()
+        remove_if_empty(created)  # only what is empty: a refused or abandoned study's folders
+
+
+def _abandon_study(out: Path) -> None:
+    """A new study that failed before any run trained a step: remove what it wrote, so it can run again as it was."""
+    runs = out / "runs"
+    for run in runs.iterdir() if runs.is_dir() else []:
+        if (run / CKPT_NAME).exists():
+            return
+        try:
+            if any(r["step"] >= 1 for r in read_metrics(run / "metrics.jsonl")):
+                return
+        except UsageError:
+            return
+    for run in runs.iterdir() if runs.is_dir() else []:
+        remove_if_empty([run])
+    remove_if_empty([runs])
+    (out / "config.json").unlink(missing_ok=True)
+
+
+def _study(cfg: AblateConfig, out: Path, stop: StopSignals | None) -> dict[int, dict[str, Any]]:
+    """The study itself, in ``out`` (locked, checked): every run, the table and the figure."""
     pairs = [(h, s) for h in cfg.heads for s in cfg.seeds]
     runs_of = {(h, s): _run_config(cfg, h, s) for h, s in pairs}
     if cfg.resume:
         for run in runs_of.values():
             if (Path(run.out_dir) / "config.json").is_file():
                 _check_same_run(cfg, run)
+    check_study_room(runs_of.values(), out)  # every run still to do, before the first writes
     save_config(dataclasses.replace(cfg, resume=False), out / "config.json")
     resume_line = ablate_command_line(cfg, out, resume=True, keep=False)
 
@@ -284,6 +416,12 @@ def ablate(cfg: AblateConfig, *, stop: StopSignals | None = None) -> dict[int, d
                         overwrite=not resume_run,  # a run directory without a checkpoint holds nothing to keep
                         stop=signals,
                     )
+                except DiskFullError as e:  # what the run kept, as train says it; the study's own resume command
+                    kept_by_run = e.fix.split("; free space there")[0]
+                    raise e.refix(
+                        f"run heads={heads} seed={seed} ({done} of {len(pairs)} runs finished): {kept_by_run}; free "
+                        f"space there, then resume the study with `{resume_line}`"
+                    ) from None
                 except TrainingInterrupted as e:
                     raise TrainingInterrupted(
                         f"attnlab: {signals.name} received: stopped run heads={heads} seed={seed} after step {e.step} "

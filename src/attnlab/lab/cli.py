@@ -6,8 +6,16 @@ same way, so a resumed run needs no flags repeated; ``attnlab ablate-heads --out
 likewise reloads the study's ``D/config.json``.
 
 Exit codes: 0 done; 2 a usage error (raised as :class:`attnlab.runtime.UsageError`, printed as
-``attnlab: error: ...`` by :func:`attnlab.cli.main`); 1 training diverged (NaN/inf loss); 130/143
-stopped by SIGINT/SIGTERM after saving a checkpoint, with one line saying how to resume.
+``attnlab: error: ...`` by :func:`attnlab.cli.main`); 1 training diverged (NaN/inf loss); 128 + the
+signal's number (130 SIGINT, 143 SIGTERM, 129 SIGHUP, ...) stopped by a signal after saving a
+checkpoint, with one line naming the signal and saying how to resume; 75 under torchrun, another rank
+died or stopped answering for ``--rank-timeout`` seconds, with one line naming it and the command that
+resumes (:mod:`attnlab.distributed.failures`).
+
+The stop signals (:data:`attnlab.runtime.signals.STOP_SIGNALS`) are caught from the first line of
+:func:`lab_main` to its last: while flags are parsed (nothing written yet: one line, and the exit code),
+while the run trains (the checkpoint is saved, :mod:`.stopping`), and while it writes its last files
+(they are finished; the line says the run is complete).
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import tyro
 
 from .ablate import AblateConfig, ablate, load_ablate_config
 from .config import TrainConfig, config_from_dict, load_config
-from .stopping import TrainingDiverged, TrainingInterrupted, exit_code
+from .run_dir import read_run_config
+from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, exit_code, print_line
 from .train import train
 from .train_state import CKPT_NAME, read_meta
 
@@ -30,6 +39,11 @@ __all__ = ["train_command", "ablate_command", "lab_main", "LAB_COMMANDS"]
 
 CONFIG_HELP = (
     "--config FILE: start from a saved run's config.json (unknown keys are rejected); flags given after it override it."
+)
+STOP_HELP = (
+    "A stop signal (Ctrl-C, SIGTERM, SIGHUP from a closed terminal, SIGQUIT, SIGUSR1/2 as Slurm's warning, SIGXCPU) "
+    "ends the step under way, saves a checkpoint and prints the command that resumes. Under torchrun, a rank that "
+    "dies or stops answering for --rank-timeout seconds (default 50) ends every rank, with that command too."
 )
 
 
@@ -39,7 +53,7 @@ def _stopped(run: Callable[[], int]) -> int:
         return run()
     except TrainingInterrupted as e:
         if e.announce:
-            print(e.line, file=sys.stderr, flush=True)
+            print_line(e.line)  # a hung-up terminal loses the line, not the exit code
         return e.exit_code
     except TrainingDiverged as e:
         if os.environ.get("ATTNLAB_DEBUG"):
@@ -49,26 +63,54 @@ def _stopped(run: Callable[[], int]) -> int:
         return 1
 
 
-def train_command(cfg: Annotated[TrainConfig, tyro.conf.arg(name="")]) -> int:
+def _speaks() -> bool:
+    """Rank 0 (or a single process) prints the run's lines: one per run, not one per rank."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _finished(signals: StopSignals, what: str) -> TrainingInterrupted:
+    """A signal that came once the work was done (its last files were being written): they were finished."""
+    return TrainingInterrupted(
+        f"attnlab: {signals.name} received{signals.sender} as the {what}; nothing to resume.",
+        signum=signals.signum,
+        step=-1,
+        announce=_speaks(),
+    )
+
+
+def train_command(
+    cfg: Annotated[TrainConfig, tyro.conf.arg(name="")], stop: tyro.conf.Suppress[StopSignals | None] = None
+) -> int:
     """Train a model on a synthetic task, seed 002's random data or a text file (see attnlab.lab)."""
+    signals = stop or StopSignals()
 
     def run() -> int:
-        result = train(cfg)
-        if result.run_dir is not None:
-            print(
-                f"artifacts: {result.run_dir} (config.json, metrics.jsonl, checkpoint.safetensors, curve.png, "
-                "summary.json" + (", model/)" if "model_dir" in result.final else ")")
-            )
+        with signals:
+            result = train(cfg, stop=signals)
+            if result.run_dir is not None:
+                print(
+                    f"artifacts: {result.run_dir} (config.json, metrics.jsonl, checkpoint.safetensors, curve.png, "
+                    "summary.json" + (", model/)" if "model_dir" in result.final else ")")
+                )
+            if signals.requested:
+                steps = result.final["steps"]
+                raise _finished(signals, f"run finished: its {steps} steps are done and every file is written")
         return 0
 
     return _stopped(run)
 
 
-def ablate_command(cfg: Annotated[AblateConfig, tyro.conf.arg(name="")]) -> int:
+def ablate_command(
+    cfg: Annotated[AblateConfig, tyro.conf.arg(name="")], stop: tyro.conf.Suppress[StopSignals | None] = None
+) -> int:
     """Seed 002 section 4.4: fixed d_model, several head counts and seeds; a table and a PNG of loss curves."""
+    signals = stop or StopSignals()
 
     def run() -> int:
-        ablate(cfg)
+        with signals:
+            ablate(cfg, stop=signals)
+            if signals.requested:
+                raise _finished(signals, "study finished: every run is done and the table is written")
         return 0
 
     return _stopped(run)
@@ -100,12 +142,12 @@ def _parse_train(args: list[str]) -> TrainConfig:
         args=rest,
         default=base,
         prog="attnlab train",
-        description=f"{train_command.__doc__}\n\n{CONFIG_HELP}",
+        description=f"{train_command.__doc__}\n\n{CONFIG_HELP}\n\n{STOP_HELP}",
     )
     saved, ckpt = Path(cfg.out_dir) / "config.json", Path(cfg.out_dir) / CKPT_NAME
     if cfg.resume and path is None and (saved.exists() or ckpt.exists()):
         # resume a run with its own config (config.json, else the copy inside the checkpoint); flags still override
-        own = load_config(saved, "--resume") if saved.exists() else config_from_dict(read_meta(ckpt)["config"])
+        own = read_run_config(saved) if saved.exists() else config_from_dict(read_meta(ckpt)["config"])
         cfg = tyro.cli(TrainConfig, args=rest, default=own, prog="attnlab train")
         cfg.resume = True
     return cfg
@@ -139,18 +181,22 @@ def lab_main(argv: Sequence[str]) -> int:
     """Run ``train``/``ablate-heads`` from ``argv`` (the subcommand first); tyro exits 2 on bad flags.
 
     A :class:`attnlab.runtime.UsageError` propagates to :func:`attnlab.cli.main`, which prints it and
-    returns 2. Ctrl-C before training starts (while parsing, importing, checking) ends with one
-    line and 130: nothing has been written then.
+    returns 2. A stop signal while the flags are parsed ends with one line naming it and ``128 +`` its
+    number once they are: nothing has been written then.
     """
-    try:
-        parse, _ = LAB_COMMANDS[argv[0]]
-        cfg = parse(list(argv[1:]))
-        return train_command(cfg) if isinstance(cfg, TrainConfig) else ablate_command(cfg)
-    except TrainingInterrupted:
-        raise  # handled in train_command/ablate_command; never reaches here
-    except KeyboardInterrupt:
-        print(f"attnlab: interrupted before {argv[0]} started; nothing was written.", file=sys.stderr, flush=True)
-        return exit_code(2)
+    with StopSignals() as signals:
+        try:
+            parse, _ = LAB_COMMANDS[argv[0]]
+            cfg = parse(list(argv[1:]))
+            if signals.requested:
+                print_line(f"attnlab: {signals.name} received before {argv[0]} started; nothing was written.")
+                return exit_code(signals.signum)
+            return train_command(cfg, signals) if isinstance(cfg, TrainConfig) else ablate_command(cfg, signals)
+        except TrainingInterrupted:
+            raise  # handled in train_command/ablate_command; never reaches here
+        except KeyboardInterrupt:  # outside the main thread, where no handler could be installed
+            print_line(f"attnlab: interrupted before {argv[0]} started; nothing was written.")
+            return exit_code(2)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ The ``attnlab train`` flags are derived from :class:`TrainConfig` by tyro (``--d
 ``--model.num-heads``, ``--optim.lr``, ...), so this file is the single list of options. Field names
 are the flag names with ``-`` written ``_``. Configs saved before the flag vocabulary was unified
 (``n_layer``, ``n_head``, ``n_embd``, ``n_kv_head``, ``run_dir``) load under the new names.
+
+A run's own ``config.json`` read back by ``--resume`` is a file attnlab wrote, not flags: its fields
+are checked as JSON types here (``strict=True``: a :class:`FieldError` names the field, what it holds
+and what it should), and its values and its agreement with the checkpoint by
+:func:`attnlab.lab.run_dir.read_run_config`. A ``--config FILE`` is the user's base for flags, and is
+checked as flags are (:mod:`.validation`), naming the flag to pass.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from ..runtime import UsageError, atomic_write_text
 
 __all__ = [
     "DataConfig",
+    "FieldError",
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
@@ -96,13 +103,14 @@ class TrainConfig:
     eval_every: int = 25  # steps between held-out evaluations (the resolution of "steps to 90%")
     eval_batches: int = 4  # held-out batches per evaluation, always the same ones
     log_every: int = 50  # steps between plain log lines when stdout is not a terminal
-    ckpt_every: int = 100  # steps between checkpoints (one more at the end, and on SIGINT/SIGTERM); 0: only those
+    ckpt_every: int = 100  # steps between checkpoints (one more at the end, and on a stop signal); 0: only those
     stop_at_acc: float | None = None  # stop early once held-out accuracy reaches this (e.g. 0.95); None: run all steps
     log_head_scores: bool = True  # each eval also logs every head's previous-token/induction scores (lab.head_scores)
     out_dir: Path = Path("runs/train")  # the run directory; a run already there is never replaced (see --resume)
     resume: bool = False  # continue the run in out_dir from its checkpoint, with its saved config, RNG and step
     device: str = "auto"  # one of: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps
     context_parallel: int = 1  # ranks that split each sequence along time (under torchrun; must divide WORLD_SIZE)
+    rank_timeout: float = 50.0  # under torchrun: seconds every rank waits for one that died or froze, then all stop
     progress: bool = True  # rich progress bar on a terminal; plain log lines otherwise
 
 
@@ -122,13 +130,75 @@ def _is_path(hint: Any) -> bool:
     return hint is Path or Path in typing.get_args(hint)
 
 
-def dataclass_from_dict(cls: type, data: Any, where: str = "") -> Any:
+class FieldError(UsageError):
+    """A field of a saved config whose JSON is not what its annotation says; ``str(err)`` is the detail
+    (``field model.num_heads holds "four" (a string), expected an integer``), which the reader of the
+    file puts after the file's name and before its fix."""
+
+
+def shown(value: Any) -> str:
+    """A JSON value as a message shows it: ``"four" (a string)``, ``3.5 (a number)``, ``null``."""
+    text = json.dumps(value, default=str)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    kinds = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }
+    kind = kinds.get(type(value))  # type(True) is bool: true and false show as themselves
+    return f"{text} ({kind})" if kind else text
+
+
+def _expected(hint: Any) -> str:
+    """What a JSON value of a field annotated ``hint`` must be, in words."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in args)
+    if hint is Path or (args and Path in args):
+        return "a path (a string)" + (" or null" if type(None) in args else "")
+    if args and type(None) in args:
+        return _expected(next(a for a in args if a is not type(None))) + " or null"
+    if typing.get_origin(hint) is list:
+        return f"a list of {_expected(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _typed(hint: Any, value: Any) -> tuple[bool, Any]:
+    """``(ok, value)``: whether JSON ``value`` fits ``hint``, and the value as the field holds it (ints as floats)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return value in args and type(value) in {type(a) for a in args}, value
+    if value is None:
+        return type(None) in args, value
+    if args and type(None) in args:
+        return _typed(next(a for a in args if a is not type(None)), value)
+    if _is_path(hint):
+        return isinstance(value, str), Path(value) if isinstance(value, str) else value
+    if typing.get_origin(hint) is list:
+        items = [_typed(args[0], v) for v in value] if isinstance(value, list) else [(False, None)]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if hint is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number, float(value) if number else value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    return isinstance(value, hint) if isinstance(hint, type) else True, value
+
+
+def dataclass_from_dict(cls: type, data: Any, where: str = "", *, strict: bool = False) -> Any:
     """An instance of the dataclass ``cls`` from its ``asdict`` form (nested dataclasses included).
 
     Unknown keys raise :class:`UsageError`; keys renamed since the file was written are mapped to
-    their new names without a word, so old runs still load and resume.
+    their new names without a word, so old runs still load and resume. ``strict``: every value's
+    JSON type is checked too (a :class:`FieldError`), as for a file attnlab wrote itself.
     """
     if not isinstance(data, dict):
+        if strict:
+            raise FieldError(
+                f"{'field ' + where.rstrip('.') if where else 'it'} holds {shown(data)}, expected an object"
+            )
         raise UsageError(
             f"config {where or 'root'} must be a JSON object, got {type(data).__name__}; "
             f'write it as {{"field": value, ...}} as out_dir/config.json does.'
@@ -138,6 +208,8 @@ def dataclass_from_dict(cls: type, data: Any, where: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
+    if unknown and strict:
+        raise FieldError(f"field {where}{unknown[0]} is not one attnlab writes there")
     if unknown:
         raise UsageError(
             f"config {where or 'root'} has unknown key(s) {unknown}, expected only {sorted(known)}; "
@@ -147,16 +219,21 @@ def dataclass_from_dict(cls: type, data: Any, where: str = "") -> Any:
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            value = dataclass_from_dict(hint, value, f"{where}{name}.")
+            value = dataclass_from_dict(hint, value, f"{where}{name}.", strict=strict)
+        elif strict:
+            ok, value = _typed(hint, value)
+            if not ok:
+                raise FieldError(f"field {where}{name} holds {shown(data[name])}, expected {_expected(hint)}")
         elif _is_path(hint) and isinstance(value, str):
             value = Path(value)
         kwargs[name] = value
     return cls(**kwargs)
 
 
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    """A :class:`TrainConfig` from its ``asdict`` form; unknown keys raise :class:`UsageError`."""
-    cfg: TrainConfig = dataclass_from_dict(TrainConfig, data)
+def config_from_dict(data: dict[str, Any], *, strict: bool = False) -> TrainConfig:
+    """A :class:`TrainConfig` from its ``asdict`` form; unknown keys raise :class:`UsageError` (``strict``: see
+    :func:`dataclass_from_dict`)."""
+    cfg: TrainConfig = dataclass_from_dict(TrainConfig, data, strict=strict)
     return cfg
 
 
@@ -171,6 +248,28 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
         return str(obj) if isinstance(obj, Path) else obj
 
     return fix(asdict(cfg))
+
+
+def read_json_file(path: Path) -> Any:
+    """The JSON value in ``path``; a :class:`FieldError` whose text says what is wrong with the file as a file
+    (a directory, unreadable, empty, not UTF-8, not JSON). A missing file raises ``FileNotFoundError``."""
+    if path.is_dir():
+        raise FieldError("it is a directory, expected a JSON file")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise FieldError(f"it cannot be read ({e.strerror or e})") from None
+    if not raw.strip():
+        raise FieldError(f"it is empty ({len(raw)} bytes), expected a JSON object")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FieldError(f"it is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        cut = " (cut short)" if e.pos >= len(raw.decode("utf-8").rstrip()) else ""
+        raise FieldError(f"it is not valid JSON{cut}: {e.msg} at line {e.lineno} column {e.colno}") from None
 
 
 def read_config_dict(path: str | os.PathLike[str], flag: str = "--config") -> dict[str, Any]:
@@ -192,7 +291,11 @@ def read_config_dict(path: str | os.PathLike[str], flag: str = "--config") -> di
 
 
 def load_config(path: str | os.PathLike[str], flag: str = "--config") -> TrainConfig:
-    """Read a config written by :func:`save_config` (or by hand); JSON only. Errors name ``flag``."""
+    """Read a config written by :func:`save_config` (or by hand); JSON only. Errors name ``flag``.
+
+    A run's own ``config.json``, read on ``--resume``, is read by :func:`attnlab.lab.run_dir.read_run_config`
+    instead: as a file attnlab wrote, checked against the run's checkpoint, its errors naming file and field.
+    """
     return config_from_dict(read_config_dict(path, flag))
 
 

@@ -27,13 +27,39 @@ from ..models.tokenizer import CharTokenizer
 from ..runtime import UsageError
 from .config import DataConfig
 
-__all__ = ["IGNORE", "CharDataset", "RandomTask", "RecallTask", "CopyTask", "TextCharDataset", "build_task"]
+__all__ = [
+    "IGNORE",
+    "CharDataset",
+    "RandomTask",
+    "RecallTask",
+    "CopyTask",
+    "TextCharDataset",
+    "build_task",
+    "length_flag",
+    "sequence_length",
+]
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 KEYS = "abcdefghijklmnopqrstuvwxyz"
 VALUES = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PRINTABLE = "".join(chr(c) for c in range(33, 127))  # 94 visible ASCII characters, to show random ids as text
 SEP = "|"
+
+
+def sequence_length(cfg: DataConfig) -> int:
+    """``T``, the tokens of one ``x`` (the source's ``block_size``), from the config alone: what flags are
+    checked against before any work (:func:`attnlab.lab.validation.validate_lengths`)."""
+    if cfg.task == "copy":
+        return 2 * cfg.copy_len  # L symbols, "|", L symbols, minus one for the shift
+    if cfg.task == "recall":
+        return 4 * cfg.n_pairs  # 2n context + "|" + 2n queries, minus one for the shift
+    return cfg.seq_len  # random, text
+
+
+def length_flag(cfg: DataConfig, prefix: str = "--data.") -> tuple[str, int]:
+    """The flag that sets :func:`sequence_length` for ``cfg.task``, and its value: ``("--data.copy-len", 12)``."""
+    name = {"copy": "copy_len", "recall": "n_pairs"}.get(cfg.task, "seq_len")
+    return prefix + name.replace("_", "-"), getattr(cfg, name)
 
 
 def stream_seed(seed: int, *parts: object) -> int:
@@ -98,7 +124,7 @@ class RandomTask:
         chars = PRINTABLE[: cfg.vocab_size] if cfg.vocab_size <= len(PRINTABLE) else None
         self.tokenizer = CharTokenizer(chars) if chars else None
         self.vocab_size = cfg.vocab_size
-        self.block_size = cfg.seq_len
+        self.block_size = sequence_length(cfg)
         self.chance_acc = 1.0 / cfg.vocab_size
         self.loss_floor = math.log(cfg.vocab_size)  # entropy of a uniform next id: nothing can do better
 
@@ -129,7 +155,7 @@ class RecallTask:
         self.cfg = cfg
         self.tokenizer = CharTokenizer(KEYS[: cfg.n_keys] + VALUES[: cfg.n_values] + SEP)
         self.vocab_size = self.tokenizer.vocab_size
-        self.block_size = 4 * cfg.n_pairs  # 2n context + "|" + 2n queries, minus one for the shift
+        self.block_size = sequence_length(cfg)  # 4n
         self.chance_acc = 1.0 / cfg.n_values
 
     def sequences(self, g: torch.Generator, B: int) -> Tensor:
@@ -181,7 +207,7 @@ class CopyTask:
         self.cfg = cfg
         self.tokenizer = CharTokenizer(KEYS[: cfg.n_symbols] + SEP)
         self.vocab_size = self.tokenizer.vocab_size
-        self.block_size = 2 * cfg.copy_len
+        self.block_size = sequence_length(cfg)  # 2L
         self.chance_acc = 1.0 / cfg.n_symbols
 
     def batch(self, step: int, rank: int = 0, world: int = 1, split: str = "train") -> tuple[Tensor, Tensor]:
@@ -222,7 +248,7 @@ class TextCharDataset:
         ids = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)  # (N,)
         self.splits = {"train": ids[: len(ids) - n_val], "eval": ids[len(ids) - n_val :]}
         self.vocab_size = self.tokenizer.vocab_size
-        self.block_size = cfg.seq_len
+        self.block_size = sequence_length(cfg)
         self.chance_acc = 1.0 / self.vocab_size
 
     def batch(self, step: int, rank: int = 0, world: int = 1, split: str = "train") -> tuple[Tensor, Tensor]:

@@ -30,10 +30,21 @@ from ..heads.capture import run_and_capture
 from ..heads.scores import make_probe, probe_scores, text_scores
 from .data import RecallTask
 
-__all__ = ["HeadScorer", "PROBE_BATCH", "PROBE_SEED", "max_score"]
+__all__ = ["HeadScorer", "MIN_BLOCK_SIZE", "PROBE_BATCH", "PROBE_SEED", "max_score", "probe_half"]
 
 PROBE_BATCH = 8  # probe sequences: enough for a stable mean over (batch x n) query rows
 PROBE_SEED = 0  # the same probe at every evaluation and in every run
+# The shortest task sequence the probe fits: it needs n >= 2 (an induction step needs a token before the
+# repeated one), its 2n tokens must fit the model's block_size + 1 positions, and n = max(2, T // 2): T >= 3.
+# validation.validate_lengths refuses shorter ones by their flag (--data.copy-len 1 gave T = 2).
+MIN_BLOCK_SIZE = 3
+
+
+def probe_half(block_size: int) -> int:
+    """``n``, the random tokens the probe repeats, for a task of ``block_size`` tokens (the probe is ``2n`` long)."""
+    return max(2, block_size // 2)
+
+
 RECALL_ROWS = 16  # held-out recall sequences scored for recall_value (x n_pairs queries each)
 DIGITS = 4  # decimals kept in metrics.jsonl
 
@@ -47,7 +58,9 @@ class HeadScorer:
     """
 
     def __init__(self, task: Any, device: torch.device) -> None:
-        self.n = max(2, task.block_size // 2)
+        if task.block_size < MIN_BLOCK_SIZE:  # validate_lengths refuses it first, naming the flag
+            raise ValueError(f"the head-score probe needs block_size >= {MIN_BLOCK_SIZE}, got {task.block_size}")
+        self.n = probe_half(task.block_size)
         self.probe = make_probe(task.vocab_size, self.n, PROBE_BATCH, seed=PROBE_SEED).to(device)  # (PB, 2n)
         self.recall: tuple[Tensor, Tensor, Tensor] | None = None
         if isinstance(task, RecallTask):

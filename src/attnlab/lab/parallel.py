@@ -17,6 +17,7 @@ Replica ``g`` gets ``task.batch(step, g, D)``, the rows DDP with ``D`` processes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed import ContextParallel
+from ..distributed.failures import DEFAULT_RANK_TIMEOUT
 from ..runtime import UsageError
 from .config import TrainConfig
 from .data import IGNORE
@@ -107,17 +109,19 @@ def check_context_parallel(cfg: TrainConfig, world: int, device: torch.device) -
         )
 
 
-def make_context_parallel(layout: ProcessLayout) -> ContextParallel | None:
+def make_context_parallel(layout: ProcessLayout, timeout_s: float = DEFAULT_RANK_TIMEOUT) -> ContextParallel | None:
     """This rank's :class:`ContextParallel` over its replica's ranks (None when ``C == 1``).
 
     ``new_group`` is collective over the whole world: every rank creates every group, in the same order,
-    and keeps its own.
+    and keeps its own. Each group's transfers (the ring's sends and receives) fail after ``timeout_s``
+    (``--rank-timeout``) when a rank of it stops answering: ``new_group`` would otherwise give them
+    gloo's default of 30 minutes, not the world group's timeout.
     """
     if layout.context == 1:
         return None
     mine: Any = None
     for ranks in layout.context_groups():
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
         if layout.rank in ranks:
             mine = group
     return ContextParallel(mine, layout="zigzag", method="ring")

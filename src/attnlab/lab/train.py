@@ -7,13 +7,19 @@ checkpoint ends with the same weights as one never interrupted.
 
 Before any work the whole config is checked (:mod:`.validation`), the device resolved, and the
 run directory checked (:mod:`.run_dir`: a run there is never replaced) and proven writable.
-SIGINT/SIGTERM stop the run between steps with a checkpoint (:mod:`.stopping`); a NaN or infinite
-loss stops it before the weights take the bad update, keeping the last good checkpoint. Under
-``torchrun`` both decisions ride on the all-reduce each step already does, so every rank stops
-at the same step.
+Memory and disk space are estimated from the config before the model is built (:mod:`.footprint`);
+a disk that fills up all the same stops the run at the write that found it, with one line naming the
+checkpoint left intact, the steps lost since it and the resume command; ``metrics.jsonl`` gets whole
+lines only, ``model/`` appears whole or not at all.
+A stop signal (SIGINT, SIGTERM, SIGHUP, ...: :mod:`.stopping`) stops the run between steps with a
+checkpoint; a NaN or infinite loss stops it before the weights take the bad update, keeping the last
+good checkpoint. Under ``torchrun`` both decisions ride on the all-reduce each step already does, so
+every rank stops at the same step; a rank that dies or stops answering for ``--rank-timeout`` seconds
+ends every rank with one line naming it and the command that resumes
+(:mod:`attnlab.distributed.failures`).
 
 Run directory (rank 0 alone writes): ``config.json`` (at start), ``metrics.jsonl`` (one line per
-step; each evaluation's line also holds every head's scores with ``log_head_scores``, see :mod:`.head_scores`), ``checkpoint.safetensors`` (every ``ckpt_every`` steps, on SIGINT/SIGTERM and at the end),
+step; each evaluation's line also holds every head's scores with ``log_head_scores``, see :mod:`.head_scores`), ``checkpoint.safetensors`` (every ``ckpt_every`` steps, on a stop signal and at the end),
 ``curve.png``, ``summary.json`` and, for TinyGPT, ``model/`` (loadable by
 ``attnlab.load_checkpoint`` and ``attnlab generate --checkpoint``).
 
@@ -40,15 +46,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime import UsageError, atomic_write_text, check_writable_dir
+from ..distributed.failures import (
+    DEFAULT_RANK_TIMEOUT,
+    Job,
+    RankFailure,
+    RankLost,
+    diagnose,
+    ended,
+    join,
+    local_job,
+    mark_left,
+)
+from ..runtime import DiskFullError, UsageError, append_whole, atomic_write_text
 from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, save_config
 from .data import IGNORE, build_task
+from .footprint import check_train_fits
 from .head_scores import HeadScorer
 from .models import build_model
 from .parallel import ProcessLayout, check_context_parallel, cp_loss, make_context_parallel, shard_batch
 from .progress import Reporter
-from .run_dir import check_out_dir, clear_run, free_sibling, train_command_line
-from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted
+from .run_dir import RunClaim, claim_out_dir, free_sibling, read_metrics, resume_metrics, train_command_line
+from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_signal, signal_slots
 from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
 from .validation import validate_train
 
@@ -115,23 +133,34 @@ def _param_digest(model: nn.Module) -> bytes:
     return h.digest()
 
 
-def _setup_distributed(device: torch.device, world: int) -> tuple[int, torch.device]:
-    """``(rank, device)``; under torchrun (WORLD_SIZE > 1) also joins the process group."""
+def _setup_distributed(
+    device: torch.device, world: int, refusal: UsageError | None = None, timeout_s: float = DEFAULT_RANK_TIMEOUT
+) -> tuple[int, torch.device, Job | None]:
+    """``(rank, device, job)``; under torchrun (WORLD_SIZE > 1) also joins the process group (``job``; None alone).
+
+    ``refusal``: rank 0's verdict on the run folder (it alone locks and checks it, before the group
+    exists); every rank hears it here and raises it, so none is left waiting on a collective.
+    ``timeout_s`` (``--rank-timeout``): how long any collective of the run waits for a rank that stopped
+    answering before it fails (:mod:`attnlab.distributed.failures`; gloo's own default is 30 minutes).
+    """
     if world == 1:
-        return 0, device
+        return 0, device, None
     if device.type not in ("cpu", "cuda"):
         raise UsageError(
             f"--device {device.type} under torchrun: attnlab's DDP runs on cpu (gloo) or cuda (nccl); pass --device cpu."
         )
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank()
+    job = join("nccl" if device.type == "cuda" else "gloo", timeout_s)
+    rank = job.rank
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-    dist.barrier()  # every rank has checked the run directory before rank 0 writes into it
-    return rank, device
+    verdict = [None if refusal is None else str(refusal)]  # rank 0's; also a barrier: no rank runs ahead of it
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        dist.destroy_process_group()
+        raise refusal if refusal is not None else UsageError(verdict[0])
+    return rank, device, job
 
 
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, path: Path) -> None:
@@ -146,20 +175,10 @@ def _check_resumable(saved: TrainConfig, cfg: TrainConfig, path: Path) -> None:
             )
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``; a line torn by a kill mid-write is skipped."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def _trim_metrics(path: Path, keep_through: int) -> list[dict[str, Any]]:
-    """Drop metric lines past the checkpoint (the resumed run writes those steps again); returns the rest."""
-    kept = [r for r in read_metrics(path) if r.get("step", keep_through + 1) <= keep_through]
+def _trim_metrics(path: Path, keep_through: int, quiet: bool) -> list[dict[str, Any]]:
+    """Drop metric lines past the checkpoint (the resumed run writes those steps again); returns the rest.
+    Each line is checked first (:func:`.run_dir.read_metrics`), and lost ones are said (:func:`.run_dir.resume_metrics`)."""
+    kept = resume_metrics(path, keep_through, quiet=quiet)
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
@@ -188,15 +207,19 @@ def train(
         quiet: print nothing (no bar, no log lines).
         overwrite: replace a run already in ``cfg.out_dir`` (its run files are deleted first); for
             callers that own the directory, such as ``attnlab demo``. The command line never sets it.
-        stop: the SIGINT/SIGTERM flag to obey (ablate-heads shares one across its runs); None: train
-            installs its own for the duration of the call.
+        stop: the stop-signal flag to obey (the command line and ablate-heads share one across the
+            command); None: train installs its own for the duration of the call.
 
     Raises:
         UsageError: a config value out of range, a device this torch cannot use, an ``out_dir`` that
-            already holds a run or cannot be written, ``resume`` with no checkpoint to resume, a
-            checkpoint of another run. Raised before any training.
-        TrainingInterrupted: SIGINT or SIGTERM arrived; the step under way finished and the
+            already holds a run, is held by another process (its PID named) or cannot be written,
+            ``resume`` with no checkpoint to resume, a checkpoint of another run, a damaged run file
+            (named with its field). Raised before any training; what a run failing before its first
+            step wrote is removed (:class:`.run_dir.RunClaim`).
+        TrainingInterrupted: a stop signal arrived (on any rank); the step under way finished and the
             checkpoint was written. ``str(err)`` is the line to print, with the resume command.
+        RankLost: under torchrun, another rank died or stopped answering; ``str(err)`` is the line
+            (on one rank: ``announce``), with the command that resumes from the last checkpoint.
         TrainingDiverged: the loss or gradient norm became NaN/inf; the bad update was not applied,
             no model was written and the last checkpoint was left as it was.
     """
@@ -204,35 +227,75 @@ def train(
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     check_context_parallel(cfg, world, device)
     _check_batch_split(cfg, world)
-    if write:
-        check_out_dir(cfg, overwrite=overwrite)  # every rank, before the barrier in _setup_distributed
-        if rank == 0:
-            check_writable_dir(cfg.out_dir, "--out-dir")
-            if overwrite and not cfg.resume:
-                clear_run(Path(cfg.out_dir))
-    with stop or StopSignals() as signals:
-        rank, device = _setup_distributed(device, world)
-        layout = ProcessLayout(world, rank, cfg.context_parallel)
+    # rank 0 locks the folder, then checks it (run_dir.claim_out_dir); a run failing before step 1 removes its files
+    claim = claim_out_dir(cfg, overwrite=overwrite, quiet=quiet, defer=world > 1) if write and rank == 0 else RunClaim()
+    with claim, stop or StopSignals() as signals:
         if world == 1:
+            rank, device, _ = _setup_distributed(device, world)
+            layout = ProcessLayout(world, rank, cfg.context_parallel)
             return _train(cfg, layout, device, write=write, quiet=quiet, stop=signals)
-        orderly = False
+        job: Job | None = None
+        lost = False
         try:
-            result = _train(cfg, layout, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
-            orderly = True
+            rank, device, job = _setup_distributed(device, world, claim.refusal, cfg.rank_timeout)
+            layout = ProcessLayout(world, rank, cfg.context_parallel)
+            try:
+                result = _train(cfg, layout, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
+            except (TrainingInterrupted, TrainingDiverged):
+                dist.barrier()  # every rank took the same decision at the same step: wait for rank 0's checkpoint
+                raise
+            # waits for rank 0's last writes, and shares a signal that came during them: every rank exits alike
+            slots = torch.tensor(signal_slots(world, rank, signals.signum), device=device)  # (world,)
+            dist.all_reduce(slots)
+            signals.agree(*first_signal(slots.tolist()))
             return result
-        except (TrainingInterrupted, TrainingDiverged):
-            orderly = True  # every rank took the same decision at the same step
-            raise
+        except RuntimeError as err:  # a collective failed: a rank died or stopped answering, or a bug of ours
+            if isinstance(err, (TrainingDiverged, RankLost)):
+                raise
+            job = job or local_job(cfg.rank_timeout)  # failed while joining: the peers this host can see
+            failure = diagnose(job, err)
+            if failure is None:
+                raise
+            lost = True
+            mark_left(job)
+            raise RankLost(_lost_line(cfg, job, failure), failure=failure, announce=rank == failure.reporter) from None
         finally:
             # The DDP wrapper sits in a reference cycle, so it (and the process group its reducer holds) would
             # otherwise die at some later garbage collection, or at interpreter exit, where gloo's still-running
             # threads abort the process ("terminate called without an active exception", 3 runs in 70
-            # on a loaded 2-core machine). Free it now, wait for rank 0's writes, then leave the group.
+            # on a loaded 2-core machine). Free it now, then leave the group (rank 0's writes were waited for above).
+            # A group with a lost rank is left as it is: the command line ends the process at once (cli.py).
             gc.collect()
-            if dist.is_initialized():
-                if orderly:
-                    dist.barrier()  # a rank that raised otherwise skips this: the others then fail on their own timeout
+            if dist.is_initialized() and not lost:
                 dist.destroy_process_group()
+
+
+def _lost_line(cfg: TrainConfig, job: Job, failure: RankFailure) -> str:
+    """The one line a lost rank gets: which, how, and the command that resumes the run (or starts it again)."""
+    out = Path(cfg.out_dir)
+    ckpt = out / CKPT_NAME
+    try:
+        step: int | None = int(read_meta(ckpt)["step"]) if ckpt.is_file() else None
+    except (UsageError, KeyError, TypeError, ValueError, OSError):
+        step = None
+    wait = ended(job, failure)
+    if ckpt.is_file():
+        at = f"step {step} of {cfg.steps}, " if step is not None else ""
+        then = (
+            f"resume from its last checkpoint ({at}{ckpt}){wait} with "
+            f"`{train_command_line(cfg, out, resume=True, keep=False)}`"
+        )
+    else:  # rank 0's claim removes the files of a run that trained no step (run_dir.RunClaim): then the same folder
+        try:
+            trained = any(r.get("step", 0) >= 1 for r in read_metrics(out / "metrics.jsonl"))
+        except (UsageError, OSError):
+            trained = True
+        again = out if not trained and 0 not in failure.lost else free_sibling(out)
+        then = (
+            f"no checkpoint had been written yet (--ckpt-every {cfg.ckpt_every}); start it again{wait} with "
+            f"`{train_command_line(cfg, again)}`"
+        )
+    return f"attnlab: {failure.what}; so every rank stopped. {then[0].upper()}{then[1:]}"
 
 
 def _check_batch_split(cfg: TrainConfig, world: int) -> None:
@@ -257,8 +320,13 @@ def _train(
     cfg: TrainConfig, layout: ProcessLayout, device: torch.device, *, write: bool, quiet: bool, stop: StopSignals
 ) -> RunResult:
     rank, world = layout.rank, layout.world
-    cp = make_context_parallel(layout)  # every rank, before any other collective of the run
+    cp = make_context_parallel(layout, cfg.rank_timeout)  # every rank, before any other collective of the run
     task = build_task(cfg.data)
+    resuming = cfg.resume and (Path(cfg.out_dir) / CKPT_NAME).exists()
+    vocab, block = task.vocab_size, task.block_size
+    check_train_fits(  # memory (every rank) and rank 0's disk, before the model exists
+        cfg, vocab, block, device, replicas=layout.data, context=layout.context, resuming=resuming, write=write
+    )
     torch.manual_seed(cfg.seed)  # model init, then dropout: the one RNG a checkpoint must carry
     # +1 position: generation checks prompt + new tokens <= block_size, and a whole task sequence is one longer than x
     raw = build_model(cfg.model, task.vocab_size, task.block_size + 1).to(device)
@@ -283,25 +351,53 @@ def _train(
             )
         start = last_ckpt = load_train_state(ckpt_path, raw, optimizer)  # every rank loads: same weights, same RNG
     model = nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
-    if write:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(dataclasses.replace(cfg, resume=False), out_dir / "config.json")  # reloading it starts a fresh run
+
+    def out_of_space(err: DiskFullError, step: int) -> DiskFullError:
+        """``err`` saying what a run stopped by a full disk kept, what it lost, and how to go on."""
+        if last_ckpt is None:
+            lost = f", so its {step} step{'s are' if step != 1 else ' is'} lost" if step else ""
+            again = free_sibling(out_dir) if step else out_dir  # a run that failed before step 1 leaves no files
+            return err.refix(
+                f"the run stopped at step {step} of {cfg.steps}, before its first checkpoint{lost}; free space "
+                f"there, then start it again with `{train_command_line(cfg, again)}`"
+            )
+        since = {0: "no step since it is lost", 1: f"step {step} since it is lost"}.get(
+            step - last_ckpt, f"steps {last_ckpt + 1}-{step} since it are lost"
+        )
+        if last_ckpt == step and step == cfg.steps:
+            since = "training is complete (resuming writes the files still missing)"
+        return err.refix(
+            f"the checkpoint of step {last_ckpt} of {cfg.steps}, {ckpt_path}, is intact and {since}; free space "
+            f"there, then resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+        )
+
     history: list[dict[str, Any]] = []
-    if write and start:
-        history = _trim_metrics(metrics_path, start)
-    elif write:
-        metrics_path.write_text("")
+    if write:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(dataclasses.replace(cfg, resume=False), out_dir / "config.json")  # reloading it starts afresh
+            if start:
+                history = _trim_metrics(metrics_path, start, quiet)
+            else:
+                metrics_path.write_text("")
+        except DiskFullError as err:
+            raise out_of_space(err, start) from None
 
     def log(rec: dict[str, Any]) -> None:
         history.append(rec)
         if write:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            try:  # whole lines only: a refused append is cut back, so metrics.jsonl never ends in half a record
+                append_whole(metrics_path, (json.dumps(rec) + "\n").encode())
+            except DiskFullError as err:
+                raise out_of_space(err, rec["step"]) from None
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
         if write:
-            save_train_state(ckpt_path, raw, optimizer, step, config_to_dict(cfg))
+            try:  # atomic: a refused save leaves the previous checkpoint as it was
+                save_train_state(ckpt_path, raw, optimizer, step, config_to_dict(cfg))
+            except DiskFullError as err:
+                raise out_of_space(err, step) from None
         last_ckpt = step
 
     def interrupted(step: int) -> TrainingInterrupted:
@@ -309,8 +405,8 @@ def _train(
             checkpoint(step)
         where = f"checkpoint saved to {ckpt_path}" if write or world > 1 else "nothing written (write=False)"
         line = (
-            f"attnlab: {stop.name} received: stopped after step {step} of {cfg.steps}, {where}; resume with "
-            f"`{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+            f"attnlab: {stop.name} received{stop.sender}: stopped after step {step} of {cfg.steps}, {where}; "
+            f"resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
         )
         return TrainingInterrupted(line, signum=stop.signum, step=step, announce=rank == 0)
 
@@ -352,10 +448,14 @@ def _train(
     model.train()
     step = start
     try:
-        asked = torch.tensor([float(stop.requested)], device=device)  # a signal during set-up: stop before step 1
+        # a signal during set-up stops the run before step 1; under torchrun each rank's signal has its own slot
+        asked = torch.tensor(signal_slots(world, rank, stop.signum), device=device)  # (world,)
+        agreed, by = stop.signum, -1
         if world > 1:
             dist.all_reduce(asked)
-        if asked.item() and step < cfg.steps:
+            agreed, by = first_signal(asked.tolist())
+        if agreed and step < cfg.steps:
+            stop.agree(agreed, by)
             raise interrupted(step)
         while step < cfg.steps:
             t_step = time.perf_counter()
@@ -375,16 +475,14 @@ def _train(
             loss.backward()  # DDP averages the gradients over ranks here
             grad_norm = _grad_norm(raw, cfg.optim.grad_clip)
             # One all-reduce carries the global loss/accuracy, the gradient norm (equal on every rank after DDP's
-            # averaging) and "a signal arrived": every rank then takes the same decisions at the same step.
-            stats = torch.stack(
+            # averaging) and each rank's signal, if one arrived: every rank then takes the same decisions at the
+            # same step, and knows which signal, sent to which rank, stopped the run.
+            stats = torch.cat(
                 [
-                    loss_sum.detach(),
-                    correct.float(),
-                    count.float(),
-                    grad_norm.float(),
-                    asked.new_tensor(float(stop.requested)),
+                    torch.stack([loss_sum.detach(), correct.float(), count.float(), grad_norm.float()]),
+                    asked.new_tensor(signal_slots(world, rank, stop.signum)),
                 ]
-            )  # (5,)
+            )  # (4 + world,)
             if world > 1:
                 dist.all_reduce(stats)
             loss_value = float(stats[0] / stats[2].clamp(min=1))
@@ -417,7 +515,10 @@ def _train(
             if cfg.stop_at_acc is not None and rec.get("eval_acc", -1.0) >= cfg.stop_at_acc:
                 break  # the run is complete: a signal in this step changes nothing
             # one process reads its own flag (a signal during this step's evaluation counts); ranks read the agreed one
-            if (stats[4] > 0 if world > 1 else stop.requested) and step < cfg.steps:  # a last step just finishes
+            # only, so that a signal arriving after the all-reduce on one rank cannot make it stop alone
+            agreed, by = first_signal(stats[4:].tolist()) if world > 1 else (stop.signum, -1)
+            if agreed and step < cfg.steps:  # a last step just finishes
+                stop.agree(agreed, by)
                 raise interrupted(step)
     finally:
         reporter.close()
@@ -457,25 +558,28 @@ def _train(
     }
     raw = raw.cpu().eval()
     if write:
-        from .plots import plot_run
+        try:  # the checkpoint of the last step is on disk: a full disk now loses no training
+            from .plots import plot_run
 
-        final["curve"] = str(
-            plot_run(
-                history,
-                out_dir / "curve.png",
-                chance_acc=task.chance_acc,
-                loss_floor=final["loss_floor"],
-                title=f"{cfg.model.kind} on {cfg.data.task}",
+            final["curve"] = str(
+                plot_run(
+                    history,
+                    out_dir / "curve.png",
+                    chance_acc=task.chance_acc,
+                    loss_floor=final["loss_floor"],
+                    title=f"{cfg.model.kind} on {cfg.data.task}",
+                )
             )
-        )
-        if cfg.model.kind == "gpt":
-            from ..models.gpt import TinyGPT
-            from ..models.saved_model import save_checkpoint
+            if cfg.model.kind == "gpt":
+                from ..models.gpt import TinyGPT
+                from ..models.saved_model import save_checkpoint
 
-            gpt = cast(TinyGPT, raw)  # kind "gpt" builds a TinyGPT
-            final["model_dir"] = str(save_checkpoint(gpt, out_dir / "model", tokenizer=task.tokenizer))
-        final["checkpoint"] = str(ckpt_path)
-        atomic_write_text(out_dir / "summary.json", json.dumps(final, indent=2) + "\n")
+                gpt = cast(TinyGPT, raw)  # kind "gpt" builds a TinyGPT
+                final["model_dir"] = str(save_checkpoint(gpt, out_dir / "model", tokenizer=task.tokenizer))
+            final["checkpoint"] = str(ckpt_path)
+            atomic_write_text(out_dir / "summary.json", json.dumps(final, indent=2) + "\n")
+        except DiskFullError as err:
+            raise out_of_space(err, step) from None
     reporter.print(
         f"done: {step} steps in {wall:.1f}s, held-out loss {final['eval_loss']:.4f}, "
         f"acc {final['eval_acc']:.3f} (chance {task.chance_acc:.3f})"

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..runtime import LimitError, ModelFileError, available_bytes, gib
+from ..runtime import LimitError, ModelFileError, available_bytes, gib, memory_limit
 from .config import GPTConfig
 from .llama_config import LlamaConfig
 
@@ -461,9 +461,8 @@ def gpt_weight_count(c: GPTConfig) -> int:
 
 def _memory_source(device: torch.device) -> str:
     """Where :func:`attnlab.runtime.available_bytes` reads ``device``'s free memory, for messages."""
-    if device.type == "cuda":
-        return "torch.cuda.mem_get_info"
-    return "MemAvailable in /proc/meminfo" if os.path.exists("/proc/meminfo") else "free physical pages"
+    limit = memory_limit(device)  # the tightest of MemAvailable, a cgroup limit and ulimit -v, and which it was
+    return "no figure" if limit is None else limit[1]
 
 
 def check_fits_in_memory(weights: int, dtype: torch.dtype, device: torch.device, source: str, sizes: str) -> None:

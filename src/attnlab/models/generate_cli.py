@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import INTERRUPTS, LimitError, UsageError, check_range, keep, resolve_device
+from ..runtime import INTERRUPTS, LimitError, UsageError, check_fits, check_range, keep, resolve_device
 from . import pretrained
 from .generation import Step, check_count, check_temperature, generate_steps, readable_int
 from .precision import choose_weights, loaded_weights_detail, parse_weights
@@ -145,6 +145,31 @@ def _check_flags(
     check_count("--seed", seed, low=0, high=SEED_MAX, hint="torch.Generator's seeds are 0 .. 2**64 - 1")
 
 
+# A GGUF file's reading takes about this many times its size in memory and address space (measured: SmolLM2-135M
+# Q4_1, a 94 MiB file: the address space grew by 520 MiB while reading it and keeping its blocks): the file
+# mapped whole, its vocabulary as numpy arrays, the blocks copied out, glibc's per-thread arenas. Float weights
+# made from the blocks are checked against memory later, once the header says how many there are.
+GGUF_READ_FACTOR = 4
+GGUF_READ_EXTRA = 128 * 2**20
+
+
+def _check_gguf_fits(source: str) -> None:
+    """Refuse, before it is opened, a GGUF file this process cannot read in the memory it has left: under
+    ``ulimit -v`` the reader otherwise failed on a raw ``mmap`` error, or spun for minutes in failing allocations."""
+    try:
+        path = pretrained.locate(source)
+    except (UsageError, OSError):
+        return  # from_pretrained says what is missing
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    size = path.stat().st_size
+    check_fits(
+        GGUF_READ_FACTOR * size + GGUF_READ_EXTRA,
+        f"reading {str(path)!r} ({size / 2**20:.0f} MiB, mapped whole with its vocabulary and blocks)",
+        "use a machine (or a ulimit -v / container limit) with more memory",
+    )
+
+
 def _checkpoint_text(tokenizer: Tokenizer | _IdText) -> TextStream:
     if isinstance(tokenizer, ByteTokenizer):  # its ids are the bytes; ids past 255 decode to nothing
         return Utf8Text(lambda i: bytes((i,)) if 0 <= i < 256 else b"")
@@ -172,7 +197,15 @@ class _Ask:
     dtype: str  # --dtype as typed (checked by parse_weights); choose_weights makes it a WeightChoice
 
     def steps(self, lm: Any, ids: list[int], n: int, eos_token_id: int | None = None) -> Iterator[Step]:
-        """``generate_steps`` after ``ids`` with these flags; its arguments are checked now, not at the first step."""
+        """``generate_steps`` after ``ids`` with these flags; its arguments (and the memory the K/V cache and the
+        prompt's logits take) are checked now, not at the first step."""
+        total = len(ids) + n
+        check_fits(
+            int(getattr(lm, "kv_cache_bytes_per_token", 0)) * total + 4 * lm.config.vocab_size * len(ids),
+            f"generating {total} tokens (the K/V cache of {total} positions and the prompt's logits)",
+            "pass a smaller --max-new-tokens or a shorter prompt",
+            self.device,
+        )
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
         return generate_steps(
             lm,
@@ -333,6 +366,7 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
     lm: Any  # TinyGPT or Llama: each has config.block_size and config.vocab_size
     if ask.source == "--model":
         weights = choose_weights(ask.dtype, task="generate", source=ask.where, device=ask.device)
+        _check_gguf_fits(ask.where)
         lm, loaded = pretrained.from_pretrained(
             ask.where, dtype=weights.dtype, device=ask.device
         )  # UsageError naming what is wrong

@@ -1,9 +1,10 @@
 """Save and load a :class:`attnlab.TinyGPT` as a directory: ``model.safetensors`` + ``config.json``.
 
 Loading reads tensors with safetensors and everything else as JSON: a checkpoint never runs
-code (no pickle). Each file is written to a temporary name in the same directory and moved
-into place (:func:`attnlab.runtime.atomic_write_bytes`), so a crash mid-save never leaves a
-half-written file.
+code (no pickle). A new directory is filled under a temporary name beside it and renamed into
+place, so a crash or a full disk mid-save leaves it complete or absent, never empty or half
+written; into an existing directory both files are written under temporary names first, then
+renamed over the old ones. A full disk is one :class:`attnlab.runtime.DiskFullError` line.
 
 Loading checks the two files against each other before building anything from them: a damaged
 file, a config that disagrees with the weights, or a directory of another kind is a
@@ -17,6 +18,8 @@ import json
 import math
 import os
 import re
+import shutil
+import uuid
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, cast
@@ -24,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..runtime import ModelFileError, ModelFileNotFoundError, atomic_write_bytes, atomic_write_text
+from ..runtime import ModelFileError, ModelFileNotFoundError, writing
 from .file_checks import check_fits_in_memory, check_values, gpt_weight_count, read_json_object, safetensors_header
 from .gpt import GPTConfig, TinyGPT
 from .tokenizer import Tokenizer, tokenizer_from_json
@@ -59,7 +62,6 @@ def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: 
     from safetensors.torch import save  # imported only when saving: ``import attnlab`` stays light
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     meta = {
         "format": FORMAT,
@@ -69,9 +71,44 @@ def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: 
         "tokenizer": None if tokenizer is None else tokenizer.to_json(),
     }
     blob = save(tensors, metadata={"format": FORMAT})  # bytes, written by us: safetensors' own file would be 0600
-    atomic_write_bytes(directory / "model.safetensors", blob)
-    atomic_write_text(directory / "config.json", json.dumps(meta, indent=2) + "\n")
+    text = (json.dumps(meta, indent=2) + "\n").encode()
+    if directory.exists():  # it may hold the caller's other files: both ours are written first, then renamed in
+        _replace_files(directory, {"model.safetensors": blob, "config.json": text})
+        return directory
+    # A new directory is filled beside it and renamed into place: it appears complete or not at all.
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.with_name(f".{directory.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with writing(directory, f"{directory.name}/", len(blob) + len(text)):
+            staging.mkdir()  # the umask's mode, as the directory itself would get
+            for name, data in (("model.safetensors", blob), ("config.json", text)):
+                with open(staging / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.rename(staging, directory)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def _replace_files(directory: Path, files: dict[str, bytes]) -> None:
+    """Write every file of ``files`` into ``directory`` under a temp name, then rename each into place: a write
+    that fails (a full disk) leaves the old files, all of them."""
+    temps = {name: directory / f".{name}.{uuid.uuid4().hex}.tmp" for name in files}
+    try:
+        with writing(directory, f"{directory.name}/", sum(len(d) for d in files.values())):
+            for name, data in files.items():
+                with open(temps[name], "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+        for name, tmp in temps.items():
+            os.replace(tmp, directory / name)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
 
 
 def _shape_reason(key: str, c: GPTConfig) -> str:

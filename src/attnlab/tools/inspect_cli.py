@@ -28,7 +28,18 @@ from ..heads.report import (
 )
 from ..heads.scores import KINDS, MIN_TEXT_ROWS, THRESHOLDS, TOO_SHORT, UNDECIDED
 from ..models.precision import choose_weights, loaded_weights_detail, parse_weights
-from ..runtime import INTERRUPTS, LimitError, ModelFileError, UsageError, check_range, check_writable_dir, keep, kept
+from ..runtime import (
+    INTERRUPTS,
+    LimitError,
+    ModelFileError,
+    RunLock,
+    UsageError,
+    check_free_space,
+    check_range,
+    check_writable_dir,
+    keep,
+    kept,
+)
 
 __all__ = ["inspect_command", "load_for_inspect", "DEFAULT_TEXT", "CLI_NAMES"]
 
@@ -192,6 +203,27 @@ def _remove_if_empty(created: list[Path]) -> None:
             return
 
 
+def result_bytes(heads: int, t: int, *, page: bool, page_budget_mb: float) -> dict[str, int]:
+    """What the result set takes on disk, by file, for ``heads`` heads in all on ``t`` tokens: heads.json (every
+    score of every head, and the tokens), heads.png (~0.5 MiB measured at 30 layers), index.html (the full
+    patterns that fit its budget, ``t (t + 1) / 2`` float32 each, a third more in base64, and a thumbnail per
+    head). Written as a set beside the earlier one (:func:`attnlab.heads.report.save_result`): both at once."""
+    patterns = heads * t * (t + 1) // 2 * 4 * 4 // 3
+    return {
+        "heads.json": 256 * heads + 64 * t + 64 * 1024,
+        "heads.png": 1 << 20,
+        "index.html": (min(patterns, int(page_budget_mb * 2**20 * 4 / 3)) + 2048 * heads + (1 << 20)) if page else 0,
+    }
+
+
+def _check_room(out: Path, model: nn.Module, t: int, *, page: bool, page_budget_mb: float) -> None:
+    """Refuse, before the model runs, an --out-dir without room for the result set (figures from :func:`result_bytes`)."""
+    from ..heads.capture import attention_layers
+
+    heads = sum(layer.num_heads for layer in attention_layers(model))
+    check_free_space(out, result_bytes(heads, t, page=page, page_budget_mb=page_budget_mb), who="inspect")
+
+
 def summary_lines(report: HeadReport, top: int = 3) -> list[str]:
     """Kinds per layer (a table) and the strongest heads of each kind's score, as ``attnlab inspect`` prints them;
     scores the text is too short for say so, and heads they leave undecided are counted apart."""
@@ -294,22 +326,23 @@ def inspect_command(
     created = _missing_dirs(Path(out_dir))
     out = check_writable_dir(Path(out_dir), "--out-dir")
     try:
-        check_result_dir(out, overwrite=overwrite, names=CLI_NAMES)  # before the model loads: a second, not minutes
-        return _run(
-            out,
-            model=model,
-            checkpoint=checkpoint,
-            text=text,
-            dtype=weights,
-            overwrite=overwrite,
-            left_pad=left_pad,
-            probe_len=probe_len,
-            probe_batch=probe_batch,
-            seed=seed,
-            max_tokens=max_tokens,
-            page=page,
-            page_budget_mb=page_budget_mb,
-        )
+        with RunLock(out):  # one command writes a folder at a time (issue 39); taken before the folder is looked at
+            check_result_dir(out, overwrite=overwrite, names=CLI_NAMES)  # before the model loads: seconds, not minutes
+            return _run(
+                out,
+                model=model,
+                checkpoint=checkpoint,
+                text=text,
+                dtype=weights,
+                overwrite=overwrite,
+                left_pad=left_pad,
+                probe_len=probe_len,
+                probe_batch=probe_batch,
+                seed=seed,
+                max_tokens=max_tokens,
+                page=page,
+                page_budget_mb=page_budget_mb,
+            )
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -349,6 +382,7 @@ def _run(
         probe_batch=probe_batch,
         names=CLI_NAMES,
     )
+    _check_room(out, loaded, len(ids) + left_pad, page=page, page_budget_mb=page_budget_mb)
     report = inspect(
         loaded,
         ids,
