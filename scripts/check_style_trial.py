@@ -1,4 +1,4 @@
-"""Run ``attnlab check`` on every module of tests/style_corpus/ as written, and score what it says.
+"""Run ``attnlab check`` on every module of tests/style_corpus/ and tests/style_corpus_more/ as written, and score what it says.
 
 For each corpus file this runs ``python -m attnlab check --target FILE:TARGET`` with no other option (or
 ``attnlab trace --target ...`` with --trace), two at a time at most, and records the exit code, the wall time,
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "tests" / "style_corpus"
+CORPORA = ("style_corpus", "style_corpus_more")
 
 # an argparse/tyro usage refusal: "error: ..." at the start of a line, or after "attnlab check: "
 _USAGE_ERROR = re.compile(r"^(?:\S*attnlab[^\n:]*:\s*)?error:", re.MULTILINE)
@@ -113,16 +113,23 @@ def run_one(path: Path, trace: bool, timeout: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--files", default="*.py", help="glob inside tests/style_corpus/ (default: *.py)")
+    ap.add_argument("--files", default="*.py", help="glob inside each corpus folder (default: *.py)")
+    ap.add_argument(
+        "--corpus",
+        action="append",
+        default=None,
+        help="corpus folder under tests/ (repeatable; default: style_corpus and style_corpus_more)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "check_style_trial.json"))
     ap.add_argument("--trace", action="store_true", help="run 'attnlab trace' instead of 'attnlab check'")
     ap.add_argument("--jobs", type=int, default=2, help="subprocesses at once (at most 2)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per file")
     args = ap.parse_args(argv)
 
-    files = sorted(CORPUS.glob(args.files))
+    folders = [ROOT / "tests" / name for name in (args.corpus or CORPORA)]
+    files = [f for folder in folders for f in sorted(folder.glob(args.files))]
     if not files:
-        print(f"no corpus file matches {args.files!r} in {CORPUS}", file=sys.stderr)
+        print(f"no corpus file matches {args.files!r} in {', '.join(map(str, folders))}", file=sys.stderr)
         return 2
     jobs = max(1, min(2, args.jobs))
     t0 = time.perf_counter()
