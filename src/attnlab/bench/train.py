@@ -68,7 +68,7 @@ def train_throughput(steps: int = 20, repeats: int = 5) -> ThroughputResult:
     torch.manual_seed(cfg.seed)
     ours = build_model(cfg.model, task.vocab_size, task.block_size + 1)
     theirs = cast(TinyGPT, copy.deepcopy(ours))  # TrainConfig's default model is a TinyGPT
-    for block in cast(nn.ModuleList, theirs.transformer.h):
+    for block in theirs.blocks:
         block.attn = TorchAttention(cast(Block, block).attn)
     x, _ = task.batch(0)  # (B, T) inputs; targets unused
     with torch.no_grad():

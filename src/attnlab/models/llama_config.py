@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import LLAMA_NAMES, DecoderConfig, check_positive_ints
+
 __all__ = ["LlamaConfig"]
 
 
@@ -32,10 +34,9 @@ class LlamaConfig:
     mlp_bias: bool = False  # biases on gate/up/down (Llama has none)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}.")
+        check_positive_ints(
+            self, ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size")
+        )
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"LlamaConfig needs n_embd divisible by n_head with an even head dim for RoPE, got n_embd={self.n_embd}, "
@@ -54,3 +55,15 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def decoder_config(self) -> DecoderConfig:
+        """Llama's switches: RMSNorm, SwiGLU MLP of width ``intermediate_size``, RoPE, no dropout, HF's plain init."""
+        return DecoderConfig.of_family(
+            self,
+            norm="rmsnorm",
+            norm_bias=False,
+            mlp="swiglu",
+            position="rotary",
+            scaled_residual_init=False,
+            names=LLAMA_NAMES,
+        )

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch import nn
 
 from ..runtime import ModelFileError, ModelFileNotFoundError, writing
 from .file_checks import check_fits_in_memory, check_values, gpt_weight_count, read_json_object, safetensors_header
@@ -67,7 +66,7 @@ def save_checkpoint(model: TinyGPT, directory: str | os.PathLike, *, tokenizer: 
         "format": FORMAT,
         "version": VERSION,
         "config": asdict(model.config),
-        "dtype": str(cast(nn.Embedding, model.transformer.wte).weight.dtype).removeprefix("torch."),
+        "dtype": str(cast(torch.Tensor, model.token_embedding.weight).dtype).removeprefix("torch."),
         "tokenizer": None if tokenizer is None else tokenizer.to_json(),
     }
     blob = save(tensors, metadata={"format": FORMAT})  # bytes, written by us: safetensors' own file would be 0600
