@@ -25,7 +25,8 @@ from ..models.precision import is_gguf_source
 from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
-from .probe import NotAttention, as_adapter
+from .probe import as_adapter
+from .projections import NotAttention
 from .report import print_tables, to_json
 from .result import CheckError, CheckResult, Report
 from .runner import diagnosed, run_checks

@@ -41,7 +41,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -58,38 +58,18 @@ from .adapters import (
     _wrap,
     mha_projections,
 )
+from .projections import NotAttention, find_projections, linear_in, linear_weights, name_key
 
 __all__ = [
     "CallForm",
     "MaskForm",
-    "NotAttention",
     "ProbedAdapter",
     "as_adapter",
-    "find_projections",
     "is_lazy",
     "materialise",
 ]
 
 
-class NotAttention(TypeError):
-    """The module cannot be read as multi-head attention (no projections found, or it does not run as one)."""
-
-
-def _key(name: str) -> str:
-    return name.lower().replace("_", "")
-
-
-# Child names, lowercased without underscores, that people give each projection.
-_NAMES = {
-    "q": {"qproj", "q", "query", "wq", "qlinear", "linearq", "toq", "queryproj", "projq", "qlin", "queries", "wquery"},
-    "k": {"kproj", "k", "key", "wk", "klinear", "lineark", "tok", "keyproj", "projk", "klin", "keys", "wkey"},
-    "v": {"vproj", "v", "value", "wv", "vlinear", "linearv", "tov", "valueproj", "projv", "vlin", "values", "wvalue"},
-    "out": {
-        "outproj", "oproj", "out", "wo", "fcout", "o", "proj", "outlinear", "linearout", "toout", "dense",
-        "cproj", "output", "olin", "outputproj", "projout", "wout", "linear", "fc", "olinear",
-    },
-    "qkv": {"qkv", "qkvproj", "inproj", "cattn", "toqkv", "wqkv", "qkvlinear", "attn", "inprojection"},
-}  # fmt: skip
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "heads", "nhead", "h", "num_attention_heads", "head_count")
 _SCALE_ATTRS = ("scale", "scaling", "softmax_scale", "scale_factor", "attn_scale", "inv_sqrt_d")
 _MASK_ARGS = ("attn_mask", "mask", "attention_mask", "valid_lens", "valid_len", "src_mask")
@@ -101,125 +81,6 @@ _INPUT_ROLES = {
 _PAD_ARGS = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "kv_padding_mask")
 _CAUSAL_ARGS = ("is_causal", "causal")
 _WEIGHTS_ARGS = ("need_weights", "return_weights", "return_attention", "output_attentions")
-
-
-def _is_conv1d(m: nn.Module) -> bool:
-    """Hugging Face's GPT-2 ``Conv1D``: a Linear with its weight stored transposed, ``(in, out)``, applied as
-    ``addmm(bias, x, weight)``; known by its ``nf`` (the output width) and that layout, not by import."""
-    w = getattr(m, "weight", None)
-    nf = getattr(m, "nf", None)
-    return isinstance(w, nn.Parameter) and w.dim() == 2 and isinstance(nf, int) and w.size(1) == nf
-
-
-def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or _is_conv1d(m)
-
-
-def _linear_in(module: nn.Module) -> nn.Module | None:
-    """``module`` itself if it is a Linear (or GPT-2's Conv1D), else its first one (``to_out = Sequential(Linear,
-    Dropout)``)."""
-    if _is_linear(module):
-        return module
-    return next((m for m in module.modules() if _is_linear(m)), None)
-
-
-def linear_weights(m: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """``(weight, bias)`` in ``nn.Linear``'s layout, ``weight`` ``(out, in)``: a Conv1D's is a transposed view,
-    so that gradients and in-place changes reach its own parameter."""
-    weight = cast(Tensor, m.weight)
-    return (weight.t() if _is_conv1d(m) else weight), cast("Tensor | None", getattr(m, "bias", None))
-
-
-def _widths(m: nn.Module) -> str:
-    w, _ = linear_weights(m)
-    return f"{w.size(1)}->{w.size(0)}"
-
-
-@dataclass(frozen=True)
-class _Found:
-    """Where the projections live, as paths from the module (``q_proj``, ``linears.0``; ``qkv`` for a fused
-    one, split in thirds; ``mha`` for an ``nn.MultiheadAttention`` inside, whose own weights are read)."""
-
-    q: str | None
-    k: str | None
-    v: str | None
-    out: str
-    qkv: str | None = None
-    mha: str | None = None
-    listed: str | None = None  # the ModuleList they were taken from, in order q, k, v, out
-
-    def describe(self) -> str:
-        if self.mha is not None:
-            return f"nn.MultiheadAttention {self.mha}"
-        if self.qkv is not None:
-            return f"{self.qkv} (fused, split in thirds), {self.out}"
-        if self.listed is not None:
-            return f"{self.listed}[0], [1], [2], [3] taken as q, k, v, out"
-        return f"{self.q}, {self.k}, {self.v}, {self.out}"
-
-
-def _inner_mha(module: nn.Module) -> str | None:
-    """The path of the first ``nn.MultiheadAttention`` inside ``module`` (not ``module`` itself)."""
-    return next((n for n, m in module.named_modules() if n and isinstance(m, nn.MultiheadAttention)), None)
-
-
-def find_projections(module: nn.Module) -> _Found:
-    """Name the q/k/v/out projections of ``module``: among its direct children by name, in a ModuleList of
-    four (q, k, v, out in order), or an ``nn.MultiheadAttention`` inside it.
-
-    Raises:
-        NotAttention: naming the Linear children found and the names looked for.
-    """
-    mha = _inner_mha(module)
-    if mha is not None:
-        return _Found(None, None, None, f"{mha}.out_proj", mha=mha)
-    children = {n: lin for n, c in module.named_children() if (lin := _linear_in(c)) is not None}
-    by_role: dict[str, str] = {}
-    for name in children:
-        for role, names in _NAMES.items():
-            if _key(name) in names and role not in by_role:
-                by_role[role] = name
-    if "out" in by_role and "qkv" in by_role and not {"q", "k", "v"} <= by_role.keys():
-        return _Found(None, None, None, by_role["out"], qkv=by_role["qkv"])
-    if {"q", "k", "v", "out"} <= by_role.keys():
-        return _Found(by_role["q"], by_role["k"], by_role["v"], by_role["out"])
-    for name, child in module.named_children():  # the Annotated Transformer: clones(nn.Linear(d, d), 4)
-        if isinstance(child, nn.ModuleList | nn.Sequential):
-            lins = [f"{name}.{i}" for i, m in enumerate(child) if _is_linear(m)]
-            if len(lins) == 4 == len(child):
-                return _Found(lins[0], lins[1], lins[2], lins[3], listed=name)
-            if len(lins) == 3 == len(child) and "out" in by_role:
-                return _Found(lins[0], lins[1], lins[2], by_role["out"], listed=name)
-    if len(children) == 4 and not by_role.keys() & {"q", "k", "v"}:
-        q, k, v, out = children  # four Linears with names of their own: taken in declaration order
-        return _Found(q, k, v, out)
-    nested = _nested_roles(module)
-    if nested is not None:
-        return nested
-    listed = ", ".join(f"{n} ({_widths(c)})" for n, c in children.items()) or "none"
-    raise NotAttention(
-        f"{type(module).__name__} has no recognisable q/k/v/out projections (nn.Linear children found: {listed}); "
-        f"name them q_proj, k_proj, v_proj, out_proj (or w_q.., query.., a fused qkv, a ModuleList of four), "
-        f"or wrap the module in an attnlab.check.AttentionAdapter"
-    )
-
-
-def _nested_roles(module: nn.Module) -> _Found | None:
-    """Projections further down, each named by its last path part (BERT's ``BertAttention``: ``self.query``,
-    ``self.key``, ``self.value``, ``output.dense``); None unless each role has exactly one Linear."""
-    by_role: dict[str, list[str]] = {}
-    for path, m in module.named_modules():
-        if path and _is_linear(m):
-            for role, names in _NAMES.items():
-                if _key(path.rsplit(".", 1)[-1]) in names:
-                    by_role.setdefault(role, []).append(path)
-                    break
-    one = {role: paths[0] for role, paths in by_role.items() if len(paths) == 1}
-    if {"q", "k", "v", "out"} <= one.keys():
-        return _Found(one["q"], one["k"], one["v"], one["out"])
-    if {"qkv", "out"} <= one.keys() and not by_role.keys() & {"q", "k", "v"}:
-        return _Found(None, None, None, one["out"], qkv=one["qkv"])
-    return None
 
 
 def is_lazy(module: nn.Module) -> bool:
@@ -296,7 +157,7 @@ class CallForm:
 
 def _roles(names: list[str]) -> list[str] | None:
     """``names`` as query/key/value when each names one of them (``forward(v, k, q)``), else None."""
-    roles = [next((r for r, spellings in _INPUT_ROLES.items() if _key(n) in spellings), "") for n in names]
+    roles = [next((r for r, spellings in _INPUT_ROLES.items() if name_key(n) in spellings), "") for n in names]
     return roles if sorted(roles) == ["key", "query", "value"] else None
 
 
@@ -309,14 +170,14 @@ def read_call_form(module: nn.Module) -> CallForm:
     if (
         n_inputs < 3
         and len(inputs) >= 3
-        and _key(inputs[1]) in ("key", "k", "keys")
-        and _key(inputs[2]) in ("value", "v", "values")
+        and name_key(inputs[1]) in ("key", "k", "keys")
+        and name_key(inputs[2]) in ("value", "v", "values")
     ):
         n_inputs = 3  # forward(query, key=None, value=None): the optional key and value are taken
     if (
         n_inputs == 1
         and len(inputs) >= 2
-        and any(w in _key(inputs[1]) for w in ("context", "kv", "memory", "key", "encoder", "xc"))
+        and any(w in name_key(inputs[1]) for w in ("context", "kv", "memory", "key", "encoder", "xc"))
     ):
         n_inputs = 2  # forward(x, context=None)
     mask_arg, pad_arg = pick(_MASK_ARGS), pick(_PAD_ARGS)
@@ -585,7 +446,7 @@ class ProbedAdapter(AttentionAdapter):
             return mha_projections(mha)
 
         def lin(path: str) -> tuple[Tensor, Tensor | None]:
-            found = _linear_in(m.get_submodule(path))
+            found = linear_in(m.get_submodule(path))
             assert found is not None  # find_projections saw it
             return linear_weights(found)
 
@@ -622,7 +483,7 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name}.forward takes no attention mask")
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
-        if mf.use == "float" and _key(arg) == "attentionmask":
+        if mf.use == "float" and name_key(arg) == "attentionmask":
             raise Unsupported(
                 f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "
                 f"is not what it takes"
@@ -843,7 +704,7 @@ class ProbedAdapter(AttentionAdapter):
         one of each (a per-head interleaved split, a module that mixes positions)."""
         if self.found.qkv is None:
             return None
-        fused = _linear_in(self.module.get_submodule(self.found.qkv))
+        fused = linear_in(self.module.get_submodule(self.found.qkv))
         assert fused is not None
         W, _ = linear_weights(fused)  # (3n, E)
         if W.size(0) % 3:
@@ -1008,9 +869,9 @@ class ProbedAdapter(AttentionAdapter):
             for lay in ("b1qk", "b11k", "bqk")
         ]  # -inf first; finfo.min where -inf gives NaN (a mask subtracted, say)
         ints = [MaskForm(None, "int", "keep", lay, two_d=False) for lay in ("bk", "b11k", "bqk")]
-        if _key(arg) in ("validlens", "validlen", "lengths"):
+        if name_key(arg) in ("validlens", "validlen", "lengths"):
             order = lens + bools
-        elif _key(arg) == "attentionmask":
+        elif name_key(arg) == "attentionmask":
             order = additive + ints + bools + lens
         else:  # a bool mask it cannot take in any shape is a finding (mask_dtype_error): nothing else is tried
             order = bools
@@ -1071,7 +932,7 @@ class ProbedAdapter(AttentionAdapter):
             ("bool", "keep"), ("bool", "block"), ("float", "keep"), ("int", "keep"), ("float01", "keep"),
             ("int", "block"), ("float01", "block"),
         ]  # fmt: skip
-        if _key(arg) != "attentionmask":
+        if name_key(arg) != "attentionmask":
             # 0/1 numbers are Hugging Face's documented attention_mask; elsewhere a module that only runs on
             # them rejects the bool mask its signature promises (a finding: mask_dtype_error), so none are tried
             values = [(use, pol) for use, pol in values if use in ("bool", "float")]

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from ..runtime import UsageError
 from .adapters import AttentionAdapter
 from .device import place, resolve_device, resolve_dtype
-from .probe import NotAttention, ProbedAdapter, as_adapter, is_lazy, materialise
+from .probe import ProbedAdapter, as_adapter, is_lazy, materialise
+from .projections import NotAttention
 
 __all__ = ["TargetError", "build_target", "distinct_copies", "load_object", "random_biases"]
 
