@@ -24,10 +24,10 @@ from ..core.masks import Masks, decoder_masks
 from ..core.rope import rope_cos_sin
 from ..core.validation import check_document_ids
 from ..core.variants import document_positions
-from . import hf_gpt2
 from .config import GPTConfig
 from .generation import check_token_ids, generate
 from .parallel import context_parallel_positions
+from .weight_maps import gpt2_weights_from_hf
 
 __all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
 
@@ -330,7 +330,7 @@ class TinyGPT(nn.Module):
 
         A state dict does not say how many heads it has: pass ``n_head`` with one.
         """
-        config, state_dict = hf_gpt2.weights_from_hf(model_or_state_dict, n_head=n_head)
+        config, state_dict = gpt2_weights_from_hf(model_or_state_dict, n_head=n_head)
         model = cls(config)
         missing = sorted(set(model.state_dict()) - set(state_dict))
         if missing:

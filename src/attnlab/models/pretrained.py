@@ -52,6 +52,7 @@ from .gpt import TinyGPT
 from .llama import Llama, fuse_quantized
 from .precision import choose_weights, parse_weights
 from .saved_model import FORMAT, load_checkpoint
+from .weight_maps import gpt2_config_from_hf, gpt2_weights_from_hf, llama_name_from_hf
 
 __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
 
@@ -269,7 +270,7 @@ def _llama_from_hf(
     def renamed(tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         for key, value in tensors:
             try:
-                name = hf_llama.attnlab_name(key)
+                name = llama_name_from_hf(key)
             except ValueError as e:
                 raise ModelFileError(f"{source}: {e} The weights are not a plain Llama's: {_FIX_HF}.") from None
             if name is not None and not (tied and name == "lm_head.weight"):
@@ -297,11 +298,11 @@ def _gpt2_from_hf(
     )
     described = ", ".join(f"{k}={raw[k]}" for k in sizes)
     check_fits_in_memory(gpt_weight_count(estimate), dtype, device, repr(str(config_path)), described)
-    config = _converted(hf_gpt2.config_from_hf, _auto_config(directory, config_path), config_path)
+    config = _converted(gpt2_config_from_hf, _auto_config(directory, config_path), config_path)
 
     def converted(tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         try:
-            _, state = hf_gpt2.weights_from_hf(dict(tensors), n_head=config.n_head)
+            _, state = gpt2_weights_from_hf(dict(tensors), n_head=config.n_head)
         except KeyError as e:
             raise ModelFileError(f"{source}: {e.args[0]} The weights are not GPT-2's: {_FIX_HF}.") from None
         while state:  # each tensor freed once copied
