@@ -121,7 +121,7 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """A Llama-family decoder with attnlab attention; ``model(idx)`` returns logits ``(B, T, V)``.
 
-    Build one from real weights with :func:`attnlab.models.pretrained.from_pretrained` (a GGUF
+    Build one from real weights with :func:`attnlab.weight_files.pretrained.from_pretrained` (a GGUF
     file, a Hugging Face directory); ``Llama(config)`` alone is randomly initialised.
 
     Args:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..models.config import GPTConfig
+from ..models.gpt import TinyGPT
+from ..models.weight_maps import GPT2_MASK_BUFFERS, gpt2_weights_to_hf
 from ..runtime import ModelFileError
-from .config import GPTConfig
 from .file_checks import field_error, json_field
-from .gpt import TinyGPT
-from .weight_maps import GPT2_MASK_BUFFERS, gpt2_weights_to_hf
 
 if TYPE_CHECKING:  # annotations only: transformers is optional
     from transformers import GPT2LMHeadModel

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..models.llama_config import LlamaConfig
 from ..runtime import ModelFileError
 from .file_checks import field_error, json_field
-from .llama_config import LlamaConfig
 
 __all__ = ["check_config_json", "config_from_hf"]
 
@@ -87,7 +87,7 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
     if model_type != "llama":
         raise ValueError(
             f"config has model_type={model_type!r}; attnlab's Llama converts model_type 'llama' (GPT-2 goes to TinyGPT "
-            f"through attnlab.models.hf_gpt2); use a Llama-architecture checkpoint."
+            f"through attnlab.weight_files.hf_gpt2); use a Llama-architecture checkpoint."
         )
     hidden, heads = int(_get(hf_config, "hidden_size")), int(_get(hf_config, "num_attention_heads"))
     head_dim = _get(hf_config, "head_dim") or hidden // heads

@@ -38,12 +38,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..models.llama_config import LlamaConfig
+from ..models.weight_maps import GGUF_BLOCK_NAMES, llama_name_from_gguf, unpermute_qk
 from ..quant import FORMATS, QuantEmbedding, QuantLinear
 from ..quant import dequantize as dequantize_kept
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
 from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
-from .llama_config import LlamaConfig
-from .weight_maps import GGUF_BLOCK_NAMES, llama_name_from_gguf, unpermute_qk
 
 if TYPE_CHECKING:  # annotations only: gguf and transformers are imported when a file is read
     from gguf import GGUFReader, ReaderField, ReaderTensor
@@ -356,7 +356,7 @@ def _drop_pages(reader: GGUFReader, offset: int, nbytes: int) -> None:
 def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[ReaderTensor, nn.Parameter]]:
     """Pair every tensor of ``reader`` with the parameter of ``model`` it loads into; refuse any mismatch.
 
-    ``model`` may live on the meta device: :func:`~attnlab.models.pretrained.from_pretrained` calls
+    ``model`` may live on the meta device: :func:`~attnlab.weight_files.pretrained.from_pretrained` calls
     this before the model's memory exists, so that a file whose tensors disagree with its metadata
     costs no allocation. Every parameter must receive exactly one tensor of its shape.
     """

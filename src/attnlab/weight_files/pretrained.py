@@ -33,9 +33,12 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from ..models.config import GPTConfig
+from ..models.gpt import TinyGPT
+from ..models.llama import Llama, fuse_quantized
+from ..models.weight_maps import gpt2_config_from_hf, gpt2_weights_from_hf, llama_name_from_hf
 from ..runtime import ModelFileError, ModelFileNotFoundError, UsageError, import_advice, resolve_device
 from . import gguf, hf_gpt2, hf_llama
-from .config import GPTConfig
 from .file_checks import (
     SAFETENSORS_TORCH_DTYPES,
     SafetensorsHeader,
@@ -48,11 +51,8 @@ from .file_checks import (
     safetensors_header,
     safetensors_metadata,
 )
-from .gpt import TinyGPT
-from .llama import Llama, fuse_quantized
 from .precision import choose_weights, parse_weights
 from .saved_model import FORMAT, load_checkpoint
-from .weight_maps import gpt2_config_from_hf, gpt2_weights_from_hf, llama_name_from_hf
 
 __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
 
@@ -427,7 +427,7 @@ def from_pretrained(
             Q4_0/Q4_1/Q8_0 tensors stay as the file stores them (:mod:`attnlab.quant`; 5.6x less memory
             for SmolLM2), computed on in float32 by compiled CPU kernels, the other tensors as float32;
             ``"auto"``: what ``attnlab generate`` runs on ``device``, the fastest for generation (gguf for
-            a GGUF file on a CPU, bfloat16 on CUDA; :mod:`attnlab.models.precision` says why).
+            a GGUF file on a CPU, bfloat16 on CUDA; :mod:`attnlab.weight_files.precision` says why).
         device: where the weights live (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``, ...); one this
             torch build and machine have.
 
