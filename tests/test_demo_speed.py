@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.models.generate_cli import StreamRate
 from attnlab.tools import demo
+from attnlab.tools.generate_cli import StreamRate
 
 ROOT = Path(__file__).resolve().parents[1]
 # 37 prompt tokens, 84 new (the first from the prefill), 0.2 s then 0.83 s: 100 tokens/s after the first

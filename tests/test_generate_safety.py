@@ -23,11 +23,12 @@ import torch
 import attnlab
 from attnlab import GPTConfig, TinyGPT, save_checkpoint
 from attnlab.cli import main
-from attnlab.models import generate_cli, pretrained, text_stream
 from attnlab.models.generation import MIN_TEMPERATURE, Step
 from attnlab.models.llama import Llama
 from attnlab.models.llama_config import LlamaConfig
 from attnlab.runtime import LimitError, Terminated, UsageError
+from attnlab.tools import generate_cli, text_stream
+from attnlab.weight_files import pretrained
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ def test_first_difference_counts_the_agreeing_prefix():
 @pytest.mark.slow
 def test_one_prompt_end_to_end(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
-    from attnlab.models.pretrained import smollm2_path
+    from attnlab.weight_files.pretrained import smollm2_path
 
     try:
         smollm2_path()

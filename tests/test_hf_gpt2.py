@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from attnlab import GPTConfig, TinyGPT
 from attnlab.models.generation import generate, left_pad
-from attnlab.models.hf_gpt2 import to_hf_gpt2
+from attnlab.weight_files.hf_gpt2 import to_hf_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

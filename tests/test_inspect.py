@@ -12,7 +12,7 @@ import attnlab
 from attnlab.cli import main
 from attnlab.heads import capture_attention, classify, make_probe, probe_scores, text_scores
 from attnlab.models.gpt import GPTConfig, TinyGPT
-from attnlab.models.saved_model import save_checkpoint
+from attnlab.weight_files.saved_model import save_checkpoint
 from smollm2_fixtures import attnlab_smollm2, hf_smollm2, require_smollm2
 
 

@@ -26,14 +26,14 @@ from PIL import Image
 import attnlab
 import attnlab.heads.page
 import attnlab.heads.report
-import attnlab.models.pretrained
+import attnlab.weight_files.pretrained
 from attnlab.cli import main
 from attnlab.heads import classify, text_scores
 from attnlab.heads.report import RESULT_FILES, memory_needed
 from attnlab.heads.scores import MIN_PROBE_LEN, MIN_TEXT_ROWS, THRESHOLDS, UNDECIDED
 from attnlab.models.gpt import GPTConfig, TinyGPT
-from attnlab.models.saved_model import save_checkpoint
 from attnlab.runtime import LimitError, Terminated, UsageError
+from attnlab.weight_files.saved_model import save_checkpoint
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"
 TEXT = "the cat sat on the mat, warm"  # 28 tokens: every score is decided
@@ -96,7 +96,7 @@ def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def loaded(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(attnlab.models.pretrained, "from_pretrained", loaded)
+    monkeypatch.setattr(attnlab.weight_files.pretrained, "from_pretrained", loaded)
 
 
 @pytest.fixture
@@ -417,7 +417,7 @@ def _raiser(exc: type[BaseException], after: int = 0) -> Any:
 
 
 PHASES = {  # phase -> (module, attribute, calls let through)
-    "loading": (attnlab.models.pretrained, "from_pretrained", 0),
+    "loading": (attnlab.weight_files.pretrained, "from_pretrained", 0),
     "text pass": (attnlab.heads.report, "run_and_capture", 0),
     "probe pass": (attnlab.heads.report, "run_and_capture", 1),
     "plotting": (attnlab.heads.report, "plot_scores", 0),

@@ -552,8 +552,8 @@ def test_loaders_give_the_same_import_advice(tmp_path, monkeypatch):
     import builtins
     from importlib import metadata
 
-    from attnlab.models.pretrained import from_pretrained
     from attnlab.runtime import ModelFileError
+    from attnlab.weight_files.pretrained import from_pretrained
 
     real_import, real_version = builtins.__import__, metadata.version
 

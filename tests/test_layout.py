@@ -1,10 +1,22 @@
 """The package's layering: imports only go down, and no two modules import each other.
 
-Layers, lowest first: ``core`` (the attention), ``runtime`` (devices, files, usage errors) and ``quant`` (GGUF blocks and their kernels), ``models``, ``compat``, ``hf`` and ``distributed`` (built on it), then ``check``
-and ``lab`` (each on its own), then ``bench`` and ``tools``, then the package root (``attnlab``,
-``attnlab.cli``). A module may import from a lower layer or from its own subpackage. Every import
-counts: top-level, inside functions, and under ``if TYPE_CHECKING:`` (an annotation that needs an
-upward import is a design smell just the same).
+Layers, lowest first:
+
+0. ``core`` (the attention), ``runtime`` (devices, files, usage errors), ``quant`` (GGUF blocks and
+   their kernels);
+1. ``models``: the architectures, generation, and each family's weight map (pure names and layouts);
+2. ``weight_files``: weight files read, checked and written, building the models below;
+3. ``compat``, ``hf``, ``heads``, ``distributed``: attnlab's attention in other people's code and
+   models, head inspection, context parallelism;
+4. ``check`` and ``lab``, each on its own;
+5. ``bench`` (the benchmarks, and llama.cpp as their peer);
+6. ``tools``: the commands that read, run and debug (``generate``, ``trace``, ``inspect``, ``doctor``,
+   and ``demo``, whose speed line runs ``bench``'s llama.cpp peer);
+7. the package root (``attnlab``, ``attnlab.cli``, ``attnlab.__main__``).
+
+A module may import from a lower layer or from its own subpackage. Every import counts: top-level,
+inside functions, and under ``if TYPE_CHECKING:`` (an annotation that needs an upward import is a
+design smell just the same).
 """
 
 from __future__ import annotations
@@ -20,16 +32,39 @@ LAYERS = {
     "core": 0,
     "quant": 0,
     "models": 1,
-    "compat": 1,
-    "hf": 1,
-    "heads": 1,
-    "check": 2,
-    "lab": 2,
-    "distributed": 1,
-    "bench": 3,
-    "tools": 3,
+    "weight_files": 2,
+    "compat": 3,
+    "hf": 3,
+    "heads": 3,
+    "distributed": 3,
+    "check": 4,
+    "lab": 4,
+    "bench": 5,
+    "tools": 6,
 }
-ROOT_LAYER = 4  # attnlab/__init__.py, cli.py, __main__.py
+ROOT_LAYER = 7  # attnlab/__init__.py, cli.py, __main__.py
+# What reading or writing a file takes. A module of models/ that imports one of these, or makes one of
+# FILE_CALLS, loads or saves weights, and belongs in weight_files/.
+FILE_MODULES = frozenset(
+    {
+        "gguf",
+        "huggingface_hub",
+        "io",
+        "json",
+        "mmap",
+        "os",
+        "pathlib",
+        "pickle",
+        "safetensors",
+        "shutil",
+        "struct",
+        "tempfile",
+        "tokenizers",
+        "transformers",
+    }
+)
+FILE_CALLS = frozenset({"open", "torch.load", "torch.save", "np.memmap", "numpy.memmap", "np.fromfile", "np.load"})
+FILE_METHODS = frozenset({"read_text", "read_bytes", "write_text", "write_bytes"})
 
 
 def module_name(path: Path) -> str:
@@ -147,7 +182,7 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     ]
     assert upward_imports(fake) == [
         "attnlab.core.masks (layer 0) imports attnlab.models.gpt (layer 1)",
-        "attnlab.lab.train (layer 2) imports attnlab.check.suite (layer 2)",
+        "attnlab.lab.train (layer 4) imports attnlab.check.suite (layer 4)",
     ]
 
 
@@ -155,3 +190,42 @@ def test_every_module_lives_in_a_layer():
     """New files go in a subpackage; only the entry points sit at the root."""
     roots = sorted(m for m in import_graph() if layer_of(m)[0] == ROOT_LAYER)
     assert roots == ["attnlab", "attnlab.__main__", "attnlab.cli"]
+
+
+def file_access(source: str) -> list[str]:
+    """What in ``source`` reads or writes files: each import of :data:`FILE_MODULES` and each call of
+    :data:`FILE_CALLS` or :data:`FILE_METHODS`, by line, top-level or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called in FILE_CALLS or called.rpartition(".")[2] in FILE_METHODS:
+                found.append(f"line {node.lineno}: calls {called}()")
+            continue
+        else:
+            continue
+        found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] in FILE_MODULES]
+    return found
+
+
+def test_models_hold_only_architectures_and_generation():
+    """models/ builds and runs decoders from tensors, and maps each family's weight names onto them; reading
+    or writing a weight file (JSON, safetensors, GGUF, memory maps, paths) is weight_files/' job."""
+    models = sorted((PACKAGE_DIR / "models").glob("*.py"))
+    assert {p.stem for p in models} >= {"config", "gpt", "llama", "llama_config", "generation", "weight_maps"}
+    loaders = {f"models/{p.name}": found for p in models if (found := file_access(p.read_text()))}
+    assert loaders == {}, "these read or write files: move them to weight_files/"
+
+
+def test_the_file_check_sees_a_loader():
+    """The check above cannot pass by seeing nothing: each loader that left models/ for weight_files/ is flagged."""
+    for name in ("gguf", "file_checks", "pretrained", "saved_model", "hf_gpt2"):
+        assert file_access((PACKAGE_DIR / "weight_files" / f"{name}.py").read_text()), name
+    inside_a_function = "def load(path):\n    with open(path) as f:\n        return f.read()\n"
+    assert file_access(inside_a_function) == ["line 2: calls open()"]
+    assert file_access("def f(p):\n    return p.read_bytes()\n") == ["line 2: calls p.read_bytes()"]
+    assert file_access("from safetensors.torch import load_file\n") == ["line 1: imports safetensors.torch"]

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 
 from attnlab import generate, left_pad
 from attnlab.models.generation import generate_steps
-from attnlab.models.gguf import unpermute_qk
 from attnlab.models.llama import Llama, LlamaConfig, RMSNorm
+from attnlab.models.weight_maps import unpermute_qk
 
 transformers = pytest.importorskip("transformers")
 

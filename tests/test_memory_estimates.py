@@ -188,7 +188,7 @@ def test_the_memory_figure_is_what_ulimit_v_leaves(tmp_path):
 
 def test_generate_under_a_small_ulimit_v_is_refused_before_the_file_is_read():
     pytest.importorskip("gguf")
-    from attnlab.models.pretrained import smollm2_path
+    from attnlab.weight_files.pretrained import smollm2_path
 
     try:
         smollm2_path()

@@ -24,13 +24,13 @@ import torch
 
 from attnlab import GPTConfig, TinyGPT, save_checkpoint
 from attnlab.cli import main
-from attnlab.models import file_checks
-from attnlab.models.gguf import GGUFError, GGUFNotFoundError
 from attnlab.models.llama import Llama
 from attnlab.models.llama_config import LlamaConfig
-from attnlab.models.pretrained import from_pretrained
-from attnlab.models.saved_model import CheckpointError
 from attnlab.runtime import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, gib
+from attnlab.weight_files import file_checks
+from attnlab.weight_files.gguf import GGUFError, GGUFNotFoundError
+from attnlab.weight_files.pretrained import from_pretrained
+from attnlab.weight_files.saved_model import CheckpointError
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -463,7 +463,7 @@ def test_random_bytes_in_the_middle_of_the_data_are_caught(tmp_path, capsys, ggu
 def test_four_mib_of_random_bytes_in_smollm2_are_caught(tmp_path, capsys):
     """The reviewer's case on the real file: full size, 4 MiB in the middle overwritten; it loaded and
     generated nothing (or raised "probability tensor contains inf, nan") before."""
-    from attnlab.models.pretrained import smollm2_path
+    from attnlab.weight_files.pretrained import smollm2_path
     from smollm2_fixtures import require_smollm2
 
     require_smollm2()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlab import CharTokenizer, GPTConfig, TinyGPT, load_checkpoint, save_checkpoint
 from attnlab.cli import main
-from attnlab.models.saved_model import CheckpointError
+from attnlab.weight_files.saved_model import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from attnlab import GPTConfig, TinyGPT, save_checkpoint
-from attnlab.models import pretrained
-from attnlab.models.gguf import GGUFError
 from attnlab.models.llama import Llama
-from attnlab.models.pretrained import SMOLLM2_INSTALL, from_pretrained
 from attnlab.runtime import UsageError
+from attnlab.weight_files import pretrained
+from attnlab.weight_files.gguf import GGUFError
+from attnlab.weight_files.pretrained import SMOLLM2_INSTALL, from_pretrained
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

@@ -156,8 +156,8 @@ def test_gguf_dtype_refusals_name_the_fix(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_as_stored_memory_decode_logits_and_fast_path(monkeypatch):
-    from attnlab.models.pretrained import smollm2_path
     from attnlab.quant.layers import direct_rows
+    from attnlab.weight_files.pretrained import smollm2_path
 
     try:
         path = smollm2_path()

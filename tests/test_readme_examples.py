@@ -349,7 +349,7 @@ def one_smollm2():
     """Every ``from_pretrained("smollm2")`` of the examples, the CLI's and ``attnlab.from_pretrained`` in a
     Python block alike, served from one loaded copy (see :func:`_one_smollm2`)."""
     import attnlab
-    from attnlab.models import pretrained
+    from attnlab.weight_files import pretrained
 
     served = _one_smollm2(pretrained.from_pretrained)
     patch = pytest.MonkeyPatch()

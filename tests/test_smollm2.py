@@ -114,7 +114,7 @@ MEASURE = textwrap.dedent(
     """
     import json, resource, sys, time
     import torch, gguf, tokenizers, transformers  # the libraries are the baseline, not the load
-    from attnlab.models.pretrained import from_pretrained
+    from attnlab.weight_files.pretrained import from_pretrained
 
     def status(key):  # bytes, from Linux's /proc/self/status
         with open("/proc/self/status") as f:

@@ -1,5 +1,5 @@
 """One ``--dtype`` vocabulary for every command that loads a real model, a default per task, and the line that
-says which weights ran and why (``attnlab.models.precision``).
+says which weights ran and why (``attnlab.weight_files.precision``).
 
 The choice itself is tested for every (task, source, device) pair without loading anything; the
 commands are run in process on the real SmolLM2 where the path matters (generate's default is the
@@ -16,9 +16,10 @@ import torch
 
 import attnlab
 from attnlab.cli import main
-from attnlab.models import generate_cli, precision, pretrained
-from attnlab.models.precision import WEIGHT_DTYPES, choose_weights, is_gguf_source, parse_weights
 from attnlab.runtime import UsageError
+from attnlab.tools import generate_cli
+from attnlab.weight_files import precision, pretrained
+from attnlab.weight_files.precision import WEIGHT_DTYPES, choose_weights, is_gguf_source, parse_weights
 from smollm2_fixtures import attnlab_smollm2, require_smollm2
 
 CPU = torch.device("cpu")
@@ -251,7 +252,7 @@ def test_a_greedy_chat_answer_is_the_same_through_the_cli_and_the_api(served, ca
 
 def test_generate_checkpoint_runs_float32_silently_and_refuses_gguf(tmp_path, capsys):
     from attnlab import GPTConfig, TinyGPT
-    from attnlab.models.saved_model import save_checkpoint
+    from attnlab.weight_files.saved_model import save_checkpoint
 
     save_checkpoint(TinyGPT(GPTConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16)), tmp_path)
     flags = ["generate", "--checkpoint", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3"]

@@ -22,9 +22,9 @@ from .models.generation import generate, left_pad
 from .models.gpt import GPTConfig, TinyGPT
 from .models.llama import Llama
 from .models.llama_config import LlamaConfig
-from .models.pretrained import from_pretrained
-from .models.saved_model import load_checkpoint, save_checkpoint
-from .models.tokenizer import ByteTokenizer, CharTokenizer
+from .weight_files.pretrained import from_pretrained
+from .weight_files.saved_model import load_checkpoint, save_checkpoint
+from .weight_files.tokenizer import ByteTokenizer, CharTokenizer
 
 __all__ = [
     "ByteTokenizer",

@@ -31,11 +31,11 @@ from .check.cli import check
 from .distributed.failures import RankLost
 from .lab.cli import ablate_command, lab_main, train_command
 from .lab.stopping import TrainingInterrupted
-from .models.generate_cli import generate_command
 from .runtime import INTERRUPTS, Terminated, UsageError, disk_full_line, interrupt_exit, kept, out_of_memory_line
 from .runtime.signals import STOP_SIGNALS, detach_hung_up_terminal
 from .tools.demo import demo
 from .tools.doctor import doctor
+from .tools.generate_cli import generate_command
 from .tools.inspect_cli import inspect_command
 from .tools.trace import trace_command
 

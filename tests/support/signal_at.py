@@ -54,7 +54,7 @@ def main() -> int:
     # the modules themselves: ``attnlab.lab.train`` as an attribute is the function the package exports
     lab_cli, head_scores, plots, train, saved_model = (
         importlib.import_module(f"attnlab.{name}")
-        for name in ("lab.cli", "lab.head_scores", "lab.plots", "lab.train", "models.saved_model")
+        for name in ("lab.cli", "lab.head_scores", "lab.plots", "lab.train", "weight_files.saved_model")
     )
 
     if phase == "parse":

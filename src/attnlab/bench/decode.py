@@ -3,7 +3,7 @@
 One GPT-2-shaped model is shared by every runner: attnlab with the KV cache (eager, and the
 compiled decode step with ``--compile``), attnlab recomputing the whole prefix for every token,
 and Hugging Face ``GPT2LMHeadModel.generate`` on the same weights (via
-:func:`attnlab.models.hf_gpt2.to_hf_gpt2`). Each runner generates ``n`` tokens and 1 token from the
+:func:`attnlab.weight_files.hf_gpt2.to_hf_gpt2`). Each runner generates ``n`` tokens and 1 token from the
 same prompt; the per-token decode latency is ``(t(n) - t(1)) / (n - 1)``, which removes the
 prefill from every runner alike. Runners are interleaved inside each repeat; medians are reported.
 """
@@ -22,12 +22,8 @@ from typing import Any, cast
 
 import torch
 
-from ..models.file_checks import gpt_weight_count
 from ..models.generation import generate
-from ..models.gguf import open_gguf
 from ..models.gpt import GPTConfig, TinyGPT
-from ..models.llama_cpp import llama_cpp_runner as _llama_cpp_runner  # tests stand in for it here
-from ..models.precision import choose_weights, is_gguf_source, parse_weights, weights_name
 from ..runtime import (
     INTERRUPTS,
     LimitError,
@@ -44,6 +40,10 @@ from ..runtime import (
     resolve_device,
     resolve_dtype,
 )
+from ..weight_files.file_checks import gpt_weight_count
+from ..weight_files.gguf import open_gguf
+from ..weight_files.precision import choose_weights, is_gguf_source, parse_weights, weights_name
+from .llama_cpp import llama_cpp_runner as _llama_cpp_runner  # tests stand in for it here
 from .output import check_room, save_png
 from .table import aligned, terminal_width, wrap
 
@@ -208,7 +208,7 @@ def bench_decode(
             max_new_tokens,
         )
     if hf:
-        from ..models.hf_gpt2 import to_hf_gpt2
+        from ..weight_files.hf_gpt2 import to_hf_gpt2
 
         hf_model = to_hf_gpt2(gpt)
         cast(torch.nn.Module, hf_model).to(device=dev, dtype=dt)  # in place; HF wraps .to in a decorator mypy misreads
@@ -450,7 +450,7 @@ def cpu_report() -> dict[str, Any]:
 
 def _gguf_source(source: str) -> Path | None:
     """The GGUF file ``source`` names ("smollm2" or a .gguf path), or None for another kind of source."""
-    from ..models.pretrained import smollm2_path
+    from ..weight_files.pretrained import smollm2_path
 
     if source.lower() == "smollm2":
         return smollm2_path()
@@ -489,7 +489,7 @@ def _load_hf(source: str, dtype: torch.dtype, device: torch.device) -> Any:
     except Exception as err:  # not installed, or broken by a package it imports: the advice tells which
         need = "--model compares with Hugging Face generate (--no-hf leaves it out), which needs transformers"
         raise UsageError(import_advice("transformers", need, err)) from None
-    from ..models.pretrained import smollm2_path
+    from ..weight_files.pretrained import smollm2_path
 
     path = smollm2_path() if source.lower() == "smollm2" else Path(source)
     if path.suffix.lower() == ".gguf":
@@ -545,7 +545,7 @@ def bench_decode_model(
 
     ``weights``: which weights the rows run and why, printed (``weights: ...``) once the model has loaded and
     the run fits, beside the progress lines on stdout (stderr stays for errors)."""
-    from ..models.pretrained import from_pretrained, locate
+    from ..weight_files.pretrained import from_pretrained, locate
 
     locate(source)  # a missing file is refused before the line that says it is loading
     width = terminal_width()

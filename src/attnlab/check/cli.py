@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ..core.attention import Backend, MultiHeadAttention
-from ..models import pretrained
-from ..models.precision import is_gguf_source
 from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
+from ..weight_files import pretrained
+from ..weight_files.precision import is_gguf_source
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
 from .probe import as_adapter

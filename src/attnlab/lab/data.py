@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..models.tokenizer import CharTokenizer
 from ..runtime import UsageError
+from ..weight_files.tokenizer import CharTokenizer
 from .config import DataConfig
 
 __all__ = [

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..models.file_checks import gpt_weight_count
 from ..models.gpt import GPTConfig
 from ..runtime import check_fits, check_free_space, nbytes
+from ..weight_files.file_checks import gpt_weight_count
 from .config import ModelConfig, TrainConfig
 from .data import length_flag
 

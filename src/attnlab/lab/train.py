@@ -572,7 +572,7 @@ def _train(
             )
             if cfg.model.kind == "gpt":
                 from ..models.gpt import TinyGPT
-                from ..models.saved_model import save_checkpoint
+                from ..weight_files.saved_model import save_checkpoint
 
                 gpt = cast(TinyGPT, raw)  # kind "gpt" builds a TinyGPT
                 final["model_dir"] = str(save_checkpoint(gpt, out_dir / "model", tokenizer=task.tokenizer))

@@ -5,8 +5,8 @@ biases, tied head, dropout, init, module names); :class:`attnlab.models.decoder.
 whatever it describes. A family (:class:`GPTConfig` here, :class:`~attnlab.models.llama_config.LlamaConfig`)
 keeps the field names its checkpoints use and says, in ``decoder_config()``, which switches it sets.
 
-A config sits below the model that reads it, so that weight converters can build one without
-importing the model.
+A config sits below the model that reads it, so that the weight maps (:mod:`.weight_maps`) can build one
+without importing the model.
 """
 
 from __future__ import annotations

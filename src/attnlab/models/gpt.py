@@ -12,11 +12,11 @@ The model is :class:`~attnlab.models.decoder.Decoder` with the switches of
 
 from __future__ import annotations
 
-from . import hf_gpt2
 from .blocks import Block
 from .blocks import GeluMLP as MLP
 from .config import GPTConfig
 from .decoder import Decoder
+from .weight_maps import gpt2_weights_from_hf
 
 __all__ = ["GPTConfig", "MLP", "Block", "TinyGPT"]
 
@@ -39,7 +39,7 @@ class TinyGPT(Decoder):
 
         A state dict does not say how many heads it has: pass ``n_head`` with one.
         """
-        config, state_dict = hf_gpt2.weights_from_hf(model_or_state_dict, n_head=n_head)
+        config, state_dict = gpt2_weights_from_hf(model_or_state_dict, n_head=n_head)
         model = cls(config)
         missing = sorted(set(model.state_dict()) - set(state_dict))
         if missing:

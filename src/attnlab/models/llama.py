@@ -10,7 +10,7 @@ where Llama differs from GPT-2.
 RoPE: attnlab's :func:`attnlab.core.rope.apply_rope` rotates channel pair ``(c, c + D/2)``, which
 is Hugging Face's ``rotate_half`` (``cat(-x2, x1)``) with ``cos``/``sin`` = ``cat(freqs, freqs)``,
 so HF Llama weights load as they are. GGUF files store Q/K rows in llama.cpp's interleaved
-pair order; the GGUF reader puts them back into this order on load.
+pair order; :func:`attnlab.models.weight_maps.unpermute_qk` puts them back into this order on load.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``LlamaConfig``: the hyper-parameters of :class:`attnlab.models.llama.Llama`, each with why it exists.
 
-A config sits below the model that reads it, so that weight converters (:mod:`.hf_llama`,
-:mod:`.gguf`) can build one without importing the model. Field names follow
+A config sits below the model that reads it, so that the readers of weight files
+(:mod:`attnlab.weight_files.hf_llama`, :mod:`attnlab.weight_files.gguf`) can build and check one
+before the model, and its memory, exist. Field names follow
 :class:`~attnlab.models.config.GPTConfig` where the two families share an idea (``n_layer``,
 ``n_head``, ``n_kv_head``, ``n_embd``, ``rope_base``) and Hugging Face's ``LlamaConfig`` where
 only Llama has it (``intermediate_size``, ``attention_bias``, ``mlp_bias``).

@@ -27,7 +27,7 @@ from ..runtime import UsageError, check_range, check_writable_dir
 from .trace import trace
 
 if TYPE_CHECKING:
-    from ..models.generate_cli import StreamRate
+    from .generate_cli import StreamRate
 
 
 def _width() -> int:
@@ -81,8 +81,8 @@ LLAMA_CPP_INSTALL = "pip install llama-cpp-python"
 def _real_model_answer() -> None:
     """``attnlab generate --model smollm2 --chat`` on one question, on generate's default path (the GGUF's blocks
     as stored on a CPU), then its decode speed beside llama.cpp's; a skip, not a failure, without the model."""
-    from ..models.generate_cli import run_generate
-    from ..models.pretrained import SMOLLM2_INSTALL, smollm2_path
+    from ..weight_files.pretrained import SMOLLM2_INSTALL, smollm2_path
+    from .generate_cli import run_generate
 
     try:
         path = smollm2_path()
@@ -136,7 +136,7 @@ def _speed_line(ours: StreamRate, path: Path) -> str:
 def _llama_cpp_rate(path: Path, prompt_tokens: int, new_tokens: int) -> float:
     """llama.cpp's greedy decode tokens/s on ``path`` for ``new_tokens`` after a prompt of ``prompt_tokens``, as
     ``bench-decode`` measures it: (t(n) - t(1)) / (n - 1), the better of two runs after a warm-up."""
-    from ..models.llama_cpp import llama_cpp_runner
+    from ..bench.llama_cpp import llama_cpp_runner
 
     n = max(new_tokens, 2)
     run = llama_cpp_runner(path, prompt_tokens + n + 8, torch.get_num_threads())

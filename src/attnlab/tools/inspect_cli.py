@@ -27,7 +27,6 @@ from ..heads.report import (
     save_result,
 )
 from ..heads.scores import KINDS, MIN_TEXT_ROWS, THRESHOLDS, TOO_SHORT, UNDECIDED
-from ..models.precision import choose_weights, loaded_weights_detail, parse_weights
 from ..runtime import (
     INTERRUPTS,
     LimitError,
@@ -40,6 +39,7 @@ from ..runtime import (
     keep,
     kept,
 )
+from ..weight_files.precision import choose_weights, loaded_weights_detail, parse_weights
 
 __all__ = ["inspect_command", "load_for_inspect", "DEFAULT_TEXT", "CLI_NAMES"]
 
@@ -99,7 +99,7 @@ def load_for_inspect(
     ``dtype`` (``"auto"``: inspect's default, float32); one line on stderr says which weights and why (for
     ``--checkpoint``, only when ``dtype`` was asked for: a checkpoint runs as it was saved)."""
     _check_source(model, checkpoint)
-    from ..models.pretrained import from_pretrained
+    from ..weight_files.pretrained import from_pretrained
 
     source = model if model is not None else str(checkpoint)
     run = Path(source)

@@ -1,6 +1,6 @@
 """Model files checked before any tensor is built from them, in one error vocabulary.
 
-Every loader of :mod:`attnlab.models` (GGUF, Hugging Face directories, attnlab checkpoints) runs
+Every loader of :mod:`attnlab.weight_files` (GGUF, Hugging Face directories, attnlab checkpoints) runs
 a file through these checks first, so that a damaged, inconsistent or hostile file is one
 :class:`~attnlab.runtime.ModelFileError` sentence naming the file, the field or tensor, what was
 found, what was expected and the fix, never a raw ``IndexError`` or an allocation the file does
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..models.config import GPTConfig
+from ..models.llama_config import LlamaConfig
 from ..runtime import LimitError, ModelFileError, available_bytes, gib, memory_limit
-from .config import GPTConfig
-from .llama_config import LlamaConfig
 
 __all__ = [
     "FP16_MAX",

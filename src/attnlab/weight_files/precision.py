@@ -66,7 +66,7 @@ WEIGHTS_HELP = "auto (the task's default), gguf (a GGUF file's blocks as stored)
 
 @dataclass(frozen=True)
 class WeightChoice:
-    """The weights a command runs: ``dtype`` for :func:`~attnlab.models.pretrained.from_pretrained`, and why."""
+    """The weights a command runs: ``dtype`` for :func:`~attnlab.weight_files.pretrained.from_pretrained`, and why."""
 
     dtype: torch.dtype | Literal["gguf"]
     reason: str  # why this one: the task's default and its reason, or "--dtype asked for it"
@@ -141,7 +141,7 @@ def choose_weights(
         dtype: one of :data:`WEIGHT_DTYPES` (``"auto"``: the default for ``task``), or a torch float dtype.
         task: ``"generate"`` (generation and chat: speed, the file's own model) or ``"inspect"`` (analyses
             that compare numbers: exactness).
-        source: what :func:`~attnlab.models.pretrained.from_pretrained` takes (``"smollm2"``, a ``.gguf``
+        source: what :func:`~attnlab.weight_files.pretrained.from_pretrained` takes (``"smollm2"``, a ``.gguf``
             file, a directory).
         device: where the weights go (resolved: no ``"auto"``).
         flag: how the caller names the argument in errors (``--dtype`` on a command line, ``dtype`` in Python).

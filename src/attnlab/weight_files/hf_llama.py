@@ -1,49 +1,23 @@
-"""Hugging Face ``LlamaForCausalLM`` -> :class:`attnlab.models.llama.Llama`: config and weight names.
+"""Hugging Face ``LlamaForCausalLM`` configs -> :class:`attnlab.models.llama.Llama`'s :class:`LlamaConfig`.
 
 The layouts already agree: ``nn.Linear`` weights ``(out, in)`` on both sides, and HF's
 ``rotate_half`` RoPE is attnlab's (:mod:`attnlab.core.rope`), so every tensor is copied as it is
-and only its name changes. ``transformers`` is never imported here: the config arrives as an
-object (``transformers.LlamaConfig``) or as the dict of its ``config.json``.
+and only its name changes (:func:`attnlab.models.weight_maps.llama_name_from_hf`). Here: the
+``config.json`` checked field by field, and the config translated. ``transformers`` is never
+imported here: the config arrives as an object (``transformers.LlamaConfig``) or as the dict of its
+``config.json``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..models.llama_config import LlamaConfig
 from ..runtime import ModelFileError
 from .file_checks import field_error, json_field
-from .llama_config import LlamaConfig
 
-__all__ = ["check_config_json", "config_from_hf", "attnlab_name"]
-
-# Hugging Face name (after "model.layers.{i}.") -> attnlab name (after "layers.{i}.")
-_BLOCK_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn.q_proj.weight",
-    "self_attn.q_proj.bias": "attn.q_proj.bias",
-    "self_attn.k_proj.weight": "attn.k_proj.weight",
-    "self_attn.k_proj.bias": "attn.k_proj.bias",
-    "self_attn.v_proj.weight": "attn.v_proj.weight",
-    "self_attn.v_proj.bias": "attn.v_proj.bias",
-    "self_attn.o_proj.weight": "attn.out_proj.weight",
-    "self_attn.o_proj.bias": "attn.out_proj.bias",
-    "post_attention_layernorm.weight": "mlp_norm.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.gate_proj.bias": "mlp.gate_proj.bias",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.up_proj.bias": "mlp.up_proj.bias",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-    "mlp.down_proj.bias": "mlp.down_proj.bias",
-}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "embed.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-# Old checkpoints carry RoPE's inverse frequencies as buffers; they hold no weights.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+__all__ = ["check_config_json", "config_from_hf"]
 
 
 def _get(hf_config: Any, key: str, default: Any = None) -> Any:
@@ -113,7 +87,7 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
     if model_type != "llama":
         raise ValueError(
             f"config has model_type={model_type!r}; attnlab's Llama converts model_type 'llama' (GPT-2 goes to TinyGPT "
-            f"through attnlab.models.hf_gpt2); use a Llama-architecture checkpoint."
+            f"through attnlab.weight_files.hf_gpt2); use a Llama-architecture checkpoint."
         )
     hidden, heads = int(_get(hf_config, "hidden_size")), int(_get(hf_config, "num_attention_heads"))
     head_dim = _get(hf_config, "head_dim") or hidden // heads
@@ -148,21 +122,3 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
         attention_bias=bool(_get(hf_config, "attention_bias", False)),
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),
     )
-
-
-def attnlab_name(hf_name: str) -> str | None:
-    """The :class:`Llama` parameter that HF's ``hf_name`` loads into; None for a buffer that holds no weight.
-
-    Raises ``ValueError`` for a name a Llama does not have.
-    """
-    if _IGNORED.search(hf_name):
-        return None
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        raise ValueError(
-            f"unexpected tensor {hf_name!r} in the Llama checkpoint; attnlab's Llama has model.embed_tokens, "
-            f"model.layers.N.{{self_attn, mlp, input_layernorm, post_attention_layernorm}}, model.norm and lm_head."
-        )
-    return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"

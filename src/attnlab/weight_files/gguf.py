@@ -9,8 +9,8 @@ pages, which the OS maps and may drop).
 **Q/K row order.** llama.cpp rotates channel pairs ``(2i, 2i + 1)`` of a head; Hugging Face and
 attnlab rotate ``(i, i + D/2)``. llama.cpp's converter therefore permutes the rows of ``attn_q`` and
 ``attn_k`` within each head (``convert_hf_to_gguf.py``: ``w.reshape(n_head, 2, D/2, E).swapaxes(1, 2)``);
-:func:`unpermute_qk` applies the inverse, as transformers' GGUF loader does, so that RoPE pairs
-the same channels as the model was trained with.
+:func:`~attnlab.models.weight_maps.unpermute_qk` applies the inverse as each tensor is copied, as
+transformers' GGUF loader does, so that RoPE pairs the same channels as the model was trained with.
 
 **Tokenizer.** Built from the file's own vocabulary, merges, special tokens and chat template
 with Hugging Face ``tokenizers`` (the BPE itself) and wrapped in ``transformers``'
@@ -19,7 +19,8 @@ names rather than stores (``tokenizer.ggml.pre``), is rebuilt from llama.cpp's d
 name; an unknown one is refused rather than guessed.
 
 GGUF tensor names: ``token_embd``, ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output,
-ffn_norm, ffn_gate, ffn_up, ffn_down}``, ``output_norm``, ``output`` (absent when tied).
+ffn_norm, ffn_gate, ffn_up, ffn_down}``, ``output_norm``, ``output`` (absent when tied); their
+attnlab names are :func:`~attnlab.models.weight_maps.llama_name_from_gguf`.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..models.llama_config import LlamaConfig
+from ..models.weight_maps import GGUF_BLOCK_NAMES, llama_name_from_gguf, unpermute_qk
 from ..quant import FORMATS, QuantEmbedding, QuantLinear
 from ..quant import dequantize as dequantize_kept
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
 from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
-from .llama_config import LlamaConfig
 
 if TYPE_CHECKING:  # annotations only: gguf and transformers are imported when a file is read
     from gguf import GGUFReader, ReaderField, ReaderTensor
@@ -53,26 +55,12 @@ __all__ = [
     "open_gguf",
     "llama_config_from_gguf",
     "check_gguf_tensors",
-    "unpermute_qk",
     "load_gguf_weights",
     "keep_quantized",
     "tokenizer_from_gguf",
     "release_vocabulary",
 ]
 
-# GGUF name after "blk.N." -> attnlab name after "layers.N."
-_BLOCK_NAMES = {
-    "attn_norm": "attn_norm",
-    "attn_q": "attn.q_proj",
-    "attn_k": "attn.k_proj",
-    "attn_v": "attn.v_proj",
-    "attn_output": "attn.out_proj",
-    "ffn_norm": "mlp_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 _ROWS_PER_SLICE_BYTES = 4 << 20  # float32 bytes dequantized at a time: bounds the loader's working memory
 # The fix for metadata that is absent, mistyped or inconsistent: damage, or a converter's bug.
 _FIX_METADATA = (
@@ -329,26 +317,6 @@ def llama_config_from_gguf(reader: GGUFReader) -> LlamaConfig:
         raise GGUFError(f"{_path(reader)!r}: its metadata makes no valid LlamaConfig ({e}); {_FIX_METADATA}.") from None
 
 
-def unpermute_qk(w: Tensor, heads: int) -> Tensor:
-    """Undo llama.cpp's Q/K row permutation: per head, rows ``(D/2, 2)`` -> ``(2, D/2)``.
-
-    ``w`` is ``(heads * D, ...)`` (a weight ``(heads * D, E)`` or a bias ``(heads * D,)``). llama.cpp
-    stored row ``2i + j`` of a head where Hugging Face has row ``j * D/2 + i``.
-    """
-    D = w.size(0) // heads
-    return w.reshape(heads, D // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # (heads, 2, D/2, ...) -> rows
-
-
-def _attnlab_name(gguf_name: str) -> str | None:
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{kind}"
-    return None
-
-
 def _dequantized(data: np.ndarray, tensor: ReaderTensor, path: str) -> Tensor:
     """float32 tensor of a slice of a GGUF tensor's rows (a copy: the file's pages stay read-only), checked for
     the NaN, inf and impossible magnitudes that damaged bytes put there (:func:`~.file_checks.check_values`)."""
@@ -388,7 +356,7 @@ def _drop_pages(reader: GGUFReader, offset: int, nbytes: int) -> None:
 def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[ReaderTensor, nn.Parameter]]:
     """Pair every tensor of ``reader`` with the parameter of ``model`` it loads into; refuse any mismatch.
 
-    ``model`` may live on the meta device: :func:`~attnlab.models.pretrained.from_pretrained` calls
+    ``model`` may live on the meta device: :func:`~attnlab.weight_files.pretrained.from_pretrained` calls
     this before the model's memory exists, so that a file whose tensors disagree with its metadata
     costs no allocation. Every parameter must receive exactly one tensor of its shape.
     """
@@ -396,11 +364,11 @@ def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[Reade
     params = dict(model.named_parameters())
     plan, loaded = [], set()
     for tensor in reader.tensors:
-        name = _attnlab_name(tensor.name)
+        name = llama_name_from_gguf(tensor.name)
         if name is None or name not in params:
             raise GGUFError(
                 f"{path!r}: the GGUF tensor {tensor.name!r} has no place in attnlab's Llama (expected token_embd, "
-                f"output_norm, output, blk.N.{{{', '.join(_BLOCK_NAMES)}}}); the file is not a plain Llama model: "
+                f"output_norm, output, blk.N.{{{', '.join(GGUF_BLOCK_NAMES)}}}); the file is not a plain Llama model: "
                 f"load it with llama.cpp or transformers."
             )
         shape = tuple(int(s) for s in reversed(tensor.shape))  # ggml lists dims fastest first; torch slowest first
@@ -432,7 +400,7 @@ def keep_quantized(reader: GGUFReader, model: nn.Module) -> dict[str, str]:
     :func:`check_gguf_tensors` (names and shapes checked) and before :func:`load_gguf_weights`."""
     kept: dict[str, str] = {}
     for tensor in reader.tensors:
-        name = _attnlab_name(tensor.name)
+        name = llama_name_from_gguf(tensor.name)
         fmt = FORMATS.get(tensor.tensor_type.name)
         if name is None or fmt is None or not name.endswith(".weight") or len(tensor.shape) != 2:
             continue
@@ -484,9 +452,9 @@ def load_gguf_weights(reader: GGUFReader, model: nn.Module, layout: str | None =
 
     Each tensor is dequantized a slice of rows at a time, checked for damaged values while the slice
     is in cache, and cast on the copy into the model's dtype and device; Q/K rows are put back into
-    Hugging Face's rotary order (:func:`unpermute_qk`). Quantized layers (:func:`keep_quantized`) get the
-    file's blocks, then are packed in ``layout`` (:meth:`attnlab.quant.QuantLinear.pack`; default the best
-    this CPU runs).
+    Hugging Face's rotary order (:func:`~attnlab.models.weight_maps.unpermute_qk`). Quantized layers
+    (:func:`keep_quantized`) get the file's blocks, then are packed in ``layout``
+    (:meth:`attnlab.quant.QuantLinear.pack`; default the best this CPU runs).
     """
     config: LlamaConfig = model.config  # type: ignore[assignment]
     path = _path(reader)
@@ -494,7 +462,7 @@ def load_gguf_weights(reader: GGUFReader, model: nn.Module, layout: str | None =
         check_gguf_tensors(reader, model)  # names and shapes (from_pretrained checked them on its meta model already)
     params = dict(model.named_parameters())
     for tensor in reader.tensors:
-        name = _attnlab_name(tensor.name) or ""
+        name = llama_name_from_gguf(tensor.name) or ""
         heads = None
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
             heads = config.n_head if ".attn_q." in tensor.name else config.n_kv_head

@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
+from ..models.generation import Step, check_count, check_temperature, generate_steps, readable_int
 from ..runtime import INTERRUPTS, LimitError, UsageError, check_fits, check_range, keep, resolve_device
-from . import pretrained
-from .generation import Step, check_count, check_temperature, generate_steps, readable_int
-from .precision import choose_weights, loaded_weights_detail, parse_weights
-from .saved_model import load_checkpoint
+from ..weight_files import pretrained
+from ..weight_files.precision import choose_weights, loaded_weights_detail, parse_weights
+from ..weight_files.saved_model import load_checkpoint
+from ..weight_files.tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
 from .terminal import Stdout, Turns, check_text
 from .text_stream import PerToken, TextStream, Utf8Text, hf_text
-from .tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
 
 DEFAULT_NEW_TOKENS = 200  # what --max-new-tokens asks for when it is not given, if the model has room
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed's largest seed (it reads a negative one as 2**64 + seed)

@@ -33,9 +33,12 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from ..models.config import GPTConfig
+from ..models.gpt import TinyGPT
+from ..models.llama import Llama, fuse_quantized
+from ..models.weight_maps import gpt2_config_from_hf, gpt2_weights_from_hf, llama_name_from_hf
 from ..runtime import ModelFileError, ModelFileNotFoundError, UsageError, import_advice, resolve_device
 from . import gguf, hf_gpt2, hf_llama
-from .config import GPTConfig
 from .file_checks import (
     SAFETENSORS_TORCH_DTYPES,
     SafetensorsHeader,
@@ -48,8 +51,6 @@ from .file_checks import (
     safetensors_header,
     safetensors_metadata,
 )
-from .gpt import TinyGPT
-from .llama import Llama, fuse_quantized
 from .precision import choose_weights, parse_weights
 from .saved_model import FORMAT, load_checkpoint
 
@@ -269,7 +270,7 @@ def _llama_from_hf(
     def renamed(tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         for key, value in tensors:
             try:
-                name = hf_llama.attnlab_name(key)
+                name = llama_name_from_hf(key)
             except ValueError as e:
                 raise ModelFileError(f"{source}: {e} The weights are not a plain Llama's: {_FIX_HF}.") from None
             if name is not None and not (tied and name == "lm_head.weight"):
@@ -297,11 +298,11 @@ def _gpt2_from_hf(
     )
     described = ", ".join(f"{k}={raw[k]}" for k in sizes)
     check_fits_in_memory(gpt_weight_count(estimate), dtype, device, repr(str(config_path)), described)
-    config = _converted(hf_gpt2.config_from_hf, _auto_config(directory, config_path), config_path)
+    config = _converted(gpt2_config_from_hf, _auto_config(directory, config_path), config_path)
 
     def converted(tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         try:
-            _, state = hf_gpt2.weights_from_hf(dict(tensors), n_head=config.n_head)
+            _, state = gpt2_weights_from_hf(dict(tensors), n_head=config.n_head)
         except KeyError as e:
             raise ModelFileError(f"{source}: {e.args[0]} The weights are not GPT-2's: {_FIX_HF}.") from None
         while state:  # each tensor freed once copied
@@ -426,7 +427,7 @@ def from_pretrained(
             Q4_0/Q4_1/Q8_0 tensors stay as the file stores them (:mod:`attnlab.quant`; 5.6x less memory
             for SmolLM2), computed on in float32 by compiled CPU kernels, the other tensors as float32;
             ``"auto"``: what ``attnlab generate`` runs on ``device``, the fastest for generation (gguf for
-            a GGUF file on a CPU, bfloat16 on CUDA; :mod:`attnlab.models.precision` says why).
+            a GGUF file on a CPU, bfloat16 on CUDA; :mod:`attnlab.weight_files.precision` says why).
         device: where the weights live (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``, ...); one this
             torch build and machine have.
 

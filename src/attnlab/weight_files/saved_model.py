@@ -26,9 +26,9 @@ from typing import Any, cast
 
 import torch
 
+from ..models.gpt import GPTConfig, TinyGPT
 from ..runtime import ModelFileError, ModelFileNotFoundError, writing
 from .file_checks import check_fits_in_memory, check_values, gpt_weight_count, read_json_object, safetensors_header
-from .gpt import GPTConfig, TinyGPT
 from .tokenizer import Tokenizer, tokenizer_from_json
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointNotFoundError"]
