@@ -17,6 +17,7 @@ from .compat.swap import swap as _swap_modules
 from .core.attention import MultiHeadAttention
 from .core.functional import math_attention, sdpa_attention
 from .core.kv_cache import KVCache
+from .core.mla import MultiHeadLatentAttention
 from .heads.report import HeadReport, inspect
 from .models.generation import generate, left_pad
 from .models.gpt import GPTConfig, TinyGPT
@@ -42,6 +43,7 @@ __all__ = [
     "save_checkpoint",
     "KVCache",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "swap",
     "SwapReport",
     "math_attention",

@@ -253,7 +253,7 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sc
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
     weights = scores.softmax(-1)  # (B, G, H/G, S)
     context = weights @ v  # (B, G, H/G, S) @ (B, G, S, D) -> (B, G, H/G, D)
-    return context.reshape(B, H, 1, D)
+    return context.reshape(B, H, 1, v.size(-1))  # (B, H, 1, Dv): V may be narrower than Q and K (MLA)
 
 
 def sdpa_compute_dtype(q: Tensor) -> tuple[torch.dtype | None, str | None]:

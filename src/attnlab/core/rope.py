@@ -31,3 +31,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # (B, heads, T, D/2) each
     rotated = torch.cat((-x2, x1), dim=-1)  # (B, heads, T, D)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``(B, heads, T, D)`` whose rotary channels come in adjacent pairs ``(2c, 2c + 1)`` (DeepSeek's
+    layout, HF's ``rope_interleave=True``), by the same ``cos, sin`` ``(T, D)`` or ``(B, T, D)`` as :func:`apply_rope`.
+
+    The result is laid out half-split, ``[x_even', x_odd']`` (as Hugging Face's DeepSeek-V3 writes it): queries and
+    keys both come out so, which leaves every ``q . k`` as the pairwise rotation makes it."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
+    half = cos.size(-1) // 2
+    cos, sin = cos[..., :half], sin[..., :half]  # (..., T, D/2): one angle per pair
+    even, odd = x[..., 0::2], x[..., 1::2]  # (B, heads, T, D/2) each: the pairs' two channels
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)  # (B, heads, T, D)
