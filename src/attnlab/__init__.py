@@ -18,7 +18,11 @@ from .core.attention import MultiHeadAttention
 from .core.functional import math_attention, sdpa_attention
 from .core.kv_cache import KVCache
 from .core.mla import MultiHeadLatentAttention
+from .core.mla_cache import MLACache
 from .heads.report import HeadReport, inspect
+from .models.config import DecoderConfig
+from .models.decoder import Decoder
+from .models.deepseek import DeepSeekV3, DeepSeekV3Config
 from .models.generation import generate, left_pad
 from .models.gpt import GPTConfig, TinyGPT
 from .models.llama import Llama
@@ -34,6 +38,10 @@ __all__ = [
     "TinyGPT",
     "Llama",
     "LlamaConfig",
+    "DeepSeekV3",
+    "DeepSeekV3Config",
+    "Decoder",
+    "DecoderConfig",
     "from_pretrained",
     "inspect",
     "HeadReport",
@@ -44,6 +52,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "MLACache",
     "swap",
     "SwapReport",
     "math_attention",

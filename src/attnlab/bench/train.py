@@ -61,7 +61,7 @@ def train_throughput(steps: int = 20, repeats: int = 5) -> ThroughputResult:
     from ..lab.config import TrainConfig
     from ..lab.data import IGNORE, build_task
     from ..lab.models import build_model
-    from ..models.gpt import Block, TinyGPT
+    from ..models.gpt import TinyGPT
 
     cfg = TrainConfig()
     task = build_task(cfg.data)
@@ -69,7 +69,7 @@ def train_throughput(steps: int = 20, repeats: int = 5) -> ThroughputResult:
     ours = build_model(cfg.model, task.vocab_size, task.block_size + 1)
     theirs = cast(TinyGPT, copy.deepcopy(ours))  # TrainConfig's default model is a TinyGPT
     for block in theirs.blocks:
-        block.attn = TorchAttention(cast(Block, block).attn)
+        block.attn = TorchAttention(cast(MultiHeadAttention, block.attn))
     x, _ = task.batch(0)  # (B, T) inputs; targets unused
     with torch.no_grad():
         gap = (ours(x) - theirs(x)).abs().max().item()

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from ..core.attention import ContextParallelAttention, MultiHeadAttention
 from ..core.kv_cache import KVCache
 from ..core.masks import Masks
+from ..core.mla import MultiHeadLatentAttention
 from .config import DecoderConfig
 
-__all__ = ["RMSNorm", "GeluMLP", "SwiGLUMLP", "Block", "make_norm", "make_mlp"]
+__all__ = ["RMSNorm", "GeluMLP", "SwiGLUMLP", "Block", "make_norm", "make_mlp", "make_attention"]
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +93,33 @@ def make_mlp(config: DecoderConfig) -> nn.Module:
     return GeluMLP(config) if config.mlp == "gelu" else SwiGLUMLP(config)
 
 
+def make_attention(config: DecoderConfig) -> nn.Module:
+    """The ``attention`` switch: :class:`MultiHeadAttention` (MHA, GQA or MQA by ``n_kv_head``) or
+    :class:`MultiHeadLatentAttention` (``"mla"``, DeepSeek-V2/V3, with ``config.latent``'s sizes)."""
+    if config.latent is None:
+        return MultiHeadAttention(
+            config.n_embd,
+            config.n_head,
+            num_kv_heads=config.n_kv_head,
+            dropout=config.dropout,
+            bias=config.attention_bias,
+        )
+    d = config.latent
+    return MultiHeadLatentAttention(
+        config.n_embd,
+        config.n_head,
+        kv_lora_rank=d.kv_lora_rank,
+        qk_nope_head_dim=d.qk_nope_head_dim,
+        qk_rope_head_dim=d.qk_rope_head_dim,
+        v_head_dim=d.v_head_dim,
+        q_lora_rank=d.q_lora_rank,
+        rope_interleave=d.rope_interleave,
+        norm_eps=config.norm_eps,
+        attention_bias=config.attention_bias,
+        path=d.path,
+    )
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm_1(x))``, then ``x + mlp(norm_2(x))``.
 
@@ -104,13 +132,7 @@ class Block(nn.Module):
         super().__init__()
         self._norm_names = (config.names.attn_norm, config.names.mlp_norm)
         self.add_module(config.names.attn_norm, make_norm(config))
-        self.attn = MultiHeadAttention(
-            config.n_embd,
-            config.n_head,
-            num_kv_heads=config.n_kv_head,
-            dropout=config.dropout,
-            bias=config.attention_bias,
-        )
+        self.attn: nn.Module = make_attention(config)
         self.resid_dropout = nn.Dropout(config.dropout)  # GPT-2's dropout after the attention's c_proj
         self.add_module(config.names.mlp_norm, make_norm(config))
         self.mlp = make_mlp(config)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["ModuleNames", "GPT2_NAMES", "LLAMA_NAMES", "DecoderConfig", "GPTConfig"]
+__all__ = ["ModuleNames", "GPT2_NAMES", "LLAMA_NAMES", "DEEPSEEK_NAMES", "LatentDims", "DecoderConfig", "GPTConfig"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,36 @@ def check_rotary_head_dim(config: object, n_embd: int, n_head: int) -> None:
         )
 
 
+# Hugging Face's names for the DeepSeek-V3 family (model.embed_tokens, model.layers.i.input_layernorm ...):
+# its checkpoints load with only self_attn -> attn renamed (weight_maps.deepseek_name_from_hf)
+DEEPSEEK_NAMES = ModuleNames(
+    embed="model.embed_tokens",
+    blocks="model.layers",
+    final_norm="model.norm",
+    head="lm_head",
+    attn_norm="input_layernorm",
+    mlp_norm="post_attention_layernorm",
+)
+
+
+@dataclass(frozen=True)
+class LatentDims:
+    """The sizes of multi-head latent attention (DeepSeek-V2/V3), by DeepSeek's names; see
+    :class:`attnlab.core.mla.MultiHeadLatentAttention`. DeepSeek-V3's: 512, 64, 128, 128, 1536."""
+
+    kv_lora_rank: int  # C: the latent each token leaves in the cache
+    qk_rope_head_dim: int  # R: the one rotary key shared by all heads (also cached)
+    qk_nope_head_dim: int  # N: the per-head query/key dims without RoPE
+    v_head_dim: int  # Dv: the per-head value dims
+    q_lora_rank: int | None = None  # the query latent; None: one q_proj
+    rope_interleave: bool = True  # DeepSeek's checkpoints keep the rope channels in interleaved pairs
+    path: Literal["auto", "naive", "absorbed"] = "auto"  # the module's path (auto: by counting both)
+
+
 _NORMS = ("layernorm", "rmsnorm")
 _MLPS = ("gelu", "swiglu")
 _POSITIONS = ("learned", "rotary")
+_ATTENTIONS = ("mha", "mla")
 
 
 @dataclass
@@ -95,6 +122,8 @@ class DecoderConfig:
     mlp: Literal["gelu", "swiglu"] = "gelu"  # GPT-2's tanh-GELU MLP or Llama's gated SwiGLU
     position: Literal["learned", "rotary"] = "learned"  # a wpe table added to the embedding, or RoPE on Q/K
     rope_base: float = 10000.0  # RoPE theta, used when position == "rotary"
+    attention: Literal["mha", "mla"] = "mha"  # multi-head attention (GQA/MQA by n_kv_head), or latent (MLA)
+    latent: LatentDims | None = None  # MLA's sizes, when attention == "mla"
     attention_bias: bool = True  # biases on Q/K/V/O
     mlp_bias: bool = True  # biases in the MLP's Linear layers
     tie_embeddings: bool = True  # output head = token embedding; False: its own (V, E) matrix
@@ -106,12 +135,17 @@ class DecoderConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         check_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"))
-        for name, allowed in (("norm", _NORMS), ("mlp", _MLPS), ("position", _POSITIONS)):
+        for name, allowed in (("norm", _NORMS), ("mlp", _MLPS), ("position", _POSITIONS), ("attention", _ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"DecoderConfig.{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}."
                 )
-        if self.position == "rotary":
+        if (self.attention == "mla") != (self.latent is not None):
+            raise ValueError(
+                f"DecoderConfig.attention={self.attention!r} with latent={self.latent!r}: multi-head latent attention "
+                f"needs its sizes and only it takes them; pass attention='mla' with latent=LatentDims(...), or neither."
+            )
+        if self.position == "rotary" and self.latent is None:
             check_rotary_head_dim(self, self.n_embd, self.n_head)
         if self.position == "learned" and self.names.positions is None:
             raise ValueError(
@@ -123,6 +157,11 @@ class DecoderConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates per head: the head dim, or MLA's decoupled rope key (``qk_rope_head_dim``)."""
+        return self.head_dim if self.latent is None else self.latent.qk_rope_head_dim
 
     @property
     def mlp_hidden(self) -> int:

@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention import ContextParallelAttention
+from ..core.attention import ContextParallelAttention, MultiHeadAttention
 from ..core.kv_cache import KVCache, decoder_positions
 from ..core.masks import decoder_masks
+from ..core.mla_cache import MLACache
 from ..core.rope import rope_cos_sin
 from ..core.validation import check_document_ids
 from ..core.variants import document_positions
@@ -139,7 +140,9 @@ class Decoder(nn.Module):
         """N(0, 0.02) weights, zero biases, unit norm weights (GPT-2's and HF Llama's init); with
         ``scaled_residual_init`` (GPT-2), the residual projections get N(0, 0.02 / sqrt(2 n_layer))."""
         residual_std = 0.02 / math.sqrt(2 * self.arch.n_layer)  # two residual branches per block
-        residual = ("attn.out_proj", "mlp.c_proj", "mlp.down_proj") if self.arch.scaled_residual_init else ()
+        residual = (
+            ("attn.out_proj", "attn.o_proj", "mlp.c_proj", "mlp.down_proj") if self.arch.scaled_residual_init else ()
+        )
         with torch.no_grad():
             for name, module in self.named_modules():
                 if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -148,7 +151,7 @@ class Decoder(nn.Module):
                     bias = getattr(module, "bias", None)  # nn.Embedding has none
                     if bias is not None:
                         nn.init.zeros_(bias)
-                elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                elif isinstance(module, (nn.LayerNorm, RMSNorm, nn.RMSNorm)):
                     nn.init.ones_(module.weight)
                     bias = getattr(module, "bias", None)  # RMSNorm, and LayerNorm(bias=False), have none
                     if bias is not None:
@@ -186,15 +189,20 @@ class Decoder(nn.Module):
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
-        """KV-cache bytes one token costs per sequence, all layers: 2 (K, V) * n_layer * G * D * itemsize."""
+        """KV-cache bytes one token costs per sequence, all layers: 2 (K, V) * n_layer * G * D * itemsize,
+        or with latent attention n_layer * (kv_lora_rank + qk_rope_head_dim) * itemsize."""
         a = self.arch
         assert a.n_kv_head is not None  # DecoderConfig.__post_init__ fills it
-        return 2 * a.n_layer * a.n_kv_head * a.head_dim * self._kv_dtype().itemsize
+        per_layer = (
+            2 * a.n_kv_head * a.head_dim if a.latent is None else a.latent.kv_lora_rank + a.latent.qk_rope_head_dim
+        )
+        return a.n_layer * per_layer * self._kv_dtype().itemsize
 
     # -- caches --------------------------------------------------------------------------------
 
     def setup_caches(self, batch_size: int, max_len: int) -> nn.ModuleList:
-        """One :class:`KVCache` per block, ``(B, G, max_len, D)`` each, on the model's device and dtype."""
+        """One :class:`KVCache` per block, ``(B, G, max_len, D)`` each, on the model's device and dtype (with latent
+        attention one :class:`~attnlab.core.mla_cache.MLACache`, ``(B, max_len, kv_lora_rank + qk_rope_head_dim)``)."""
         if max_len > self.arch.block_size:
             why = (
                 f"the model has no position beyond {self.arch.block_size - 1}"
@@ -205,14 +213,22 @@ class Decoder(nn.Module):
                 f"max_len={max_len} exceeds block_size={self.arch.block_size}, {why}; "
                 f"use max_len <= {self.arch.block_size}."
             )
-        device = self._float_weight().device
+        device, dtype = self._float_weight().device, self._kv_dtype()  # under autocast, what K/V come out in
+        if self.arch.latent is not None:
+            d = self.arch.latent
+            return nn.ModuleList(
+                MLACache(batch_size, max_len, d.kv_lora_rank, d.qk_rope_head_dim, dtype=dtype, device=device)
+                for _ in self.blocks
+            )
         return nn.ModuleList(
             KVCache(
                 batch_size,
                 max_len,
-                cast(Block, block).attn.num_kv_heads,  # per block: a swapped-in attention may differ
-                cast(Block, block).attn.head_dim,
-                dtype=self._kv_dtype(),  # under torch.autocast: the autocast dtype, what K/V come out in
+                cast(
+                    MultiHeadAttention, cast(Block, block).attn
+                ).num_kv_heads,  # per block: a swapped-in one may differ
+                cast(MultiHeadAttention, cast(Block, block).attn).head_dim,
+                dtype=dtype,
                 device=device,
             )
             for block in self.blocks
@@ -313,6 +329,12 @@ class Decoder(nn.Module):
         ):
             return self._fused_decode(fast, idx, positions, key_padding_mask, caches, cache_positions)
         arch = self.arch
+        if arch.latent is not None and (context_parallel is not None or document_ids is not None):
+            given = "context_parallel" if context_parallel is not None else "document_ids"
+            raise ValueError(
+                f"{given} is not supported with attention='mla' (multi-head latent attention) yet: it runs "
+                f"attnlab's MultiHeadAttention's ring and document masks; call the model without {given}."
+            )
         if context_parallel is not None:
             table_rows = arch.block_size if arch.position == "learned" else None
             positions = context_parallel_positions(
@@ -341,7 +363,7 @@ class Decoder(nn.Module):
             assert arch.names.positions is not None
             x = x + self.get_submodule(arch.names.positions)(positions)  # (B, T, E) + (T, E) or (B, T, E)
         else:
-            rope = rope_cos_sin(positions, arch.head_dim, base=arch.rope_base, dtype=self._kv_dtype())  # (..., T, D)
+            rope = rope_cos_sin(positions, arch.rope_dim, base=arch.rope_base, dtype=self._kv_dtype())  # (..., T, D)
         if arch.names.embed_dropout is not None:
             x = self.get_submodule(arch.names.embed_dropout)(x)
         B, T = idx.shape
@@ -405,7 +427,8 @@ class Decoder(nn.Module):
         a = self.arch
         result: tuple[list[Tensor], list[int], list[int]] | None = None
         llama_shaped = (
-            a.norm == "rmsnorm"
+            a.attention == "mha"
+            and a.norm == "rmsnorm"
             and a.mlp == "swiglu"
             and a.position == "rotary"
             and not a.attention_bias
@@ -416,7 +439,7 @@ class Decoder(nn.Module):
             weights: list[Tensor] = []
             kinds: list[int] = []
             for block in cast(list[Block], list(self.blocks)):
-                attn, mlp = block.attn, cast(SwiGLUMLP, block.mlp)
+                attn, mlp = cast(MultiHeadAttention, block.attn), cast(SwiGLUMLP, block.mlp)
                 parts = [attn.qkv_proj, attn.out_proj, mlp.gate_up_proj, mlp.down_proj]
                 plain = attn.qk_norm is None and not attn.has_variants and attn.num_heads % attn.num_kv_heads == 0
                 if not (plain and all(_tiled(m) for m in parts)):
@@ -493,7 +516,7 @@ def fuse_quantized(model: Decoder) -> int:
     fused = 0
     for block in cast(list[Block], list(model.blocks)):
         attn, mlp = block.attn, block.mlp
-        if not isinstance(mlp, SwiGLUMLP):
+        if not isinstance(mlp, SwiGLUMLP) or not isinstance(attn, MultiHeadAttention):
             continue
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [mlp.gate_proj, mlp.up_proj]

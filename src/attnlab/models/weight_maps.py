@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from .config import GPTConfig
 
 __all__ = [
+    "deepseek_name_from_hf",
     "GPT2_MASK_BUFFERS",
     "gpt2_config_from_hf",
     "gpt2_weights_from_hf",
@@ -256,6 +257,21 @@ def llama_name_from_hf(hf_name: str) -> str | None:
             f"model.layers.N.{{self_attn, mlp, input_layernorm, post_attention_layernorm}}, model.norm and lm_head."
         )
     return f"layers.{m.group(1)}.{_LLAMA_HF_BLOCK_NAMES[m.group(2)]}"
+
+
+# -- DeepSeek-V3: Hugging Face -> Decoder(DeepSeekV3Config) ------------------------------------------
+
+# DEEPSEEK_NAMES keeps HF's names, so one part of a name changes: the attention is "attn" in attnlab's block.
+_DEEPSEEK_HF_ATTENTION = re.compile(r"^(model\.layers\.\d+\.)self_attn\.")
+_DEEPSEEK_HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def deepseek_name_from_hf(hf_name: str) -> str | None:
+    """The parameter of attnlab's DeepSeek-V3 model that HF's ``hf_name`` loads into (``self_attn`` -> ``attn``);
+    None for a buffer that holds no weight."""
+    if _DEEPSEEK_HF_IGNORED.search(hf_name):
+        return None
+    return _DEEPSEEK_HF_ATTENTION.sub(r"\1attn.", hf_name)
 
 
 # -- Llama: GGUF (llama.cpp) -> Llama ----------------------------------------------------------------
