@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -413,6 +413,9 @@ def _steps(
     # A model whose decode step is already one compiled call (Llama with dtype="gguf": has_fused_decode) has
     # nothing for torch.compile to gain: its step runs as it is.
     compile = compile and not getattr(model, "has_fused_decode", False)
+    if compile and callable(getattr(model, "fuse_projections", None)):
+        # Q|K|V and gate|up as one GEMM each in the compiled step; views refreshed from the weights as they are now
+        cast(Any, model).fuse_projections()
     step_fn = compiled_decode_step(device) if compile else decode_step
     graphs = compile and decode_compile_mode(device) == "reduce-overhead"
     slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
