@@ -27,11 +27,11 @@ import re
 import shutil
 import textwrap
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,70 +45,10 @@ from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
 from ..runtime import UsageError, check_range
+from .trace_mla import trace_mla_command
+from .trace_rows import AttentionTrace, TraceRow, aligned
 
 __all__ = ["TraceRow", "AttentionTrace", "trace", "TargetRow", "Departure", "Raised", "TargetTrace", "trace_module"]
-
-
-@dataclass
-class TraceRow:
-    stage: str  # the seed's name for the step
-    operation: str  # the call, with the names of the tensors it used
-    shape: list[int] | list[list[int]]  # shape of what it produced (several for a split)
-    axes: str  # what the dims mean
-    memory: str  # "view" (shares storage with its input), "new" (fresh memory) or "input"
-
-
-@dataclass
-class AttentionTrace:
-    """One call of one attention module."""
-
-    module: str
-    backend: str | None = None
-    rows: list[TraceRow] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_text(self, width: int | None = None) -> str:
-        """An aligned table (what ``attnlab trace`` prints), one line per stage.
-
-        Args:
-            width: the columns the table may use (``None``: no limit). When one line per stage does not
-                fit, each stage takes two: stage, shape and memory; then, indented, the operation with
-                its axes as a trailing comment (on a line of its own when that does not fit either).
-        """
-        head = ("#", "stage", "operation", "shape", "axes", "memory")
-        body = [
-            (str(i), r.stage, r.operation, _fmt_shape(r.shape), r.axes, r.memory) for i, r in enumerate(self.rows, 1)
-        ]
-        title = f"{self.module}  (backend: {self.backend})"
-        wide = _aligned(head, body)
-        if width is None or max(len(line) for line in wide) <= width:
-            return "\n".join([title, *wide])
-        short = _aligned(("#", "stage", "shape", "memory"), [(b[0], b[1], b[3], b[5]) for b in body])
-        out = [title, short[0], "    operation  # axes", short[1]]
-        for line, (_, _, op, _, axes, _) in zip(short[2:], body, strict=True):
-            out.append(line)
-            detail = f"    {op}  # {axes}" if axes else f"    {op}"
-            if len(detail) <= width:
-                out.append(detail)
-            else:  # the comment on a line of its own, each piece wrapped if it still does not fit
-                out += textwrap.wrap(op, width, initial_indent="    ", subsequent_indent="      ")
-                out += textwrap.wrap(f"# {axes}", width, initial_indent="    ", subsequent_indent="      # ")
-        return "\n".join(out)
-
-
-def _aligned(head: tuple[str, ...], body: Sequence[tuple[str, ...]]) -> list[str]:
-    """Header, a rule of dashes, then the rows; columns padded to their widest cell, two spaces apart."""
-    widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-    return [line(head), line(tuple("-" * w for w in widths)), *(line(r) for r in body)]
-
-
-def _fmt_shape(shape: list) -> str:
-    if shape and isinstance(shape[0], list):
-        return " + ".join(str(s) for s in shape)
-    return str(shape)
 
 
 # What each recognised op means: stage, axes of its output. Scores and weights use the seed's
@@ -428,11 +368,11 @@ class TargetTrace:
             *wrap(f"  inputs: {given}; masks: {', '.join(self.masks) or 'none'}; {mode}", "    "),
         ]
         body = [(str(r.index), r.operation, str(r.shape), r.memory, r.reference()) for r in self.rows]
-        wide = _aligned(("#", "operation", "shape", "memory", "reference"), body)
+        wide = aligned(("#", "operation", "shape", "memory", "reference"), body)
         if width is None or max(len(line) for line in wide) <= width:
             head, blocks = wide[:2], [[line] for line in wide[2:]]
         else:
-            short = _aligned(("#", "shape", "memory", "reference"), [(b[0], b[2], b[3], b[4]) for b in body])
+            short = aligned(("#", "shape", "memory", "reference"), [(b[0], b[2], b[3], b[4]) for b in body])
             head = [short[0], "    operation", short[1]]
             blocks = [
                 [line, *wrap(f"    {op}", "      ")] for line, (_, op, _, _, _) in zip(short[2:], body, strict=True)
@@ -657,6 +597,14 @@ def trace_command(
     sinks: bool = False,
     qk_norm: bool = False,
     target: str | None = None,
+    mla: bool = False,
+    path: Literal["naive", "absorbed", "both"] = "both",
+    hidden_size: int = 896,
+    q_lora_rank: int | None = 192,
+    kv_lora_rank: int = 64,
+    qk_nope_head_dim: int = 16,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 16,
 ) -> int:
     """Trace every stage of attention on random input (defaults: the seed-000 case), one layer of a real model, or your own module.
 
@@ -681,9 +629,29 @@ def trace_command(
         sinks: a learned sink logit per head in the softmax denominator (gpt-oss; traced with values 0).
         qk_norm: RMSNorm on each head's q and k (Qwen 3).
         target: trace your own attention module, 'path/to/mine.py:Name' or 'package.module:Name' (a class, a factory or an instance), built at --embed-dim/--num-heads/--num-kv-heads: every op it runs on its inputs, each matched with the reference's stages, and the first stage it never produces marked. Default: attnlab's MultiHeadAttention.
+        mla: trace MultiHeadLatentAttention (DeepSeek-V2/V3's MLA) instead, sized by the DeepSeek-named flags below and --num-heads (defaults: V3's shapes, scaled down); both paths, then the cache per token of MHA, GQA, MQA and MLA, and the path 'auto' picks. --num-kv-heads sets the GQA row's G.
+        path: with --mla: naive (the paper's form: latents expanded into per-head keys and values), absorbed (W_UK folded into the query, attention over the latents), or both.
+        hidden_size: with --mla: E (DeepSeek-V3: 7168).
+        q_lora_rank: with --mla: Q, the query latent (V3: 1536); None: one q_proj (V2-Lite).
+        kv_lora_rank: with --mla: C, the cached latent (V3: 512).
+        qk_nope_head_dim: with --mla: N, query/key channels per head without RoPE (V3: 128).
+        qk_rope_head_dim: with --mla: R, rotary channels, one key shared by all heads (V3: 64); even.
+        v_head_dim: with --mla: Dv, value channels per head (V3: 128).
     """
     check_range("--batch-size", batch_size, low=1, integer=True)
     check_range("--seq-len", seq_len, low=1, integer=True, hint="it is T_q, the number of query positions")
+    sizes = {"hidden_size": hidden_size, "num_heads": num_heads, "q_lora_rank": q_lora_rank, "kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim}  # fmt: skip
+    mla_only = {"--path": path, **{"--" + k.replace("_", "-"): v for k, v in sizes.items() if k != "num_heads"}}
+    if not mla:
+        _flags_at_default(mla_only, "sizes multi-head latent attention, and no --mla was given; add --mla")
+    else:
+        mha_only: dict[str, object] = {"--context-len": context_len, "--dropout": dropout, "--model": model, "--layer": layer, "--target": target, "--window": window, "--softcap": softcap, "--alibi": alibi, "--sinks": sinks, "--qk-norm": qk_norm}  # fmt: skip
+        if embed_dim != 64:
+            raise UsageError(f"--embed-dim {embed_dim} is MultiHeadAttention's width; with --mla pass --hidden-size {embed_dim} (DeepSeek's name for it).")  # fmt: skip
+        _flags_at_default(mha_only, "configures attnlab's MultiHeadAttention, and --mla traces MultiHeadLatentAttention, which has no such option; drop it")  # fmt: skip
+        if num_kv_heads is not None:
+            check_range("--num-kv-heads", num_kv_heads, low=1, high=num_heads, integer=True, hint="with --mla it is G of the cache table's GQA row")  # fmt: skip
+        return trace_mla_command(sizes=sizes, batch_size=batch_size, seq_len=seq_len, num_kv_heads=num_kv_heads, causal=causal, pad=pad, backend=backend, path=path, json=json, seed=seed)  # fmt: skip
     if target == "torch":
         raise UsageError(
             "--target torch: trace shows attnlab's own MultiHeadAttention by default, which computes what "
@@ -771,6 +739,15 @@ def trace_command(
         mha(x, ctx, key_padding_mask=kpm, is_causal=causal)
     _print(calls, json)
     return 0
+
+
+def _flags_at_default(given: Mapping[str, object], why: str) -> None:
+    """Refuse the first flag of ``given`` that is not at its default: it ``why`` (what it does, and the fix)."""
+    defaults = {n: p.default for n, p in inspect.signature(trace_command).parameters.items()}
+    for flag, value in given.items():
+        if value != defaults[flag.removeprefix("--").replace("-", "_")]:
+            shown = flag if value is True else f"{flag} {value}"
+            raise UsageError(f"{shown} {why}.")
 
 
 def _target_flag_conflicts(target: str, given: dict[str, object]) -> None:
