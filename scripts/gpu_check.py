@@ -14,7 +14,8 @@ step that fails or runs out of time leaves the others' results and a line in sum
    fwd+bwd): attnlab auto vs the bare SDPA floor vs ``nn.MultiheadAttention``, with peak memory.
 4. ``decode``: a GPT-2-small-shaped TinyGPT (124M, bf16, prompt 128): attnlab eager, compiled
    (CUDA graphs) and HF ``generate``, ms per token (``attnlab bench-decode``).
-5. ``kernels``: CUDA kernels launched by one decode step, eager and compiled, counted with the profiler.
+5. ``kernels``: the compiled decode step of a GPT-2-small and a SmolLM2-135M shape (bf16, batch 1 and 8): kernels
+   per step and their GPU time (profiler), ms per step in a loop, bytes read and the share of the bandwidth floor.
 6. ``window``: ``attnlab bench --variant window`` at T = 8192 and 32768.
 """
 
@@ -165,40 +166,111 @@ def step_decode(out: Path, smoke: bool, device: str) -> str:
     return "decode/decode.md"
 
 
+def _copy_bandwidth(device: str) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on 256 MiB (reads + writes), the floor's yardstick."""
+    import torch
+
+    n = (8 if device == "cpu" else 256) * 2**20 // 4
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * 4 / best
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def step_kernels(out: Path, smoke: bool, device: str) -> str:
+    """The decode step's structure and speed, per model shape and batch: kernels per step, GPU time per step,
+    ms per step in a loop of 50, bytes read per step and the share of the bandwidth floor (issue 42)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from attnlab import GPTConfig, TinyGPT
+    from attnlab import GPTConfig, Llama, LlamaConfig, TinyGPT
     from attnlab.models import generation
 
-    dims = dict(n_embd=64, n_layer=2, n_head=4) if smoke else dict(n_embd=768, n_layer=12, n_head=12)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = TinyGPT(GPTConfig(vocab_size=50257, block_size=1024, **dims)).to(device, dtype).eval()  # type: ignore[arg-type]
-    B, S = 1, 256
-    caches = model.setup_caches(B, S)
-    tok = torch.zeros(B, 1, dtype=torch.long, device=device)
-    pos = torch.zeros(B, 1, dtype=torch.long, device=device)
-    slot = torch.zeros(1, dtype=torch.long, device=device)
-    pad = torch.zeros(B, S, dtype=torch.bool, device=device)
-    counts: dict[str, Any] = {}
-    for name, fn in (
-        ("eager", generation.decode_step),
-        ("compiled", generation.compiled_decode_step(torch.device(device))),
-    ):
-        with torch.no_grad():
-            for _ in range(3):  # warm-up (compilation, graph capture)
-                fn(model, tok, pos, slot, pad, caches)
-            activity = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
-            with profile(activities=activity) as prof:
-                fn(model, tok, pos, slot, pad, caches)
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-        kind = "cuda" if device.startswith("cuda") else "cpu"
-        events = [e for e in prof.events() if str(getattr(e, "device_type", "")).lower().endswith(kind)]
-        counts[name] = {"events": len(events)}
-    (out / "kernels.json").write_text(json.dumps(counts, indent=2) + "\n")
-    return ", ".join(f"{k}: {v['events']} {('kernels' if device != 'cpu' else 'CPU ops')}" for k, v in counts.items())
+    if smoke:
+        shapes = {
+            "gpt2-small": TinyGPT(GPTConfig(vocab_size=512, block_size=256, n_embd=64, n_layer=2, n_head=4)),
+            "smollm2-135m": Llama(LlamaConfig(vocab_size=512, block_size=256, n_layer=2, n_embd=64, n_head=4,
+                                              n_kv_head=2, intermediate_size=96)),
+        }  # fmt: skip
+    else:
+        shapes = {
+            "gpt2-small": TinyGPT(GPTConfig(vocab_size=50257, block_size=1024, n_embd=768, n_layer=12, n_head=12)),
+            "smollm2-135m": Llama(LlamaConfig()),  # 30 layers, GQA 9/3, E 576, SwiGLU 1536, RMSNorm, RoPE
+        }
+    bandwidth = _copy_bandwidth(device)
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    activity = [ProfilerActivity.CUDA] if kind == "cuda" else [ProfilerActivity.CPU]
+    S, context = 256, 128  # cache slots, tokens already in it
+    rows: list[dict[str, Any]] = []
+    for name, model in shapes.items():
+        model = model.to(device, dtype).eval()
+        skipped = model.fuse_projections()  # what generate(compile=True) does: Q|K|V and gate|up as one GEMM each
+        step = generation.compiled_decode_step(torch.device(device))
+        weight_bytes = model.weight_bytes()
+        for B in (1, 8):
+            caches = model.setup_caches(B, S)
+            tok = torch.zeros(B, 1, dtype=torch.long, device=device)
+            pos = torch.full((B, 1), context, dtype=torch.long, device=device)
+            slot = torch.tensor([context], device=device)
+            pad = torch.zeros(B, S, dtype=torch.bool, device=device)
+            with torch.no_grad():
+                for _ in range(3):  # compilation, graph capture
+                    step(model, tok, pos, slot, pad, caches)
+                _sync(device)
+                with profile(activities=activity) as prof:
+                    step(model, tok, pos, slot, pad, caches)
+                    _sync(device)
+                events = [e for e in prof.events() if str(getattr(e, "device_type", "")).lower().endswith(kind)]
+                busy = sum(float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in events)
+                n = 5 if smoke else 50
+                _sync(device)
+                t = time.perf_counter()
+                for _ in range(n):
+                    step(model, tok, pos, slot, pad, caches)
+                _sync(device)
+                ms = (time.perf_counter() - t) / n * 1e3
+            # bytes a step must read: every weight once, and the K/V of every slot attended (all S: position mode)
+            cache_bytes = B * model.kv_cache_bytes_per_token * S
+            read = weight_bytes + cache_bytes
+            floor_ms = read / bandwidth * 1e3
+            rows.append(
+                {
+                    "model": name, "batch": B, "kernels_per_step": len(events), "gpu_us_per_step": busy,
+                    "ms_per_step": ms, "bytes_read": read, "floor_ms": floor_ms, "of_floor": floor_ms / ms,
+                    "unfused": skipped,
+                }
+            )  # fmt: skip
+    what = "kernels" if kind == "cuda" else "CPU ops"
+    lines = [
+        f"Decode step, compiled, {dtype}, cache of {S} slots with {context} tokens, copy bandwidth "
+        f"{bandwidth / 1e9:.2f} GB/s ({device}):",
+        "",
+        f"| model | batch | {what} per step | device us per step | ms per step | MB read | floor ms | of floor |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['kernels_per_step']} | {r['gpu_us_per_step']:.0f} | "
+            f"{r['ms_per_step']:.3f} | {r['bytes_read'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['of_floor']:.0%} |"
+        )
+    (out / "kernels.md").write_text("\n".join(lines) + "\n")
+    (out / "kernels.json").write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=2) + "\n")
+    return "; ".join(
+        f"{r['model']} b{r['batch']}: {r['kernels_per_step']} {what}, {r['ms_per_step']:.3f} ms" for r in rows
+    )
 
 
 def step_window(out: Path, smoke: bool, device: str) -> str:
@@ -221,7 +293,7 @@ STEPS = {
     "kernels": step_kernels,
 }
 # Seconds each step may take at most on a GPU machine (the suite ran 92 s on 8 workers on the H200).
-STEP_TIMEOUTS = {"env": 30, "suite": 240, "window": 120, "attention": 120, "decode": 120, "kernels": 90}
+STEP_TIMEOUTS = {"env": 30, "suite": 240, "window": 120, "attention": 120, "decode": 120, "kernels": 150}
 
 
 def _kill_tree(proc: Any) -> None:
