@@ -43,6 +43,7 @@ from ..runtime import (
 from ..weight_files.file_checks import gpt_weight_count
 from ..weight_files.gguf import open_gguf
 from ..weight_files.precision import choose_weights, is_gguf_source, parse_weights, weights_name
+from .decode_mla import DEFAULT_MLA_CONFIG, MLABenchConfig, bench_decode_mla
 from .llama_cpp import llama_cpp_runner as _llama_cpp_runner  # tests stand in for it here
 from .output import check_room, save_png
 from .table import aligned, terminal_width, wrap
@@ -119,6 +120,8 @@ def bench_decode(
     threads: int | None = None,
     out_dir: Path = Path("bench_results"),
     seed: int = 0,
+    mla: bool = False,
+    mla_config: MLABenchConfig = DEFAULT_MLA_CONFIG,
 ) -> int:
     """Measure greedy decode ms/token and tokens/s per context length; print a table, write JSON and Markdown.
 
@@ -154,7 +157,41 @@ def bench_decode(
         out_dir: where decode.json and decode.md (decode_model.* with --model) are written
             (checked writable before anything runs).
         seed: seed of the random weights and prompts.
+        mla: instead, one decode step of a multi-head latent attention model, naive and absorbed paths, beside a
+            GQA model of the same width, and where the two paths cross (:mod:`attnlab.bench.decode_mla`); writes
+            decode_mla.json and decode_mla.md. Takes --mla-config.*, --repeats, --threads, --device, --dtype,
+            --out-dir and --seed.
+        mla_config: with --mla, the models and cache lengths.
     """
+    if mla:
+        sweep_flags = {
+            "--model": model is not None,
+            "--batch-sizes": batch_sizes != (1, 8),
+            "--prompt-len": prompt_len != 32,
+            "--contexts": contexts != (64, 128, 256, 512, 1024),
+            "--max-new-tokens": max_new_tokens is not None,
+            "--recompute-max-new-tokens": recompute_max_new_tokens != 6,
+            "--num-layers": num_layers != 4,
+            "--num-heads": num_heads != 8,
+            "--embed-dim": embed_dim != 256,
+            "--vocab-size": vocab_size != 50257,
+            "--no-hf": not hf,
+            "--compile": compile,
+        }
+        given = [flag for flag, changed in sweep_flags.items() if changed]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} shape(s) the GPT-2 sweep or --model runs, not --mla: drop {given[0]} "
+                f"(the MLA model takes --mla-config.*, e.g. --mla-config.num-layers 2)."
+            )
+        return bench_decode_mla(
+            mla_config, repeats=repeats, device=device, dtype=dtype, threads=threads, out_dir=out_dir, seed=seed,
+            copy_bandwidth=copy_bandwidth, cpu_report=cpu_report,
+        )  # fmt: skip
+    if mla_config != DEFAULT_MLA_CONFIG:
+        raise UsageError(
+            "--mla-config.* flags shape the MLA benchmark; pass --mla with them (attnlab bench-decode --mla ...)."
+        )
     if model is not None:
         return _bench_model_command(
             model, batch_sizes, prompt_len, contexts, max_new_tokens, recompute_max_new_tokens, repeats,
