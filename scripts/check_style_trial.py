@@ -1,4 +1,4 @@
-"""Run ``attnlab check`` on every module of tests/style_corpus/ and tests/style_corpus_more/ as written, and score what it says.
+"""Run ``attnlab check`` on every module of tests/style_corpus/, style_corpus_more/ and style_corpus_mla/ as written, and score what it says.
 
 For each corpus file this runs ``python -m attnlab check --target FILE:TARGET`` with no other option (or
 ``attnlab trace --target ...`` with --trace), two at a time at most, and records the exit code, the wall time,
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPORA = ("style_corpus", "style_corpus_more")
+CORPORA = ("style_corpus", "style_corpus_more", "style_corpus_mla")
 
 # an argparse/tyro usage refusal: "error: ..." at the start of a line, or after "attnlab check: "
 _USAGE_ERROR = re.compile(r"^(?:\S*attnlab[^\n:]*:\s*)?error:", re.MULTILINE)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "--corpus",
         action="append",
         default=None,
-        help="corpus folder under tests/ (repeatable; default: style_corpus and style_corpus_more)",
+        help="corpus folder under tests/ (repeatable; default: style_corpus, style_corpus_more, style_corpus_mla)",
     )
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "check_style_trial.json"))
     ap.add_argument("--trace", action="store_true", help="run 'attnlab trace' instead of 'attnlab check'")

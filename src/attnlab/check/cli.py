@@ -25,6 +25,8 @@ from ..weight_files import pretrained
 from ..weight_files.precision import is_gguf_source
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
+from .mla import MLAAdapter
+from .mla_checks import MLA_CHECKS, run_mla
 from .probe import as_adapter
 from .projections import NotAttention
 from .report import print_tables, to_json
@@ -244,6 +246,10 @@ def _run_all(
     done = 0
     total = len(targets) * len(names)
     for t in targets:
+        if isinstance(t, MLAAdapter):  # multi-head latent attention: its own rows (attnlab.check.mla_checks)
+            reports.append(_run_mla(t, seed=seed, batch=batch_size, seq_len=seq_len, strict=strict, on_check=on_check))
+            done += len(MLA_CHECKS)
+            continue
         adapter = as_adapter(t)  # once: its name shows in the progress
         rows: list[CheckResult] = []
         first: Report | None = None
@@ -271,6 +277,34 @@ def _run_all(
             raise
         reports.append(whole)
     return reports
+
+
+def _run_mla(
+    adapter: MLAAdapter,
+    *,
+    seed: int,
+    batch: int,
+    seq_len: int,
+    strict: bool,
+    on_check: Callable[[str, str, int], None],
+) -> Report:
+    """The MLA rows on ``adapter``; an exception outside the module's code is check's own (:class:`CheckError`)."""
+    count = iter(range(len(MLA_CHECKS) + 1))
+    try:
+        return run_mla(
+            adapter,
+            seed=seed,
+            batch=batch,
+            seq_len=seq_len,
+            strict=strict,
+            on_check=lambda name: on_check(adapter.name, name, next(count, len(MLA_CHECKS))),
+        )
+    except INTERRUPTS:
+        raise
+    except Exception as err:
+        if raised_in_target(err):
+            raise
+        raise CheckError("running the MLA checks", err) from err
 
 
 def check(
@@ -447,11 +481,13 @@ def _with_progress(
         if json:
             return run(lambda target, name, done: None)
         seen: list[str] = []
+        mla_names = {t.name for t in targets if isinstance(t, MLAAdapter)}
 
         def plain(target: str, name: str, done: int) -> None:
             if target not in seen:
                 seen.append(target)
-                print(f"checking {target}: {len(names)} checks ...", flush=True)
+                count = len(MLA_CHECKS) if target in mla_names else len(names)
+                print(f"checking {target}: {count} checks ...", flush=True)
 
         start = time.perf_counter()
         reports = run(plain)

@@ -66,8 +66,13 @@ def print_tables(reports: Sequence[Report], *, width: int | None = None) -> None
             title=escape(title),
             title_justify="left",
             min_width=min(len(title), console.width),  # the title on one line, however narrow the columns
-            caption=f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
-            f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']}{_where(cfg)} torch {cfg['torch']}"
+            caption=(
+                f"E={cfg['embed_dim']} H={cfg['num_heads']} C={cfg['mla']['C']} R={cfg['mla']['R']} "
+                f"N={cfg['mla']['N']} Dv={cfg['mla']['Dv']} "
+                if cfg.get("mla")
+                else f"E={cfg['embed_dim']} H={cfg['num_heads']} G={cfg['num_kv_heads']} "
+            )
+            + f"B={cfg['batch']} T={cfg['seq_len']} seed={cfg['seed']}{_where(cfg)} torch {cfg['torch']}"
             + (f"\n{cfg['called_as']}" if cfg.get("called_as") and not cfg.get("call_form") else ""),
             caption_justify="left",
         )

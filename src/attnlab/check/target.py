@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from ..runtime import UsageError
 from .adapters import AttentionAdapter
 from .device import place, resolve_device, resolve_dtype
+from .mla import MLAAdapter, find_mla
 from .probe import ProbedAdapter, as_adapter, is_lazy, materialise
 from .projections import NotAttention
 
@@ -103,6 +104,14 @@ CONFIG_FIELDS: dict[tuple[str, ...], object] = {
     ("vocab_size",): 256,
     ("position_embedding_type",): "absolute",
     ("_attn_implementation", "attn_implementation"): "eager",
+    # multi-head latent attention (DeepSeek-V2/V3's names): small, and unequal, so that a mix-up shows
+    ("kv_lora_rank",): lambda E, H, G, p: E // 2,
+    ("q_lora_rank",): lambda E, H, G, p: E // 2,
+    ("qk_nope_head_dim", "v_head_dim"): lambda E, H, G, p: E // H,
+    ("qk_rope_head_dim",): lambda E, H, G, p: max(2, E // H // 2 // 2 * 2),
+    ("qk_head_dim",): lambda E, H, G, p: E // H + max(2, E // H // 2 // 2 * 2),
+    ("rope_interleave",): True,
+    ("rope_theta",): 10000.0,
 }  # fmt: skip
 _CONFIG_VALUES = {name: value for names, value in CONFIG_FIELDS.items() for name in names}
 
@@ -408,6 +417,11 @@ def build_target(
         random_biases(built, seed)  # drawn on the CPU, as in every run: then moved
         distinct_copies(built, seed)
         built = place(built, dev, dt, copy_module=built is obj)
+    if isinstance(built, nn.Module) and (parts := find_mla(built)) is not None:
+        try:
+            return MLAAdapter(built, parts, name=attr, seed=seed)  # type: ignore[return-value]
+        except ValueError as e:
+            raise TargetError(f"--target {spec!r}: read as multi-head latent attention, but {e}.") from None
     if isinstance(built, nn.Module) and not isinstance(built, nn.MultiheadAttention):
         from ..core.attention import MultiHeadAttention
 
