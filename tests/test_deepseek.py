@@ -89,7 +89,9 @@ def test_the_cache_holds_the_latent_and_the_rope_key_only():
 
 def test_a_moe_checkpoint_is_refused_with_the_fix():
     config = transformers.DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8)
-    with pytest.raises(ValueError, match=r"mixture-of-experts layers .* set first_k_dense_replace >= num_hidden_layers"):
+    with pytest.raises(
+        ValueError, match=r"mixture-of-experts layers .* set first_k_dense_replace >= num_hidden_layers"
+    ):
         config_from_hf(config)
 
 
