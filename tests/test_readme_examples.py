@@ -176,7 +176,7 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
 # attnlab ablate-heads       --train.steps 10 --heads 1 2 (500 steps x 4 head counts x 3 seeds by default)
 # attnlab check              --checks parity_self no_causal_leak mask_semantics (24 checks per backend by default)
 # attnlab bench              --lengths 64 --repeats 1 --warmup 0 --no-memory --no-train --gemm-size 256
-# attnlab bench-decode       --contexts 16 --repeats 1 --no-hf, and 4 new tokens
+# attnlab bench-decode       --contexts 16 --repeats 1 --no-hf, and 4 new tokens (with --mla: a 1-layer E=64 model, caches of 16 and 32)
 # attnlab doctor             --no-compile (compiling a function takes ~10 s)
 # make demo                  runs `attnlab demo` (make itself first creates .venv with pip: network)
 
@@ -198,6 +198,13 @@ def _add(*flags: str) -> Callable[[list[str]], list[str]]:
 
 
 def _bench_decode(argv: list[str]) -> list[str]:
+    if "--mla" in argv:  # the latent-attention model: its own sizes (--mla-config.*), no GPT-2 sweep flags
+        return _add(
+            "--mla-config.hidden-size 64", "--mla-config.num-heads 4", "--mla-config.kv-lora-rank 16",
+            "--mla-config.qk-rope-head-dim 8", "--mla-config.qk-nope-head-dim 8", "--mla-config.v-head-dim 8",
+            "--mla-config.num-layers 1", "--mla-config.cache-lens 16 32", "--mla-config.sweep-lens 16",
+            "--mla-config.sweep-queries 1", "--repeats 1",
+        )(argv)  # fmt: skip
     help_text = _help("bench-decode")
     new_tokens = "--max-new-tokens" if "--max-new-tokens" in help_text else "--new-tokens"
     return _add("--contexts 16", "--repeats 1", "--no-hf", f"{new_tokens} 4")(argv)
