@@ -1,7 +1,8 @@
 """``MultiHeadAttention``: projections, head split, attention, merge, output projection.
 
 Shapes: B batch, T_q query length, T_k key length, E embed_dim, H heads, G key/value heads,
-D = E // H head dim. The module is always batch-first.
+D query/key head dim (``head_dim``, default E // H), Dv value head dim (``v_head_dim``, default D).
+The module is always batch-first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .validation import (
     check_backend,
     check_document_ids,
     check_forward_inputs,
+    check_head_args,
     check_init_args,
     check_variant_args,
 )
@@ -37,7 +39,8 @@ class ContextParallelAttention(Protocol):
     """What ``forward(..., context_parallel=)`` calls: :class:`attnlab.distributed.ContextParallel` is one.
 
     ``attend`` returns this rank's ``context (B, H, L, D)`` from its ``q (B, H, L, D)`` and ``k, v (B, G, L, D)``,
-    attending over the whole sequence the ranks hold between them."""
+    attending over the whole sequence the ranks hold between them (one head dim: the module refuses
+    ``v_head_dim != head_dim`` with it)."""
 
     length: int | None
 
@@ -73,14 +76,27 @@ class MultiHeadAttention(nn.Module):
 
     Args:
         embed_dim: E, width of the query and of the output.
-        num_heads: H, number of query heads; must divide ``embed_dim``. Head dim D = E // H.
+        num_heads: H, number of query heads; must divide ``embed_dim`` unless ``head_dim`` is given.
         num_kv_heads: G, number of key/value heads (GQA; 1 is MQA); must divide ``num_heads``.
             Query head h reads K/V head ``h // (H // G)``. Default: ``num_heads``.
         kdim, vdim: widths of ``key`` and ``value`` for cross-attention on a context of
             another width. Default: ``embed_dim``.
         dropout: dropout probability on the attention weights, applied in training mode only.
-        bias: whether the four projections have biases.
-        scale: multiplier of ``Q K^T``; default ``1 / sqrt(D)``.
+        bias: whether the projections have biases.
+        scale: multiplier of ``Q K^T``; default ``1 / sqrt(D)``, D the query/key head dim.
+        head_dim: D, the width of each query and key head, set apart from the width (Qwen 3, Gemma:
+            hidden 1024, 16 heads, ``head_dim=128``). Default ``embed_dim // num_heads``. The
+            projections are then ``q_proj: E -> H*D``, ``k_proj: kdim -> G*D``.
+        v_head_dim: Dv, the width of each value head (DeepSeek's MLA: Dv != D). Default ``head_dim``.
+            ``v_proj: vdim -> G*Dv``, ``out_proj: H*Dv -> E``; the context is ``(B, H, T_q, Dv)``.
+        rope_dims: partial rotary: ``forward(rope=(cos, sin))`` rotates the first ``rope_dims``
+            channels of each query and key head and passes the other ``D - rope_dims`` through
+            (GPT-NeoX's ``rotary_pct``, Qwen3-Next's ``partial_rotary_factor``: ``int(D * f)``); cos and
+            sin are then ``(T_q, rope_dims)``. Even, at most D. Default None: the whole head.
+        output_gate: ``"elementwise"`` (Qwen3-Next) multiplies the merged context ``(B, T_q, H*Dv)`` by
+            ``sigmoid(gate_proj(query))`` before ``out_proj``, ``gate_proj: E -> H*Dv``; ``"headwise"`` by one
+            sigmoid per head, ``gate_proj: E -> H``. A plain ``nn.Linear`` child (PEFT finds it by name).
+            Default False: no gate, no ``gate_proj``.
         backend: ``"auto"`` (SDPA unless the call needs the math path), ``"math"`` (the explicit
             reference, the only one that can return weights), ``"sdpa"`` or ``"flex"``
             (FlexAttention, for the variants). A public attribute: may be changed after construction.
@@ -93,13 +109,14 @@ class MultiHeadAttention(nn.Module):
         alibi: ALiBi (BLOOM, MPT): head ``h`` adds ``-m_h * |i - j|`` to its scores.
         sinks: a learned per-head sink logit in the softmax denominator (gpt-oss); ``self.sinks (H,)``.
         qk_norm: RMSNorm on q and k before rotary: ``True``/``"head"`` over each head's ``D``
-            channels (Qwen 3), ``"full"`` over all of q's ``H*D`` and k's ``G*D`` channels (OLMo 2).
+            channels (Qwen 3, Gemma 3), ``"full"`` over all of q's ``H*D`` and k's ``G*D`` channels (OLMo 2).
         qk_norm_eps: the RMSNorm epsilon.
     ``forward(..., document_ids=(B, T))`` packs several sequences in a row: attention is blocked
     across documents.
 
     Shapes in ``forward``: ``query (B, T_q, E)``, ``key (B, T_k, kdim)``, ``value (B, T_k, vdim)``,
-    output ``(B, T_q, E)``, weights ``(B, H, T_q, T_k)``.
+    output ``(B, T_q, E)``, weights ``(B, H, T_q, T_k)``; inside, ``q (B, H, T_q, D)``, ``k (B, G, T_k, D)``,
+    ``v (B, G, T_k, Dv)``, context ``(B, H, T_q, Dv)``.
 
     Masks (all three may be combined):
         * ``attn_mask`` bool: **True = may attend** (as SDPA; the *opposite* of
@@ -119,8 +136,8 @@ class MultiHeadAttention(nn.Module):
     Precision: every backend accumulates scores, softmax and ``weights @ V`` in float32 at least,
     so fp16/bf16 neither overflow nor lose more than plain PyTorch does in that precision.
 
-    The projections ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are ordinary
-    ``nn.Linear`` children that own their parameters: replace or wrap any of them (LoRA, a
+    The projections ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (and ``gate_proj`` with an output gate)
+    are ordinary ``nn.Linear`` children that own their parameters: replace or wrap any of them (LoRA, a
     quantized Linear, a hook) and the module runs it. Each runs as its own GEMM: one GEMM on
     the three weights concatenated per call was measured slower in training (the copy and its
     backward cost more than the merged GEMM saves; see docs/reference/module.md, Projections).
@@ -147,6 +164,10 @@ class MultiHeadAttention(nn.Module):
         sinks: bool = False,
         qk_norm: bool | str = False,
         qk_norm_eps: float = 1e-6,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        rope_dims: int | None = None,
+        output_gate: bool | str | None = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -154,13 +175,20 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = embed_dim if kdim is None else kdim
         vdim = embed_dim if vdim is None else vdim
-        check_init_args(embed_dim, num_heads, num_kv_heads, kdim, vdim, dropout, scale, backend)
+        check_init_args(embed_dim, num_heads, num_kv_heads, kdim, vdim, dropout, scale, backend, head_dim=head_dim)
+        check_head_args(embed_dim, num_heads, head_dim, v_head_dim, rope_dims, output_gate)
         check_variant_args(window, softcap, alibi, sinks, qk_norm)
         self.embed_dim = embed_dim
         self.num_heads = num_heads  # H
         self.num_kv_heads = num_kv_heads  # G: only the cache and K/V projections shrink with it
-        self.head_dim = embed_dim // num_heads  # D
-        self.kv_dim = num_kv_heads * self.head_dim  # width of K and of V: G * D
+        self.head_dim = embed_dim // num_heads if head_dim is None else head_dim  # D: each query/key head
+        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim  # Dv: each value head
+        self.q_width = num_heads * self.head_dim  # width of Q: H * D (E unless head_dim is set)
+        self.kv_dim = num_kv_heads * self.head_dim  # width of K: G * D (and of V when Dv == D)
+        self.v_width = num_kv_heads * self.v_head_dim  # width of V: G * Dv
+        self.context_width = num_heads * self.v_head_dim  # the merged heads out_proj reads: H * Dv
+        self.rope_dims = rope_dims  # channels of each q/k head that RoPE rotates; None: all D
+        self.output_gate: str | None = str(output_gate) if output_gate else None
         self.kdim, self.vdim = kdim, vdim
         self.dropout = dropout
         self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else scale
@@ -170,10 +198,16 @@ class MultiHeadAttention(nn.Module):
 
         factory = {"device": device, "dtype": dtype}
         # Typed as nn.Module: a user may swap in any module computing (..., in) -> (..., out).
-        self.q_proj: nn.Module = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)  # E -> H*D
+        self.q_proj: nn.Module = nn.Linear(embed_dim, self.q_width, bias=bias, **factory)  # E -> H*D
         self.k_proj: nn.Module = nn.Linear(kdim, self.kv_dim, bias=bias, **factory)  # kdim -> G*D
-        self.v_proj: nn.Module = nn.Linear(vdim, self.kv_dim, bias=bias, **factory)  # vdim -> G*D
-        self.out_proj: nn.Module = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)  # H*D -> E
+        self.v_proj: nn.Module = nn.Linear(vdim, self.v_width, bias=bias, **factory)  # vdim -> G*Dv
+        self.out_proj: nn.Module = nn.Linear(self.context_width, embed_dim, bias=bias, **factory)  # H*Dv -> E
+        # Qwen3-Next's output gate, its own Linear (HF keeps its rows inside q_proj): None when off, a plain
+        # attribute then, so that forward's one check reads the instance dict, and the state dict is unchanged.
+        self.gate_proj: nn.Module | None = None
+        if self.output_gate is not None:
+            gate_width = self.context_width if self.output_gate == "elementwise" else num_heads  # H*Dv or H
+            self.gate_proj = nn.Linear(embed_dim, gate_width, bias=bias, **factory)  # E -> H*Dv or H
         # Optional: one module computing [q | k | v] of a self-attention input in a single matmul (set by
         # attnlab.models.llama.fuse_quantized; its weights are the three projections' own, shared).
         self.qkv_proj: nn.Module | None = None
@@ -186,7 +220,7 @@ class MultiHeadAttention(nn.Module):
             nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if sinks else None  # (H,) sink logits
         )
         self.qk_norm: str | None = "head" if qk_norm is True else (str(qk_norm) if qk_norm else None)
-        q_width, k_width = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (embed_dim, self.kv_dim)
+        q_width, k_width = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (self.q_width, self.kv_dim)
         self.q_norm: nn.RMSNorm | None = None
         self.k_norm: nn.RMSNorm | None = None
         if self.qk_norm is not None:
@@ -208,7 +242,8 @@ class MultiHeadAttention(nn.Module):
     def reset_parameters(self) -> None:
         """Xavier-uniform weights and zero biases, each projection on its own fan (seed 002)."""
         with torch.no_grad():
-            for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            gate = () if self.gate_proj is None else (self.gate_proj,)
+            for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj, *gate):
                 weight, bias = getattr(proj, "weight", None), getattr(proj, "bias", None)
                 if isinstance(weight, Tensor):  # a swapped-in module may hold its weights elsewhere
                     nn.init.xavier_uniform_(weight)
@@ -226,7 +261,17 @@ class MultiHeadAttention(nn.Module):
             s += f", num_kv_heads={self.num_kv_heads}"
         if (self.kdim, self.vdim) != (self.embed_dim, self.embed_dim):
             s += f", kdim={self.kdim}, vdim={self.vdim}"
-        for name, value in (("window", self.window), ("softcap", self.softcap), ("qk_norm", self.qk_norm)):
+        if self.head_dim != self.embed_dim // self.num_heads or self.q_width != self.embed_dim:
+            s += f", head_dim={self.head_dim}"
+        if self.v_head_dim != self.head_dim:
+            s += f", v_head_dim={self.v_head_dim}"
+        for name, value in (
+            ("rope_dims", self.rope_dims),
+            ("output_gate", self.output_gate),
+            ("window", self.window),
+            ("softcap", self.softcap),
+            ("qk_norm", self.qk_norm),
+        ):
             if value is not None:
                 s += f", {name}={value!r}"
         if self.alibi_slopes is not None:
@@ -256,15 +301,25 @@ class MultiHeadAttention(nn.Module):
         return next(self.parameters())
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V projections: (B, T_q, E), (B, T_k, G*D), (B, T_k, G*D)."""
+        """Q, K, V projections: (B, T_q, H*D), (B, T_k, G*D), (B, T_k, G*Dv)."""
         fused = self.qkv_proj
         if fused is not None and query is key and key is value:  # self-attention: one matmul, split by columns
-            fq, fk, fv = fused(query).split((self.embed_dim, self.kv_dim, self.kv_dim), dim=-1)
+            fq, fk, fv = fused(query).split((self.q_width, self.kv_dim, self.v_width), dim=-1)
             return fq, fk, fv
-        q: Tensor = self.q_proj(query)  # (B, T_q, E)
-        k: Tensor = self.k_proj(key)  # (B, T_k, KV)
-        v: Tensor = self.v_proj(value)  # (B, T_k, KV)
+        q: Tensor = self.q_proj(query)  # (B, T_q, H*D)
+        k: Tensor = self.k_proj(key)  # (B, T_k, G*D)
+        v: Tensor = self.v_proj(value)  # (B, T_k, G*Dv)
         return q, k, v
+
+    def _gate(self, context: Tensor, query: Tensor) -> Tensor:
+        """The output gate: ``context (B, T_q, H*Dv)`` times ``sigmoid(gate_proj(query))``, per channel
+        (``"elementwise"``) or per head (``"headwise"``)."""
+        gate = torch.sigmoid(cast(nn.Module, self.gate_proj)(query))  # (B, T_q, H*Dv) or (B, T_q, H)
+        if self.output_gate == "elementwise":
+            return context * gate  # (B, T_q, H*Dv)
+        B, T_q, _ = context.shape
+        heads = context.view(B, T_q, self.num_heads, self.v_head_dim)  # (B, T_q, H, Dv)
+        return (heads * gate[..., None]).view(B, T_q, self.context_width)  # (B, T_q, H, Dv) -> (B, T_q, H*Dv)
 
     def _attend_variants(
         self,
@@ -396,13 +451,19 @@ class MultiHeadAttention(nn.Module):
                 )
             needs_grad = grad and any(p.requires_grad for p in self.parameters())
             call = None if inputs is None else FlexCall.of(*inputs, st)
-            ok, why = flex_available(device, needs_grad, weight.dtype, head_dim=self.head_dim, call=call)
+            smallest = min(self.head_dim, self.v_head_dim)  # flex's Triton kernel needs both q/k's and v's
+            ok, why = flex_available(device, needs_grad, weight.dtype, head_dim=smallest, call=call)
             if not ok:
                 least = flex_min_head_dim(device)
-                if least is not None and self.head_dim < least:
+                if least is not None and smallest < least and self.q_width == self.embed_dim == self.context_width:
                     fix = (
                         f"build the module with embed_dim // num_heads >= {least} (now {self.embed_dim} // "
                         f"{self.num_heads} = {self.head_dim}: fewer heads or a wider embed_dim)"
+                    )
+                elif least is not None and smallest < least:
+                    fix = (
+                        f"build the module with head_dim and v_head_dim >= {least} (now head_dim={self.head_dim}, "
+                        f"v_head_dim={self.v_head_dim})"
                     )
                 elif device.type == "cpu" and needs_grad:
                     fix = "for inference call the module under torch.no_grad()"
@@ -418,7 +479,8 @@ class MultiHeadAttention(nn.Module):
         if self.backend == "auto" and (st.softcap is not None or st.window is not None):
             case = "softcap" if st.softcap is not None else "window"
             dropout_p = self.dropout if self.training else 0.0
-            use_flex, why = flex_choice(case, T_q, device, grad, weight.dtype, dropout_p, head_dim=self.head_dim)
+            smallest = min(self.head_dim, self.v_head_dim)
+            use_flex, why = flex_choice(case, T_q, device, grad, weight.dtype, dropout_p, head_dim=smallest)
             if use_flex and inputs is not None:  # past the crossover only: a one-query decode step never builds the key
                 ok, failed = flex_available(device, grad, weight.dtype, call=FlexCall.of(*inputs, st))
                 use_flex, why = (True, why) if ok else (False, f"flex not used: {failed}")
@@ -495,7 +557,9 @@ class MultiHeadAttention(nn.Module):
                 elsewhere than the cache are moved to it once per call. Needs ``is_causal=True``: a query sees
                 the slots at or before its own.
             rope: ``(cos, sin)`` from :func:`attnlab.core.rope.rope_cos_sin`, each ``(T_q, D)`` or
-                ``(B, T_q, D)``: rotary embeddings applied to Q and to this call's K.
+                ``(B, T_q, D)``: rotary embeddings applied to Q and to this call's K. With ``rope_dims``
+                set, ``(T_q, rope_dims)`` or ``(B, T_q, rope_dims)``: the first ``rope_dims`` channels
+                of each head are rotated, the rest pass through.
             document_ids: ``(B, T)`` int ids of packed sequences (self-attention, no cache): a
                 query sees only keys of its own document. Rotary positions restarting at each
                 document are the caller's ``rope`` (the models compute them).
@@ -514,17 +578,17 @@ class MultiHeadAttention(nn.Module):
                 # first) for the cache, the masks and the variants' positions alike; nothing to do when already there
                 cache_positions = kv_cache.prepare_positions(cache_positions)  # (T_q,) int64 on the cache's device
         B, T_q, _ = query.shape
-        H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, G, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
 
-        q, k, v = self._project(query, key, value)  # (B, T_q, H*D), (B, T_k, G*D), (B, T_k, G*D)
+        q, k, v = self._project(query, key, value)  # (B, T_q, H*D), (B, T_k, G*D), (B, T_k, G*Dv)
         if self.qk_norm == "full":  # OLMo 2: over all of q's H*D and k's G*D channels
             q, k = cast(nn.RMSNorm, self.q_norm)(q), cast(nn.RMSNorm, self.k_norm)(k)
         q = q.view(B, T_q, H, D).transpose(1, 2)  # (B, H, T_q, D): heads become a batch dim
         k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, T_k, D)
-        v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, T_k, D)
+        v = v.view(B, v.size(1), G, Dv).transpose(1, 2)  # (B, G, T_k, Dv)
         if self.qk_norm == "head":  # Qwen 3: over each head's D channels
             q, k = cast(nn.RMSNorm, self.q_norm)(q), cast(nn.RMSNorm, self.k_norm)(k)
-        if rope is not None:
+        if rope is not None:  # cos/sin narrower than D (rope_dims): the first rope_dims channels only
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H, T_q, D), (B, G, T_k, D)
         k_pos: Tensor | None = None  # positions of the keys when they are not their indices (a rolling cache)
         if isinstance(kv_cache, RollingKVCache):
@@ -533,9 +597,9 @@ class MultiHeadAttention(nn.Module):
                     f"a RollingKVCache of {kv_cache.window} slots serves a sliding-window layer with window <= "
                     f"{kv_cache.window}; this module has window={self.window}. Use KVCache for full attention."
                 )
-            k, v, k_pos = kv_cache.update_rolling(k, v, cache_positions)  # (B, G, S, D), (S,)
+            k, v, k_pos = kv_cache.update_rolling(k, v, cache_positions)  # (B, G, S, D), (B, G, S, Dv), (S,)
         elif kv_cache is not None:
-            k, v = kv_cache.update(k, v, cache_positions)  # (B, G, T_cached, D): all cached keys
+            k, v = kv_cache.update(k, v, cache_positions)  # (B, G, T_cached, D), (B, G, T_cached, Dv): all cached
 
         dropout_p = self.dropout if self.training else 0.0
         if context_parallel is not None:
@@ -588,12 +652,14 @@ class MultiHeadAttention(nn.Module):
             backend, reason = self._choose_backend(need_weights)
             context, weights, adapted = attend(
                 backend, q, k, v, masks, scale=self.scale, dropout_p=dropout_p, need_weights=need_weights
-            )  # context: (B, H, T_q, D)
+            )  # context: (B, H, T_q, Dv)
             reason = reason or adapted
         if not torch.compiler.is_compiling():  # bookkeeping only; keeps compiled graphs whole
             self.__dict__.update(last_backend=backend, last_backend_reason=reason)  # plain attrs
 
-        context = context.transpose(1, 2).contiguous().view(B, T_q, H * D)  # (B, T_q, E): heads merged
+        context = context.transpose(1, 2).contiguous().view(B, T_q, H * Dv)  # (B, T_q, H*Dv): heads merged
+        if self.gate_proj is not None:  # Qwen3-Next: sigmoid(gate) of the input, before out_proj
+            context = self._gate(context, query)  # (B, T_q, H*Dv)
         out = self.out_proj(context)  # (B, T_q, E)
         return (out, weights) if need_weights else out  # type: ignore[return-value]
 
@@ -642,6 +708,12 @@ def _check_context_parallel(
             "need_weights=True with context_parallel: the weights (B, H, T, T) are never assembled across ranks; "
             "call without need_weights, or gather the input and run the math backend on one process."
         )
+    if mha.v_head_dim != mha.head_dim:
+        raise ValueError(
+            f"context_parallel with v_head_dim={mha.v_head_dim} != head_dim={mha.head_dim}: the ring's block kernels "
+            f"hold one head dim for q, k and v; call the module without context_parallel, or build it with "
+            f"v_head_dim=None (= head_dim)."
+        )
     if mha.training and mha.dropout > 0.0:
         raise ValueError(
             f"context_parallel in training mode with dropout={mha.dropout}: attention dropout across ranks would "
@@ -664,11 +736,17 @@ def _split_fused_in_proj(module: nn.Module, state_dict: dict[str, Any], prefix: 
         fused = state_dict.pop(f"{prefix}in_proj.{kind}", None)
         if fused is None:
             continue
-        sizes = [cast(int, getattr(module, "embed_dim"))] + 2 * [cast(int, getattr(module, "kv_dim"))]  # noqa: B009
+        sizes = [cast(int, getattr(module, name)) for name in ("q_width", "kv_dim", "v_width")]  # H*D, G*D, G*Dv
         if fused.size(0) != sum(sizes):
+            plain = sizes[0] == getattr(module, "embed_dim") and sizes[1] == sizes[2]  # noqa: B009
+            widths = (
+                "embed_dim + 2 * num_kv_heads * head_dim"
+                if plain
+                else "num_heads * head_dim + num_kv_heads * head_dim + num_kv_heads * v_head_dim"
+            )
             raise ValueError(
                 f"{prefix}in_proj.{kind} has {fused.size(0)} rows; this module expects {sum(sizes)} "
-                f"(embed_dim + 2 * num_kv_heads * head_dim = {' + '.join(map(str, sizes))}): the checkpoint "
+                f"({widths} = {' + '.join(map(str, sizes))}): the checkpoint "
                 "was written by a module of another shape; build the module with that checkpoint's sizes."
             )
         for name, part in zip(("q_proj", "k_proj", "v_proj"), torch.split(fused, sizes), strict=True):

@@ -68,7 +68,7 @@ FLEX_MAX_COMPILES = 32
 # embedding size less than 16", NotImplementedError "NYI: embedding dimension of the query, key, and value must be
 # at least 16 but got E=... and Ev=..."). Measured on an H200, torch 2.11: InductorError at E=8. Any D >= 16
 # runs: one that is not a power of two is padded to the next inside the kernel (QK_HEAD_DIM_ROUNDED,
-# kernel/flex/common.py), not refused. attnlab's q, k and v share D, so one check covers E and Ev.
+# kernel/flex/common.py), not refused. The module checks the smaller of its q/k and v head dims (E and Ev).
 FLEX_MIN_HEAD_DIM = 16
 
 
@@ -577,7 +577,7 @@ def _flex_variant(
     """
     call = FlexCall.of(q, k, v, masks, st)
     if compiled:
-        ok, why = flex_available(q.device, call.grad, q.dtype, head_dim=q.size(-1), call=call)
+        ok, why = flex_available(q.device, call.grad, q.dtype, head_dim=min(q.size(-1), v.size(-1)), call=call)
         if not ok:
             no_grad = q.device.type == "cpu" and call.grad  # the reason is then the missing CPU backward
             raise ValueError(
@@ -642,8 +642,8 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, masks: Masks, st: Structure, *, scale
         st = replace(st, causal=True)
     sink_key = st.sinks is not None and not _sinks_by_lse(q.device)
     if sink_key:
-        zeros = k.new_zeros(B, G, 1, k.size(-1))
-        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)  # (B, G, T_k + 1, D)
+        k = torch.cat([k, k.new_zeros(B, G, 1, k.size(-1))], dim=2)  # (B, G, T_k + 1, D)
+        v = torch.cat([v, v.new_zeros(B, G, 1, v.size(-1))], dim=2)  # (B, G, T_k + 1, Dv)
     dead = None if sink_key else _dead_rows(st, masks.keep, T_q, T_k)  # (B|1, H|1, T_q): rows that see no key
     bias = masks.bias
     if dead is not None and bias is not None:

@@ -4,8 +4,8 @@ Notation used in every shape comment of attnlab:
     B batch, H query heads, G key/value heads (H = G * R, R queries share one K/V head),
     T_q query positions (i), T_k key positions (j), D head dim.
 
-Both functions take the heads already split, ``q: (B, H, T_q, D)``, ``k, v: (B, G, T_k, D)``,
-and masks already in attnlab's one internal convention (see :mod:`attnlab.core.masks`):
+Both functions take the heads already split, ``q: (B, H, T_q, D)``, ``k, v: (B, G, T_k, D)``
+(``v`` may have its own head dim ``Dv``: the context is then ``(B, H, T_q, Dv)``), and masks already in attnlab's one internal convention (see :mod:`attnlab.core.masks`):
 
 * ``keep``: bool, broadcastable to ``(B, H, T_q, T_k)``, **True = may attend**;
 * ``bias``: float, broadcastable likewise, added to the scores (``-inf`` entries are also
@@ -230,7 +230,7 @@ ONE_QUERY_MAX_KEYS = 1024
 
 
 def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Attention of one query per row, ``q (B, H, 1, D)`` over ``k, v (B, G, S, D)``: two batched
+    """Attention of one query per row, ``q (B, H, 1, D)`` over ``k (B, G, S, D)``, ``v (B, G, S, Dv)``: two batched
     matmuls around a softmax, the query heads grouped by the K/V head they share (no K/V copies).
 
     ``mask``: None, bool keep or float bias, broadcastable to ``(B, H, 1, S)``. A row with no
@@ -252,7 +252,7 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sc
         m = mask.expand(B, H, 1, S).reshape(B, G, H // G, S)
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
     weights = scores.softmax(-1)  # (B, G, H/G, S)
-    context = weights @ v  # (B, G, H/G, S) @ (B, G, S, D) -> (B, G, H/G, D)
+    context = weights @ v  # (B, G, H/G, S) @ (B, G, S, Dv) -> (B, G, H/G, Dv)
     return context.reshape(B, H, 1, v.size(-1))  # (B, H, 1, Dv): V may be narrower than Q and K (MLA)
 
 

@@ -80,8 +80,28 @@ def _tensor(module: nn.Module, path: str) -> torch.Tensor:
     return t
 
 
+def check_torch_dims(ours: Any) -> None:
+    """Refuse what ``nn.MultiheadAttention`` cannot hold: its heads always split ``embed_dim`` (D = E // H, the
+    same D for Q, K and V), and it has no output gate."""
+    E, H = ours.embed_dim, ours.num_heads
+    if ours.head_dim * H != E or ours.v_head_dim != ours.head_dim:
+        raise ValueError(
+            f"to_torch: this module has head_dim={ours.head_dim}, v_head_dim={ours.v_head_dim} with embed_dim={E}, "
+            f"num_heads={H}, but nn.MultiheadAttention's heads always split embed_dim (head_dim = v_head_dim = "
+            f"{E} // {H} = {E // H}); its weights have no place there. Keep attnlab's module, or build one with "
+            f"head_dim=None and v_head_dim=None."
+        )
+    if ours.output_gate is not None:
+        raise ValueError(
+            f"to_torch: this module has output_gate={ours.output_gate!r}, which nn.MultiheadAttention cannot "
+            f"compute (it has no gate before out_proj); keep attnlab's module, or build one with output_gate=False."
+        )
+
+
 def to_torch_mha(ours: Any, *, batch_first: bool = True) -> nn.MultiheadAttention:
-    """A torch module computing what ``ours`` (an attnlab ``MultiHeadAttention``) computes."""
+    """A torch module computing what ``ours`` (an attnlab ``MultiHeadAttention``) computes; refused
+    (:func:`check_torch_dims`) where torch's module cannot hold it."""
+    check_torch_dims(ours)
     weight = ours.out_proj.weight
     has_bias = ours.out_proj.bias is not None
     m = nn.MultiheadAttention(

@@ -1,7 +1,7 @@
 """``KVCache``: preallocated per-layer key/value buffers for incremental decoding.
 
-The buffers are ``(B, G, max_len, D)``: only the G key/value heads are stored, so GQA/MQA
-shrink the cache by ``H / G``. What is filled is always explicit, never guessed from the
+The buffers are ``(B, G, max_len, D)`` (values ``(B, G, max_len, Dv)`` where a module's ``v_head_dim``
+differs from its ``head_dim``): only the G key/value heads are stored, so GQA/MQA shrink the cache by ``H / G``. What is filled is always explicit, never guessed from the
 buffer's contents:
 
 * **append mode** (``cache_positions=None``): ``length`` slots are filled; an update writes at
@@ -29,7 +29,8 @@ class KVCache(nn.Module):
         batch_size: B.
         max_len: slots per sequence; prompt plus generated tokens must fit.
         num_kv_heads: G (``mha.num_kv_heads``).
-        head_dim: D (``mha.head_dim``).
+        head_dim: D (``mha.head_dim``), the width of each cached key head.
+        v_head_dim: Dv (``mha.v_head_dim``), the width of each cached value head; default ``head_dim``.
         dtype, device: of the buffers; must match the attention's K/V.
     """
 
@@ -43,21 +44,25 @@ class KVCache(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
         for name, value in (
             ("batch_size", batch_size),
             ("max_len", max_len),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
+            ("v_head_dim", v_head_dim),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise TypeError(f"KVCache {name} must be a positive int, got {value!r}.")
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, G, max_len, D)
+        v_shape = (batch_size, num_kv_heads, max_len, v_head_dim)  # (B, G, max_len, Dv)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape, dtype=dtype, device=device), persistent=False)
         self.length = 0  # filled slots in append mode
 
     @classmethod
@@ -65,7 +70,8 @@ class KVCache(nn.Module):
         """A cache sized for ``mha`` (an :class:`attnlab.MultiHeadAttention`), on its device and dtype."""
         w = next(mha.parameters())
         G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009 (nn.Module attributes are untyped)
-        return cls(batch_size, max_len, int(G), int(D), dtype=w.dtype, device=w.device)
+        Dv = getattr(mha, "v_head_dim", D)
+        return cls(batch_size, max_len, int(G), int(D), v_head_dim=int(Dv), dtype=w.dtype, device=w.device)
 
     @property
     def batch_size(self) -> int:
@@ -77,8 +83,8 @@ class KVCache(nn.Module):
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token costs in this layer's cache, per sequence: K and V, G heads of D."""
-        return 2 * self.k.size(1) * self.k.size(3) * self.k.element_size()
+        """Bytes one token costs in this layer's cache, per sequence: K and V, G heads of D and of Dv."""
+        return self.k.size(1) * (self.k.size(3) + self.v.size(3)) * self.k.element_size()
 
     def reset(self) -> None:
         """Empty the cache for reuse (the buffers are kept; stale values are never read)."""
@@ -86,8 +92,10 @@ class KVCache(nn.Module):
 
     def extra_repr(self) -> str:
         B, G, L, D = self.k.shape
+        v_head = f", v_head_dim={self.v.size(3)}" if self.v.size(3) != D else ""
         return (
-            f"batch_size={B}, num_kv_heads={G}, max_len={L}, head_dim={D}, dtype={self.k.dtype}, length={self.length}"
+            f"batch_size={B}, num_kv_heads={G}, max_len={L}, head_dim={D}{v_head}, dtype={self.k.dtype}, "
+            f"length={self.length}"
         )
 
     def _check(self, k: Tensor, v: Tensor) -> None:
@@ -106,9 +114,15 @@ class KVCache(nn.Module):
                 f"kv_cache stores (G, D) = {tuple(self.k.shape[1::2])} on {self.k.device} but the keys "
                 f"are (G, D) = {tuple(k.shape[1::2])} on {k.device}; build it with KVCache.for_module(mha, ...)."
             )
+        if v.shape[1::2] != self.v.shape[1::2]:
+            raise ValueError(
+                f"kv_cache stores values of (G, Dv) = {tuple(self.v.shape[1::2])} but this call's values are "
+                f"(G, Dv) = {tuple(v.shape[1::2])}; build it with KVCache.for_module(mha, ...), which reads the "
+                f"module's v_head_dim."
+            )
 
     def update(self, k: Tensor, v: Tensor, cache_positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Write this step's ``k, v`` ``(B, G, T, D)``; return the keys/values to attend over.
+        """Write this step's ``k (B, G, T, D)``, ``v (B, G, T, Dv)``; return the keys/values to attend over.
 
         Append mode returns the filled slots ``(B, G, length, D)``; position mode writes at
         ``cache_positions`` ``(T,)`` and returns the whole buffers ``(B, G, max_len, D)``.
@@ -123,7 +137,7 @@ class KVCache(nn.Module):
                     f"but max_len={self.max_len}; build the cache with max_len >= {end} or call reset()."
                 )
             self.k[:, :, start:end] = k  # (B, G, T, D) written at slots [start, end)
-            self.v[:, :, start:end] = v
+            self.v[:, :, start:end] = v  # (B, G, T, Dv)
             self.length = end
             return self.k[:, :, :end], self.v[:, :, :end]  # (B, G, end, D): views, no copy
         if cache_positions.shape != (T,):
@@ -186,10 +200,11 @@ class RollingKVCache(KVCache):
         num_kv_heads: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(batch_size, window, num_kv_heads, head_dim, dtype=dtype, device=device)
+        super().__init__(batch_size, window, num_kv_heads, head_dim, v_head_dim=v_head_dim, dtype=dtype, device=device)
         self.register_buffer(
             "pos", torch.full((window,), EMPTY_SLOT, dtype=torch.long, device=device), persistent=False
         )
@@ -202,7 +217,8 @@ class RollingKVCache(KVCache):
             raise ValueError("RollingKVCache.for_module needs a module built with window=W (a sliding-window layer).")
         w = next(mha.parameters())
         G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009
-        return cls(batch_size, window, int(G), int(D), dtype=w.dtype, device=w.device)
+        Dv = getattr(mha, "v_head_dim", D)
+        return cls(batch_size, window, int(G), int(D), v_head_dim=int(Dv), dtype=w.dtype, device=w.device)
 
     @property
     def window(self) -> int:
@@ -220,8 +236,8 @@ class RollingKVCache(KVCache):
         """Any position fits: position ``p`` lives in slot ``p % window``."""
 
     def update_rolling(self, k: Tensor, v: Tensor, cache_positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """Write ``k, v`` ``(B, G, T, D)`` at positions ``cache_positions`` ``(T,)``; return the keys,
-        values and key positions to attend over: ``(B, G, S, D)`` twice and ``(S,)``."""
+        """Write ``k (B, G, T, D)``, ``v (B, G, T, Dv)`` at positions ``cache_positions`` ``(T,)``; return the keys,
+        values and key positions to attend over: ``(B, G, S, D)``, ``(B, G, S, Dv)`` and ``(S,)``."""
         self._check(k, v)
         if cache_positions is None:
             raise ValueError(
@@ -238,7 +254,7 @@ class RollingKVCache(KVCache):
             return self.k, self.v, self.pos
         # prefill: this call's queries need their own keys even where they overwrite each other's slots
         keys = torch.cat([self.k, k], dim=2)  # (B, G, W + T, D)
-        values = torch.cat([self.v, v], dim=2)
+        values = torch.cat([self.v, v], dim=2)  # (B, G, W + T, Dv)
         positions = torch.cat([self.pos, cache_positions])  # (W + T,)
         keep = slice(max(0, T - W), T)  # the last W of this call's tokens stay in the buffer
         slot = cache_positions[keep] % W

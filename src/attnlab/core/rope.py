@@ -2,6 +2,11 @@
 
 Channel pair ``(c, c + D/2)`` of a head is rotated by ``position * base^(-2c/D)``. Applied to
 queries and keys after the head split, so that ``q_i . k_j`` depends on ``i - j`` only.
+
+Partial rotary (GPT-NeoX's ``rotary_pct``, Qwen3-Next's ``partial_rotary_factor``): angles built for
+``R < D`` channels (``rope_cos_sin(positions, R)``) rotate the first ``R`` channels of each head, pair
+``(c, c + R/2)`` by ``position * base^(-2c/R)``, and the other ``D - R`` pass through, as HF's
+``apply_rotary_pos_emb`` does when its cos/sin are narrower than the head.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ def rope_cos_sin(
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``(B, heads, T, D)`` by ``cos, sin`` of shape ``(T, D)`` or ``(B, T, D)``."""
+    """Rotate ``x`` ``(B, heads, T, D)`` by ``cos, sin`` of shape ``(T, R)`` or ``(B, T, R)``, ``R <= D`` even:
+    the first ``R`` channels of each head are rotated, the rest pass through (``R == D``: the whole head)."""
     if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R): broadcast over heads
+    R = cos.size(-1)
+    if R != x.size(-1):  # partial rotary: rotate the first R channels, pass the other D - R through
+        rot, rest = x[..., :R], x[..., R:]  # (B, heads, T, R), (B, heads, T, D - R)
+        return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)  # (B, heads, T, D)
     x1, x2 = x.chunk(2, dim=-1)  # (B, heads, T, D/2) each
     rotated = torch.cat((-x2, x1), dim=-1)  # (B, heads, T, D)
     return x * cos + rotated * sin

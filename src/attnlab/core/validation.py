@@ -20,6 +20,7 @@ class AttentionDims(Protocol):
     kdim: int
     vdim: int
     head_dim: int
+    rope_dims: int | None  # channels of each q/k head that RoPE rotates; None: all head_dim of them
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -36,8 +37,11 @@ def check_init_args(
     dropout: float,
     scale: float | None,
     backend: str,
+    *,
+    head_dim: int | None = None,
 ) -> None:
-    """Constructor arguments of :class:`attnlab.MultiHeadAttention`."""
+    """Constructor arguments of :class:`attnlab.MultiHeadAttention`. ``head_dim`` given (checked by
+    :func:`check_head_args`) frees the heads from dividing ``embed_dim``."""
     for name, value in (
         ("embed_dim", embed_dim),
         ("num_heads", num_heads),
@@ -46,7 +50,7 @@ def check_init_args(
         ("vdim", vdim),
     ):
         _positive_int(name, value)
-    if embed_dim % num_heads:
+    if head_dim is None and embed_dim % num_heads:
         divisors = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0]
         near = sorted(divisors, key=lambda h: abs(h - num_heads))[:2]
         raise ValueError(
@@ -65,6 +69,67 @@ def check_init_args(
     if scale is not None and not float(scale) > 0.0:
         raise ValueError(f"scale must be a positive float (default 1/sqrt(head_dim)), got {scale!r}.")
     check_backend(backend)
+
+
+OUTPUT_GATES: tuple[object, ...] = (False, None, "elementwise", "headwise")  # False and None: no gate
+
+
+def check_head_args(
+    embed_dim: int,
+    num_heads: int,
+    head_dim: object,
+    v_head_dim: object,
+    rope_dims: object,
+    output_gate: object,
+) -> None:
+    """The head-shape options of :class:`attnlab.MultiHeadAttention`: ``head_dim``, ``v_head_dim`` (each a positive
+    int or None), ``rope_dims`` (even, at most the query/key head dim) and ``output_gate``."""
+    for name, value, default in (
+        ("head_dim", head_dim, f"embed_dim // num_heads = {embed_dim // num_heads}"),
+        ("v_head_dim", v_head_dim, "head_dim"),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"{name} must be a positive int or None (default {default}), got {value!r} ({type(value).__name__}); "
+                f"pass an int, e.g. {name}=64."
+            )
+        if value <= 0:
+            raise ValueError(
+                f"{name} must be a positive int or None (default {default}), got {value}; each head needs at least "
+                f"one channel: pass e.g. {name}=64, or leave it None."
+            )
+    d_qk = head_dim if isinstance(head_dim, int) else embed_dim // num_heads  # checked above: an int or None
+    if rope_dims is not None:
+        if isinstance(rope_dims, bool) or not isinstance(rope_dims, int):
+            raise TypeError(
+                f"rope_dims must be an even int or None (RoPE on the whole head), got {rope_dims!r} "
+                f"({type(rope_dims).__name__}); for a rotary fraction f pass rope_dims=int(head_dim * f)."
+            )
+        if rope_dims <= 0:
+            raise ValueError(
+                f"rope_dims must be a positive even int or None (RoPE on the whole head), got {rope_dims}; for no "
+                f"rotary embedding at all, pass no rope= to forward."
+            )
+        if rope_dims % 2:
+            even = " or ".join(str(r) for r in (rope_dims - 1, rope_dims + 1) if r > 0)
+            raise ValueError(
+                f"rope_dims={rope_dims} is odd: RoPE rotates channel pairs (c, c + rope_dims/2) of each query/key "
+                f"head; use rope_dims={even}."
+            )
+        if rope_dims > d_qk:
+            raise ValueError(
+                f"rope_dims={rope_dims} exceeds the query/key head dim {d_qk}: RoPE rotates the first rope_dims "
+                f"channels of each head and passes the rest through; use rope_dims <= {d_qk} (a rotary fraction f "
+                f"is rope_dims=int({d_qk} * f)), or None for the whole head."
+            )
+    if not any(output_gate is g or (isinstance(g, str) and output_gate == g) for g in OUTPUT_GATES):
+        hint = " (True is ambiguous: name the kind)" if output_gate is True else ""
+        raise ValueError(
+            f"output_gate must be False, 'elementwise' (a sigmoid gate per output channel, H * v_head_dim, as "
+            f"Qwen3-Next) or 'headwise' (one per head, H); got {output_gate!r}{hint}."
+        )
 
 
 def check_variant_args(window: object, softcap: object, alibi: object, sinks: object, qk_norm: object) -> None:
@@ -206,8 +271,14 @@ def check_forward_inputs(
                 f"rope must be a (cos, sin) tuple of tensors from attnlab.core.rope.rope_cos_sin, got {type(rope).__name__}."
             )
         cos = rope[0]
-        if cos.shape[-2:] != (query.size(1), m.head_dim):
+        if m.rope_dims is None and cos.shape[-2:] != (query.size(1), m.head_dim):
             raise ValueError(
                 f"rope cos/sin have shape {tuple(cos.shape)}; expected (T_q, head_dim) = "
                 f"({query.size(1)}, {m.head_dim}) or (B, T_q, head_dim): one angle set per query position."
+            )
+        if m.rope_dims is not None and cos.shape[-2:] != (query.size(1), m.rope_dims):
+            raise ValueError(
+                f"rope cos/sin have shape {tuple(cos.shape)}; this module rotates rope_dims={m.rope_dims} of each "
+                f"head's {m.head_dim} channels, so expected (T_q, rope_dims) = ({query.size(1)}, {m.rope_dims}) or "
+                f"(B, T_q, rope_dims): build them with rope_cos_sin(positions, {m.rope_dims})."
             )

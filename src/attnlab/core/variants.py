@@ -231,8 +231,8 @@ def _sdpa_block(
     if sinks is not None:
         B, H, tq, _ = q.shape
         tk = k.size(2)
-        zeros = k.new_zeros(B, k.size(1), 1, k.size(-1))
-        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)  # (B, G, tk + 1, D)
+        k = torch.cat([k, k.new_zeros(B, k.size(1), 1, k.size(-1))], dim=2)  # (B, G, tk + 1, D)
+        v = torch.cat([v, v.new_zeros(B, v.size(1), 1, v.size(-1))], dim=2)  # (B, G, tk + 1, Dv)
         bias = q.new_zeros(1, H, tq, tk) if bias is None else bias.expand(bias.size(0), H, tq, tk)
         sink = sinks.to(q.dtype)[None, :, None, None].expand(bias.size(0), H, tq, 1)
         bias = torch.cat([bias, sink], dim=-1)  # (B|1, H, tq, tk + 1)
@@ -297,7 +297,8 @@ def banded_sdpa(
     full_mask = (masks.keep is not None and masks.keep.size(2) > 1) or masks.bias is not None
     if full_mask:  # a user mask over (query, key) pairs: slice it block by block
         return _banded_loop(q, k, v, masks, st, scale=scale, dropout_p=dropout_p, block=block).to(out_dtype)
-    B, H, T, D = q.shape
+    B, H, T, _ = q.shape
+    Dv = v.size(-1)  # the value head dim: the context's, and D's unless the module sets v_head_dim
     W = st.window
     nb = -(-T // block)  # blocks of queries, the last one padded
     band = block + W - 1  # keys a block may see
@@ -309,9 +310,10 @@ def banded_sdpa(
     key_index = key_index.clamp(0, T - 1)
     query_index = (torch.arange(nb * block, device=device)).clamp(max=T - 1).view(nb, block)  # padded rows repeat T-1
 
-    def blocks(t: Tensor) -> Tensor:  # (B, G, T, D) -> (B*nb, G, band, D): every block's key band
-        return t[:, :, key_index].permute(0, 2, 1, 3, 4).reshape(B * nb, t.size(1), band, D)
+    def blocks(t: Tensor) -> Tensor:  # (B, G, T, D) -> (B*nb, G, band, D): every block's key band (D or Dv)
+        return t[:, :, key_index].permute(0, 2, 1, 3, 4).reshape(B * nb, t.size(1), band, t.size(-1))
 
+    D = q.size(-1)
     q_b = F.pad(q, (0, 0, 0, nb * block - T)).view(B, H, nb, block, D).transpose(1, 2).reshape(B * nb, H, block, D)
     empty = torch.full_like(key_index, 2**62)  # a position no query reaches: keys before 0 or past T - 1
     k_pos = torch.where(valid, key_index, empty)
@@ -331,8 +333,8 @@ def banded_sdpa(
         key_keep = key_keep.expand(B, nb, band).reshape(B * nb, 1, 1, band)
         keep = key_keep if keep is None else keep & key_keep
     bias = banded.bias(dtype=q.dtype)  # ALiBi, (B*nb, H, block, band) or None
-    out = _sdpa_block(q_b, blocks(k), blocks(v), keep, bias, st.sinks, scale, dropout_p)  # (B*nb, H, block, D)
-    return out.view(B, nb, H, block, D).transpose(1, 2).reshape(B, H, nb * block, D)[:, :, :T].to(out_dtype)
+    out = _sdpa_block(q_b, blocks(k), blocks(v), keep, bias, st.sinks, scale, dropout_p)  # (B*nb, H, block, Dv)
+    return out.view(B, nb, H, block, Dv).transpose(1, 2).reshape(B, H, nb * block, Dv)[:, :, :T].to(out_dtype)
 
 
 def _banded_loop(

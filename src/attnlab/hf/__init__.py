@@ -3,8 +3,12 @@
 ``attnlab.hf.register()`` registers it with transformers (5.x); then any model whose attention
 layers go through ``AttentionInterface`` (GPT-2, Llama, Mistral, Qwen2/3, OLMo 2; Gemma 2 and
 gpt-oss, whose soft-capping and sinks run as attnlab's variants; T5 and its kin, whose relative
-position bias joins the mask) runs attnlab's attention when loaded with
+position bias joins the mask; DeepSeek-V3, Qwen3-Next, Gemma 3 and Llama 4, whose head dims, value
+heads, partial RoPE, gates and chunks are their layers' own) runs attnlab's attention when loaded with
 ``attn_implementation="attnlab"``. transformers is imported only by ``register()``.
+
+:mod:`attnlab.hf.layers` converts one HF attention layer (Qwen3-Next, GPT-NeoX, Gemma 3, Llama 4) into
+attnlab's own ``MultiHeadAttention``, its weights copied.
 """
 
 from .attention import ATTENTION_NAME, attnlab_attention_forward, hf_mask_to_keep, register

@@ -10,7 +10,8 @@ blocks of queries that never hold the ``T_q x T_k`` scores at once (HF's eager a
 one transformers offers those models besides flash/flex kernels, materialises all of them).
 
 Notation: B batch, H query heads, G key/value heads (GQA: H = G * R), T_q query positions,
-T_k key positions (cache included), D head dim.
+T_k key positions (cache included), D query/key head dim, Dv value head dim (DeepSeek's MLA: Dv != D;
+D elsewhere).
 
 At this edge HF's conventions hold, inside attnlab's: HF hands ``query (B, H, T_q, D)``,
 ``key, value (B, G, T_k, D)`` and a 4-D mask, and takes back ``(B, T_q, H, D)``. The mask comes
@@ -148,8 +149,8 @@ def attnlab_attention_forward(
         module: the calling attention layer; read for ``is_causal`` (default True) and its
             ``config.output_attentions``.
         query: ``(B, H, T_q, D)``.
-        key, value: ``(B, G, T_k, D)``, the cache's keys included; G divides H (GQA: query head
-            h reads K/V head ``h // (H // G)``, as ``repeat_kv``).
+        key, value: ``(B, G, T_k, D)`` and ``(B, G, T_k, Dv)``, the cache's keys included; G divides H
+            (GQA: query head h reads K/V head ``h // (H // G)``, as ``repeat_kv``).
         attention_mask: None, or 4-D broadcastable to ``(B, H, T_q, T_k)``, bool (True = may
             attend) or float (added; see :func:`hf_mask_to_keep`). It already holds causality,
             padding and any sliding window. None means plain causal masking for a causal layer
@@ -168,7 +169,7 @@ def attnlab_attention_forward(
             attention.
 
     Returns:
-        ``(output (B, T_q, H, D), weights (B, H, T_q, T_k) or None)``. A query that may attend
+        ``(output (B, T_q, H, Dv), weights (B, H, T_q, T_k) or None)``. A query that may attend
         to no key (a left-padding position) gets an output of zeros and weights of zeros.
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
