@@ -31,6 +31,7 @@ def attend(
 
     Returns ``(context (B, H, T_q, D), weights (B, H, T_q, T_k) or None, how SDPA was adapted or None)``.
     """
+    rows = None if masks.opened is None or masks.dead is None else (masks.opened, masks.dead)
     if backend == "math":
         context, weights = functional.math_attention(
             q,
@@ -43,6 +44,7 @@ def attend(
             scale=scale,
             dropout_p=dropout_p,
             need_weights=need_weights,
+            rows=rows,
         )
         return context, weights, None
     compute_dtype, why = functional.sdpa_compute_dtype(q)
@@ -60,5 +62,7 @@ def attend(
         dropout_p=dropout_p,
         need_weights=need_weights,
         compute_dtype=compute_dtype,
+        rows=rows,
+        opened_bias=masks.opened_bias,
     )
     return context, None, why

@@ -77,6 +77,7 @@ def math_attention(
     need_weights: bool = False,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    rows: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The reference: the seeds' algorithm written out, float64-capable, can return weights.
 
@@ -84,7 +85,8 @@ def math_attention(
     those multiplied with V (after dropout, when dropout is on). Two variants
     (:mod:`attnlab.core.variants`) change one step each: ``softcap`` C turns the scaled scores
     into ``C * tanh(scores / C)`` before the bias and masks; ``sinks`` ``(H,)`` joins each row's
-    softmax as one more logit whose value is zero (the weights returned exclude it).
+    softmax as one more logit whose value is zero (the weights returned exclude it). ``rows``: as
+    :func:`sdpa_attention`'s, the rows of ``keep`` that see no key, found once for all layers.
     """
     out_dtype = q.dtype
     acc = torch.promote_types(q.dtype, torch.float32)  # float32 for fp16/bf16/fp32, float64 for float64
@@ -98,6 +100,7 @@ def math_attention(
         tri = causal_keep(T_q, T_k, q.device)  # (T_q, T_k), bottom-right aligned
         keep = tri if keep is None else keep & tri
         empty_rows = empty_rows or T_q > T_k  # the first T_q - T_k queries then see no key
+        rows = None  # keep changed: the rows found for it no longer hold
 
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, D) @ (B, H, D, T_k) -> (B, H, T_q, T_k)
     if softcap is not None:
@@ -114,7 +117,8 @@ def math_attention(
     else:
         weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in `acc`
     if keep is not None and empty_rows:
-        weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # fully masked rows
+        dead = rows[1] if rows is not None else ~keep.any(dim=-1, keepdim=True)  # (B|1, H|1, T_q, 1)
+        weights = weights.masked_fill(dead, 0.0)  # fully masked rows
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     context = weights @ v  # (B, H, T_q, T_k) @ (B, H, T_k, D) -> (B, H, T_q, D)
@@ -134,6 +138,8 @@ def sdpa_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     compute_dtype: torch.dtype | None = None,
+    rows: tuple[Tensor, Tensor] | None = None,
+    opened_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The fused path: ``F.scaled_dot_product_attention`` (flash / memory-efficient / CPU flash).
 
@@ -143,7 +149,10 @@ def sdpa_attention(
     (faster there, and the only way its gradients meet flash-attention's rule with GQA/MQA), the
     inputs' own dtype elsewhere. ``compute_dtype=q.dtype`` runs the inputs' dtype on any device: on a
     CPU in fp16/bf16 that is slower, and its dK/dV of grouped heads miss the rule (measured, see
-    :func:`sdpa_compute_dtype`).
+    :func:`sdpa_compute_dtype`). ``rows``: :func:`unmask_dead_rows` of ``keep``, computed once for all
+    layers (:attr:`attnlab.core.masks.Masks.opened` and ``.dead``); used while ``keep`` is unchanged here.
+    ``opened_bias``: the opened ``keep`` as an additive float mask (0 / -inf), also made once for all layers:
+    SDPA and the one-query path then add it instead of turning a bool mask into one in every layer.
     """
     if need_weights:
         raise ValueError(
@@ -163,10 +172,14 @@ def sdpa_attention(
         keep = tri if keep is None else keep & tri
         causal = False
         empty_rows = empty_rows or T_q > T_k  # the first T_q - T_k queries then see no key
+        rows = None  # keep changed: the rows found for it no longer hold
     if keep is None and bias is not None and empty_rows:
         keep = bias != float("-inf")  # a float mask alone may block every key of a row too
-    keep, dead = unmask_dead_rows(keep, empty_rows)
+    shared = rows is not None and keep is not None and empty_rows
+    keep, dead = rows if shared and rows is not None else unmask_dead_rows(keep, empty_rows)
     mask = keep
+    if shared and bias is None and opened_bias is not None and opened_bias.dtype == q.dtype:
+        mask = opened_bias  # (B, 1, T_q, T_k) float: the same mask, converted once for every layer
     if bias is not None:  # SDPA takes one mask: fold the blocked positions into the bias
         mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
         if dead is not None:
