@@ -590,3 +590,21 @@ def test_context_parallel_refuses_value_heads_of_their_own_width():
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         m(inputs(m), is_causal=True, context_parallel=object())
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(head_dim=16), r"head_dim=16 \(embed_dim // num_heads = 32 // 4 = 8\)"),
+        (dict(head_dim=8, v_head_dim=12), r"v_head_dim=12 \(head_dim=8\)"),
+        (dict(output_gate="headwise"), r"output_gate='headwise'"),
+    ],
+)
+def test_check_refuses_what_its_reference_does_not_compute(kwargs, named):
+    """attnlab check's float64 reference is 2017-style MHA: a module with these options is refused before any row
+    runs, naming the option, instead of crashing mid-run or reading the option as a mistake."""
+    from attnlab.check import run_checks
+    from attnlab.check.projections import NotAttention
+
+    with pytest.raises(NotAttention, match=rf"MultiHeadAttention has {named}, which attnlab check's float64 reference"):
+        run_checks(MultiHeadAttention(32, 4, **kwargs))

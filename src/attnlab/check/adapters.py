@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from ..core.attention import Backend, MultiHeadAttention
 from ..core.functional import causal_keep
 from ..core.kv_cache import KVCache
+from .projections import NotAttention
 
 __all__ = [
     "AttentionAdapter",
@@ -256,6 +257,30 @@ class _ConventionModule(Protocol):
     out_proj: _LinearLike
 
 
+def _check_expressible(module: nn.Module) -> None:
+    """Refuse, before any check runs, a module whose attention check's float64 reference does not compute: head dims
+    set apart from ``embed_dim // num_heads`` or a value head dim of its own (``head_dim=``, ``v_head_dim=``), or an
+    output gate (``output_gate=``). Those options are verified against their own reference in
+    tests/test_attention_dims.py; here they would read as mistakes."""
+    E, H = int(getattr(module, "embed_dim", 0)), int(getattr(module, "num_heads", 0) or 1)
+    D, Dv = getattr(module, "head_dim", None), getattr(module, "v_head_dim", None)
+    found = []
+    if isinstance(D, int) and D != E // H:
+        found.append(f"head_dim={D} (embed_dim // num_heads = {E} // {H} = {E // H})")
+    if isinstance(D, int) and isinstance(Dv, int) and Dv != D:
+        found.append(f"v_head_dim={Dv} (head_dim={D})")
+    gate = getattr(module, "output_gate", None)
+    if gate:
+        found.append(f"output_gate={gate!r}")
+    if found:
+        raise NotAttention(
+            f"{type(module).__name__} has {', '.join(found)}, which attnlab check's float64 reference of multi-head "
+            f"attention does not compute yet (head dim embed_dim // num_heads, one head dim for Q, K and V, no gate); "
+            f"check the module built without them. The options themselves are verified against a float64 reference "
+            f"of their own in attnlab's tests (tests/test_attention_dims.py)."
+        )
+
+
 class ModuleAdapter(AttentionAdapter):
     """Any ``nn.Module`` following attnlab's calling convention (attnlab's own included).
 
@@ -289,6 +314,7 @@ class ModuleAdapter(AttentionAdapter):
                 f"module {type(module).__name__} lacks {missing}; a plain nn.Module is checked only if it "
                 f"follows attnlab's convention (see attnlab.check.adapters), otherwise wrap it in an AttentionAdapter."
             )
+        _check_expressible(module)
         self.module, self.factory = module, factory
         backend = getattr(module, "backend", None)
         self.name = name or type(module).__name__ + (f"(backend={backend!r})" if isinstance(backend, str) else "")
