@@ -253,10 +253,12 @@ class MLARecipe:
     """How MLA is computed; the defaults are DeepSeek-V2's equations (section 2.1)."""
 
     rope_key: Literal["shared", "per_head"] = "shared"  # k_R one for all heads, or projected per head
-    scale: Literal["qk", "nope"] = "qk"  # 1/sqrt(N + R), or 1/sqrt(N)
+    scale: Literal["qk", "nope", "latent"] = "qk"  # 1/sqrt(N + R), 1/sqrt(N), or 1/sqrt(C + R) (the absorbed width)
     w_uk: Literal["right", "transposed"] = "right"  # W_UK (N, C), or its transpose read as one (needs N == C)
     latent_norm: bool = True  # RMSNorm on c_KV
     rope_on_latent: bool = False  # the first R channels of c_KV rotated as well
+    kv_b_order: Literal["key_first", "value_first"] = "key_first"  # kv_b_proj's rows per head: W_UK then W_UV
+    query_norm: bool = True  # RMSNorm on the query latent c_Q (with q_lora_rank)
 
     def applies(self, dims: MLADims) -> bool:
         """Whether this computation can run on weights of ``dims``."""
@@ -264,6 +266,10 @@ class MLARecipe:
             return False
         if self.w_uk == "transposed" and dims.N != dims.C:
             return False
+        if self.scale == "latent" and dims.C == dims.N:
+            return False  # 1/sqrt(C + R) is then the right scale: nothing tells the two apart
+        if not self.query_norm and dims.Q is None:
+            return False  # no query latent to normalise
         return not (self.rope_on_latent and dims.R > dims.C)
 
 
@@ -302,7 +308,8 @@ def mla_recipe(
         q = x @ w.W_q.T  # (B, T, H*(N+R))
     else:
         assert w.W_qa is not None and w.W_qb is not None and w.qnorm is not None and w.b_qa is not None
-        q = _rms(x @ w.W_qa.T + w.b_qa, w.qnorm) @ w.W_qb.T  # (B, T, Q) -> (B, T, H*(N+R))
+        c_Q = x @ w.W_qa.T + w.b_qa  # (B, T, Q)
+        q = (_rms(c_Q, w.qnorm) if recipe.query_norm else c_Q) @ w.W_qb.T  # (B, T, Q) -> (B, T, H*(N+R))
     q = q.view(B, T, H, N + R).transpose(1, 2)  # (B, H, T, N+R)
     q_C, q_R = q[..., :N], _rotate(q[..., N:], angles, layout)  # (B, H, T, N), (B, H, T, R)
 
@@ -314,13 +321,16 @@ def mla_recipe(
         k_R = _rotate(a[..., C:].view(B, T, H, R).transpose(1, 2), angles, layout)  # (B, H, T, R)
     else:
         k_R = _rotate(a[..., C:], angles, layout)[:, None]  # (B, 1, T, R): one for all heads
-    W_UK, W_UV = w.W_kvb[:, :N], w.W_kvb[:, N:]  # (H, N, C), (H, Dv, C)
+    if recipe.kv_b_order == "key_first":
+        W_UK, W_UV = w.W_kvb[:, :N], w.W_kvb[:, N:]  # (H, N, C), (H, Dv, C)
+    else:  # each head's value rows read from the front, its key rows from the back
+        W_UV, W_UK = w.W_kvb[:, :Dv], w.W_kvb[:, Dv:]  # (H, Dv, C), (H, N, C)
     if recipe.w_uk == "transposed":
         W_UK = W_UK.transpose(1, 2)  # (H, C, N) read as (H, N, C): only when N == C
     k_C = torch.einsum("bsc,hnc->bhsn", c_KV, W_UK)  # (B, H, T, N)
     v = torch.einsum("bsc,hdc->bhsd", c_KV, W_UV)  # (B, H, T, Dv)
 
-    scale = 1 / math.sqrt(N + R if recipe.scale == "qk" else N)
+    scale = 1 / math.sqrt({"qk": N + R, "nope": N, "latent": C + R}[recipe.scale])
     scores = (q_C @ k_C.transpose(-1, -2) + q_R @ k_R.transpose(-1, -2)) * scale  # (B, H, T, T)
     allowed = keep.expand(B, T, T)[:, None]  # (B, 1, T, T)
     p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)

@@ -39,7 +39,7 @@ MLA_CHECKS = ("mla_shared_rope_key", "mla_parity[causal]", "mla_parity[padding]"
 @dataclass(frozen=True)
 class MLAMistake:
     """A mistake people make writing MLA: what is found, why it matters, the fix, and the recipe reproducing it.
-    ``found``/``why``/``fix`` may name ``{H} {C} {R} {N} {Dv}`` and ``{rq}`` 1/sqrt(N+R), ``{rn}`` 1/sqrt(N)."""
+    ``found``/``why``/``fix`` may name ``{H} {C} {R} {N} {Dv}`` and ``{rq}`` 1/sqrt(N+R), ``{rn}`` 1/sqrt(N), ``{rl}`` 1/sqrt(C+R)."""
 
     id: str
     title: str
@@ -101,6 +101,35 @@ MLA_MISTAKES: tuple[MLAMistake, ...] = (
         "to avoid (the absorbed form can no longer fold W_UK into the queries)",
         "rotate only q_R and k_R = W_KR h; leave c_KV = RMSNorm(W_DKV h) as it is",
         MLARecipe(rope_on_latent=True),
+    ),
+    MLAMistake(
+        "mla_scale_latent_width",
+        "the scale from the absorbed query's width",
+        "the scores are scaled by 1/sqrt(kv_lora_rank + qk_rope_head_dim) = {rl:.4g}, the width of the absorbed "
+        "query and the latent key, not 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = {rq:.4g}",
+        "absorbing W_UK changes where the dot product is computed, not its value: each score is still the paper's "
+        "q . k over N + R = {N}+{R} channels, so its scale stays 1/sqrt(N + R); the wider one flattens the softmax",
+        "softmax_scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 on both paths (DeepSeek's self.softmax_scale)",
+        MLARecipe(scale="latent"),
+    ),
+    MLAMistake(
+        "mla_kv_b_split_swapped",
+        "kv_b_proj's key and value rows swapped",
+        "each head's rows of kv_b_proj are split value first: the first {Dv} rows are used as W_UV and the last "
+        "{N} as W_UK, where DeepSeek's checkpoints hold W_UK (qk_nope_head_dim rows) first",
+        "keys are then made with the value weights and values with the key weights; with N = Dv (DeepSeek-V3: 128 "
+        "and 128) no shape error says so",
+        "k_nope, value_states = torch.split(kv, [qk_nope_head_dim, v_head_dim], dim=-1) (key rows first)",
+        MLARecipe(kv_b_order="value_first"),
+    ),
+    MLAMistake(
+        "mla_query_norm_missing",
+        "the query latent's norm forgotten",
+        "the query latent c_Q goes into q_b_proj without q_a_layernorm (RMSNorm over its q_lora_rank channels)",
+        "DeepSeek normalises the query latent as it does the key/value latent: without it the queries, and so "
+        "every score, come out at the wrong scale",
+        "q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))",
+        MLARecipe(query_norm=False),
     ),
 )
 
@@ -186,7 +215,16 @@ def run_mla(
     pad[0, -3:] = True  # the last 3 keys of sequence 0 are padding
     padded_keep = causal & ~pad[:, None, :]  # (B, T, T)
     rows: list[CheckResult] = []
-    dims_text = dict(H=d.H, C=d.C, R=d.R, N=d.N, Dv=d.Dv, rq=1 / math.sqrt(d.N + d.R), rn=1 / math.sqrt(d.N))
+    dims_text = dict(
+        H=d.H,
+        C=d.C,
+        R=d.R,
+        N=d.N,
+        Dv=d.Dv,
+        rq=1 / math.sqrt(d.N + d.R),
+        rn=1 / math.sqrt(d.N),
+        rl=1 / math.sqrt(d.C + d.R),
+    )
 
     on_check("mla_shared_rope_key")
     rows.append(
