@@ -403,6 +403,17 @@ def _greedy_diff(mla: _Stack, caches: list[MLACache], x: Tensor, S: int, steps: 
     return max((a - b).abs().max().item() for a, b in zip(outs["naive"], outs["absorbed"], strict=True))
 
 
+def _path_shape(config: MLABenchConfig) -> dict[str, int]:
+    """The sizes :func:`attnlab.core.mla.path_costs` counts with, from the benchmark's config."""
+    return {
+        "heads": config.num_heads,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+    }
+
+
 def _sweep(
     config: MLABenchConfig, layer: nn.Module, repeats: int, device: torch.device, seed: int
 ) -> dict[str, list[dict[str, Any]]]:
@@ -411,13 +422,7 @@ def _sweep(
     assert isinstance(layer, MultiHeadLatentAttention)
     dtype = next(layer.parameters()).dtype
     points = [(1, S) for S in config.sweep_lens] + [(T, max(config.cache_lens)) for T in config.sweep_queries]
-    shape = {
-        "heads": config.num_heads,
-        "kv_lora_rank": config.kv_lora_rank,
-        "qk_nope_head_dim": config.qk_nope_head_dim,
-        "qk_rope_head_dim": config.qk_rope_head_dim,
-        "v_head_dim": config.v_head_dim,
-    }
+    shape = _path_shape(config)
     measured: list[dict[str, Any]] = []
     for T, S in points:
         cache = MLACache.for_module(layer, 1, S)
@@ -458,13 +463,7 @@ def _crossing(points: list[dict[str, Any]], key: str, what: str) -> str:
 
 def _crossover_lines(config: MLABenchConfig, sweep: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The crossover, measured and counted (by :func:`attnlab.core.mla.path_costs`), one line per sweep."""
-    shape = {
-        "heads": config.num_heads,
-        "kv_lora_rank": config.kv_lora_rank,
-        "qk_nope_head_dim": config.qk_nope_head_dim,
-        "qk_rope_head_dim": config.qk_rope_head_dim,
-        "v_head_dim": config.v_head_dim,
-    }
+    shape = _path_shape(config)
     lines = []
     if sweep["lengths"]:
         longest = max(p["cache_len"] for p in sweep["lengths"])
