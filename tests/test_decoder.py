@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import Llama, TinyGPT
-from attnlab.models.config import GPT2_NAMES, LLAMA_NAMES, DecoderConfig, GPTConfig, ModuleNames
+from attnlab.models.config import GPT2_NAMES, LLAMA_NAMES, DecoderConfig, GPTConfig, LatentDims, ModuleNames
 from attnlab.models.decoder import Decoder
 from attnlab.models.llama_config import LlamaConfig
 
@@ -269,6 +269,10 @@ def test_the_families_names_are_what_their_checkpoints_use():
         (dict(position="alibi"), r"DecoderConfig.position must be one of 'learned', 'rotary', got 'alibi'\."),
         (dict(n_layer=0), r"DecoderConfig.n_layer must be a positive int, got 0\."),
         (dict(names=LLAMA_NAMES), r"position='learned' needs names.positions"),
+        (
+            dict(attention="mla", latent=LatentDims(16, 4, 8, 8), position="rotary", dropout=0.1),
+            r"DecoderConfig.dropout=0.1 with attention='mla': multi-head latent attention has no dropout",
+        ),
     ],
 )
 def test_a_bad_switch_is_named_with_its_choices(kwargs, message):

@@ -145,6 +145,11 @@ class DecoderConfig:
                 f"DecoderConfig.attention={self.attention!r} with latent={self.latent!r}: multi-head latent attention "
                 f"needs its sizes and only it takes them; pass attention='mla' with latent=LatentDims(...), or neither."
             )
+        if self.latent is not None and self.dropout > 0.0:
+            raise ValueError(
+                f"DecoderConfig.dropout={self.dropout} with attention='mla': multi-head latent attention has no "
+                f"dropout on its weights, so the rate would be applied only in part; use dropout=0.0."
+            )
         if self.position == "rotary" and self.latent is None:
             check_rotary_head_dim(self, self.n_embd, self.n_head)
         if self.position == "learned" and self.names.positions is None:
