@@ -67,6 +67,8 @@ class Recipe:
     batch_first: bool = True
     merge: Literal["transpose", "no_transpose", "interleaved"] = "transpose"
     out_proj: bool = True
+    # which of Q, K, V the module's position map (rotary) turns: "qk" as it should, "q" alone, or V as well
+    rotary: Literal["qk", "q", "qkv"] = "qk"
 
     def changes(self) -> dict[str, object]:
         """The fields that differ from the textbook recipe."""
@@ -199,6 +201,10 @@ def recipe_attention(
     s["q_heads"] = _split(s["q"], H, recipe.split)  # (B, H, T_q, D)
     s["k_heads"] = _split(s["k"], G, recipe.split)  # (B, G, T_k, D)
     s["v_heads"] = _split(s["v"], G, recipe.split)  # (B, G, T_k, D)
+    if w.rotary is not None:  # the module's own position map on Q and K (rotary), or a mistaken use of it
+        rotated = {"qk": ("q", "k"), "q": ("q",), "qkv": ("q", "k", "v")}[recipe.rotary]
+        for name in rotated:
+            s[f"{name}_heads"] = w.rotate(s[f"{name}_heads"])
     k, v = s["k_heads"], s["v_heads"]
     if G != H:  # GQA: each K/V head serves H/G query heads
         if recipe.kv_repeat == "tile":
