@@ -54,7 +54,7 @@ def _fname(func: object) -> str:
 def _in_place(func: object) -> bool:
     """``q *= s``, ``scores.masked_fill_(...)``: an op that rewrites its first argument and returns it."""
     name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__")
+    return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name.endswith("__"))
 
 
 class _Mode(TorchFunctionMode):

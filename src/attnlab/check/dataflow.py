@@ -74,7 +74,13 @@ class Rotary:
 
     def describe(self) -> str:
         split = all(j - i == len(self.pairs) for i, j in self.pairs)
-        how = "halves (i, i + D/2)" if split else "adjacent pairs (2i, 2i+1)" if all(j == i + 1 for i, j in self.pairs) else "pairs"
+        how = (
+            "halves (i, i + D/2)"
+            if split
+            else "adjacent pairs (2i, 2i+1)"
+            if all(j == i + 1 for i, j in self.pairs)
+            else "pairs"
+        )
         return f"rotary on {2 * len(self.pairs)} dims, {how}, base angle {max(self.omega):.3g} rad/position"
 
 
@@ -196,7 +202,9 @@ def _as_rows(x: Tensor, letters: str, keep: tuple[str, str], group: str) -> Tens
     return x.permute(order)
 
 
-def _product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _product_sides(
+    op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """For Q K^T (``first_is_weights`` False): ``(Q (L, T_q, D), K (L, T_k, D), scores)``; for P V:
     ``(P (L, T_q, T_k), V (L, T_k, D), context (L, T_q, D))``, the group dims flattened to L."""
     tensors = _operands(op, ops, inputs)
@@ -607,7 +615,12 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
                 bias_vec = sol[-1]
                 bias_src = None
                 for n, p in probe.named_parameters():
-                    if p.dim() == 1 and p.numel() == E and float((p.detach().double() - bias_vec).abs().max()) <= 1e-6 * max(1.0, float(bias_vec.abs().max())):
+                    if (
+                        p.dim() == 1
+                        and p.numel() == E
+                        and float((p.detach().double() - bias_vec).abs().max())
+                        <= 1e-6 * max(1.0, float(bias_vec.abs().max()))
+                    ):
                         bias_src = ((n, tuple(range(E))),)
                         break
                 if bias_src is not None or float(bias_vec.abs().max()) <= 1e-9:
@@ -633,7 +646,12 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
 def name_hint(path: str) -> str | None:
     """The role a parameter's path suggests (``linear_values.weight`` -> ``v``), or None."""
     last = re.sub(r"\.(weight|bias)$", "", path).rsplit(".", 1)[-1].lower()
-    for role, words in (("q", ("query", "q")), ("k", ("key", "k")), ("v", ("value", "v")), ("out", ("out", "o", "proj", "dense"))):
+    for role, words in (
+        ("q", ("query", "q")),
+        ("k", ("key", "k")),
+        ("v", ("value", "v")),
+        ("out", ("out", "o", "proj", "dense")),
+    ):
         tokens = re.split(r"[_\d]+", last)
         if any(t in words or t.rstrip("s") in words for t in tokens if t):
             return role

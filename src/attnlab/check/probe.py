@@ -1047,7 +1047,12 @@ def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) ->
         return found, False
     if found is None or found.weak:
         return found, True
-    used = {p.rsplit(".", 1)[0] for src in (reading.q, reading.k, reading.v, reading.out) if src is not None for p, _, _ in src.parts}
+    used = {
+        p.rsplit(".", 1)[0]
+        for src in (reading.q, reading.k, reading.v, reading.out)
+        if src is not None
+        for p, _, _ in src.parts
+    }
     if found.mha is not None:
         return found, False  # nn.MultiheadAttention inside: its own projections, read as torch lays them out
     if found.qkv is not None:
