@@ -149,11 +149,14 @@ class CallForm:
     required_none: tuple[str, ...] = ()
     # The three inputs go by keyword: their names say which is which, in another order than (query, key, value).
     by_name: bool = False
+    # (T, B, E) inputs and output (fairseq, labml, nn.MultiheadAttention's default), found by experiment
+    time_first: bool = False
 
     def describe(self) -> str:
         sig = ", ".join(self.input_names)
         extras = [a for a in (self.mask_arg, self.padding_arg, self.causal_arg, self.weights_arg) if a]
-        return f"forward({sig}{''.join(', ' + e for e in extras)})"
+        layout = " with (T, B, E) inputs" if self.time_first else ""
+        return f"forward({sig}{''.join(', ' + e for e in extras)}){layout}"
 
 
 def _roles(names: list[str]) -> list[str] | None:
@@ -203,11 +206,56 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
     """``module`` called in ``form`` with ``qkv`` (the first ``form.inputs`` of them) and ``kwargs``; a mask
     argument without a default gets None when ``kwargs`` has none."""
     kwargs = {**{n: None for n in form.required_none}, **kwargs}
+    if form.time_first:  # (B, T, E) -> (T, B, E) in, and the output back
+        out = _call(module, replace(form, time_first=False), tuple(t.transpose(0, 1) for t in qkv), kwargs)
+        if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
+            return (out[0].transpose(0, 1), *out[1:])
+        return out.transpose(0, 1) if isinstance(out, Tensor) else out
     if form.by_name:  # forward(v, k, q): each by its own name
         roles = _roles(list(form.input_names))
         assert roles is not None  # read_call_form saw them
         return module(**{n: qkv[("query", "key", "value").index(r)] for n, r in zip(form.input_names, roles, strict=True)}, **kwargs)  # fmt: skip
     return module(*qkv[: form.inputs], **kwargs)
+
+
+@torch.no_grad()
+def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` with ``time_first`` set by experiment: a batch-first module's output for sequence 1 ignores
+    sequence 0's input; a time-first one (read (B, T, E) as (T, B, E)) mixes them, and its output at position 1
+    ignores position 0's input instead."""
+    widths = [embed_dim] if embed_dim else []
+    widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
+    g = torch.Generator().manual_seed(99)
+    training = module.training
+    module.eval()
+    try:
+        for E in dict.fromkeys(w for w in widths if w):
+            try:
+                dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+                x = torch.randn(3, 5, E, generator=g).to(dtype)
+                base = _first(_call(module, form, (x, x, x), {}))
+                if not isinstance(base, Tensor) or base.shape != x.shape:
+                    continue
+                moved = x.clone()
+                moved[0] += 1.0
+                diff = (_first(_call(module, form, (moved, moved, moved), {})) - base).abs()
+            except Exception:
+                continue
+            size = float(base.abs().max().clamp_min(1e-12))
+            if float(diff[1:].max()) <= 1e-6 * size:
+                return form  # batch-first
+            moved = x.clone()
+            moved[:, 0] += 1.0
+            try:
+                diff = (_first(_call(module, form, (moved, moved, moved), {})) - base).abs()
+            except Exception:
+                return form
+            if float(diff[:, 1:].max()) <= 1e-6 * size:
+                return replace(form, time_first=True)
+            return form
+    finally:
+        module.train(training)
+    return form
 
 
 _Layout = Literal["b1qk", "bhqk", "bqk", "per_sequence", "b11k", "b1k", "bk", "lens", "lens_q"]
@@ -323,7 +371,7 @@ class ProbedAdapter(AttentionAdapter):
                     f"can create them"
                 )
             materialise(module, embed_dim)
-        form = _forms.form if _forms is not None else read_call_form(module)
+        form = _forms.form if _forms is not None else with_layout(module, read_call_form(module), embed_dim)
         try:
             found: _Found | None = find_projections(module)
             names_error: NotAttention | None = None
@@ -388,7 +436,7 @@ class ProbedAdapter(AttentionAdapter):
     def _default_convention(self) -> Literal["keep", "block"]:
         """What a bool mask should mean to it: torch's True = blocked for nn.MultiheadAttention's call form or a
         wrapper of one (its masks pass through), else SDPA's True = may attend."""
-        return "block" if self.form.torch_form or self.found.mha is not None else "keep"
+        return "block" if self.form.torch_form or self._mha() is not None else "keep"
 
     def _mha(self) -> nn.MultiheadAttention | None:
         if self.found is None or self.use_reading:
@@ -410,7 +458,7 @@ class ProbedAdapter(AttentionAdapter):
         mask = "no mask argument" if f.mask_arg is None else f"{f.mask_arg}: {self.masks.describe()}"
         via = f"; {' and '.join(folded)} through {f.mask_arg}" if folded and f.mask_arg else ""
         causal = "; always causal" if self.always_causal else ""
-        return f"called as {f.describe()}; {mask}{via}{causal}; weights from {self.found.describe()}"
+        return f"called as {f.describe()}; {mask}{via}{causal}; {self.describe_weights()}"
 
     def describe_call(self) -> str | None:
         """One line: the call form, the mask convention found, causality, and where the weights came from."""
@@ -463,6 +511,13 @@ class ProbedAdapter(AttentionAdapter):
         f, m = self.found, self.module
         if self.use_reading and self.reading is not None:
             return _read_projections(m, self.reading, f)
+        named = self._named_projections()
+        if self.reading is not None and self.reading.rotary is not None:
+            return replace(named, rotary=self.reading.rotary)  # the position map it applies, found by data flow
+        return named
+
+    def _named_projections(self) -> Projections:
+        f, m = self.found, self.module
         assert f is not None
         mha = self._mha()
         if mha is not None:
@@ -506,6 +561,8 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name}.forward takes no attention mask")
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
+        if mf.use == "float" and mf.bool_reading is None:
+            raise Unsupported(f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes")
         if mf.use == "float" and name_key(arg) == "attentionmask":
             raise Unsupported(
                 f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "
@@ -1030,7 +1087,7 @@ def _read(module: nn.Module, form: CallForm, found: _Found | None, embed_dim: in
     widths = [embed_dim] if embed_dim is not None else []
     widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
     for E in dict.fromkeys(widths):
-        if E is None or E < 2 or E > 512:
+        if E is None or E < 2 or E > 4096:
             continue
         reading = read_dataflow(module, lambda m, x: _call(m, form, (x, x, x), {}), int(E))
         if reading is not None:
