@@ -562,7 +562,9 @@ class ProbedAdapter(AttentionAdapter):
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
         if mf.use == "float" and mf.bool_reading is None:
-            raise Unsupported(f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes")
+            raise Unsupported(
+                f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes"
+            )
         if mf.use == "float" and name_key(arg) == "attentionmask":
             raise Unsupported(
                 f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "

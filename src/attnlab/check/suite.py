@@ -36,6 +36,9 @@ __all__ = ["CHECKS", "Context", "run_rows"]
 PARITY_TOL = 2e-5
 # Backward sums over more terms than forward, in float32.
 GRAD_TOL = 1e-4
+# T at the defaults: 7 differs from every other size there (B=2, G=2, H=4, D=8, E=32), so a formula that takes one
+# size for another (1/sqrt(T) for 1/sqrt(D)) cannot coincide with the right one.
+SEQ_LEN = 7
 # Changing tokens a query cannot see must change nothing beyond rounding noise.
 INVARIANCE_TOL = 1e-6
 # gradcheck in float64 (seed 002): eps 1e-6 central differences agree to ~1e-9 when right.
@@ -94,7 +97,7 @@ class Context:
 
     adapter: AttentionAdapter
     batch: int = 2  # B
-    seq_len: int = 8  # T
+    seq_len: int = SEQ_LEN  # T
     cross_len: int = 6  # T_k of cross-attention: unequal to T so a swapped axis cannot hide
     seed: int = 0
     # What the reference computes: None, the textbook formula; a catalogued mistake when the
@@ -1025,7 +1028,7 @@ def run_rows(
     checks: Iterable[str] | None = None,
     seed: int = 0,
     batch: int = 2,
-    seq_len: int = 8,
+    seq_len: int = SEQ_LEN,
     scale: float | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,

@@ -339,7 +339,11 @@ def _guess(name: str, E: int, H: int, G: int) -> object:
     then runs as attention (see :func:`_constructor_kwargs`); ``_MISSING`` when nothing is suggested."""
     key = name.lower()
     words = set(re.split(r"[_\d]+", key))
-    if "head" in key and words & {"size", "dim", "d", "channels", "width"} or key in ("d_k", "d_v", "dk", "dim_head", "d_head"):
+    if (
+        "head" in key
+        and words & {"size", "dim", "d", "channels", "width"}
+        or key in ("d_k", "d_v", "dk", "dim_head", "d_head")
+    ):
         return E // H
     if "kv" in key or "group" in key:
         return G
@@ -347,7 +351,21 @@ def _guess(name: str, E: int, H: int, G: int) -> object:
         return H
     if words & {"window", "len", "length", "ctx", "max", "block", "positions", "pos", "context"}:
         return 1024
-    if words & {"dim", "size", "state", "feat", "feats", "width", "channels", "hidden", "embd", "embed", "model", "features", "units"}:
+    if words & {
+        "dim",
+        "size",
+        "state",
+        "feat",
+        "feats",
+        "width",
+        "channels",
+        "hidden",
+        "embd",
+        "embed",
+        "model",
+        "features",
+        "units",
+    }:
         return E
     if words & {"theta", "base"}:
         return 10000.0
