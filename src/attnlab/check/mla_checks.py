@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from .mla import Layout, MLAAdapter, MLARecipe
-from .suite import SEQ_LEN
 from .result import Cause, CheckResult, Report
+from .suite import SEQ_LEN
 
 __all__ = ["MLA_CHECKS", "MLA_MISTAKES", "MLAMistake", "run_mla"]
 

@@ -339,10 +339,12 @@ def _guess(name: str, E: int, H: int, G: int) -> object:
     then runs as attention (see :func:`_constructor_kwargs`); ``_MISSING`` when nothing is suggested."""
     key = name.lower()
     words = set(re.split(r"[_\d]+", key))
-    if (
-        "head" in key
-        and words & {"size", "dim", "d", "channels", "width"}
-        or key in ("d_k", "d_v", "dk", "dim_head", "d_head")
+    if ("head" in key and words & {"size", "dim", "d", "channels", "width"}) or key in (
+        "d_k",
+        "d_v",
+        "dk",
+        "dim_head",
+        "d_head",
     ):
         return E // H
     if "kv" in key or "group" in key:
