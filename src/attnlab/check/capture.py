@@ -41,6 +41,7 @@ class Op:
     memory: str  # "view" (shares its input's storage) or "new"
     out: Tensor = field(repr=False)
     input_dtypes: list[torch.dtype] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # the ops that produced its tracked tensor inputs, lists included
     stage: str | None = None  # the reference stage its value equals (match_stages)
 
 
@@ -139,6 +140,7 @@ class _Mode(TorchFunctionMode):
                     memory="view" if shares else "new",
                     out=part.detach().clone(),  # its value now: a later in-place op must not rewrite it
                     input_dtypes=[t.dtype for t in tracked],
+                    inputs=[self.ids[id(t)] for t in tracked],
                 )
             )
             self.ids[id(part)] = len(self.ops) - 1

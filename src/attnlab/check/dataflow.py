@@ -48,6 +48,7 @@ _PRODUCTS = ("matmul", "bmm", "einsum", "baddbmm", "rmatmul")
 _FUSED = ("scaled_dot_product_attention",)
 MATCH = 1e-6  # float64 probe: a row that is the parameter's matches to ~1e-15; anything else is far off
 PROBE_T = 5
+PROBE_B = 12  # sequences: each feature's 12 values at position 0 tell its parameter row apart from all others
 
 
 @dataclass(frozen=True)
@@ -158,12 +159,9 @@ class _Unreadable(Exception):
 
 
 def _probe_input(E: int, dtype: torch.dtype, seed: int) -> Tensor:
-    """``(E + 1, PROBE_T, E)``: sequence ``i < E`` is ``e_i`` at position 0, the last is zero there."""
+    """``(PROBE_B, PROBE_T, E)`` random inputs."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(E + 1, PROBE_T, E, generator=g, dtype=torch.float64)
-    x[:, 0] = 0.0
-    x[torch.arange(E), 0, torch.arange(E)] = 1.0
-    return x.to(dtype)
+    return torch.randn(PROBE_B, PROBE_T, E, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _tensor(ops: list[Op], ref: int | str, inputs: list[Tensor]) -> Tensor | None:
@@ -173,7 +171,7 @@ def _tensor(ops: list[Op], ref: int | str, inputs: list[Tensor]) -> Tensor | Non
 
 
 def _tracked(op: Op) -> list[int]:
-    return [a for a in op.args if isinstance(a, int)]
+    return op.inputs or [a for a in op.args if isinstance(a, int)]
 
 
 def _einsum_letters(op: Op) -> tuple[list[str], str] | None:
@@ -278,6 +276,7 @@ class _Site:
     k: Tensor
     v: Tensor
     context: Tensor
+    at: int  # the op that produced the context
 
 
 def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
@@ -296,6 +295,7 @@ def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
                     kk.reshape(L, *kk.shape[-2:]),
                     vv.reshape(L, *vv.shape[-2:]),
                     op.out.reshape(L, *op.out.shape[-2:]),
+                    n,
                 )
             )
         elif op.func in _SOFTMAX or op.func == "exp":
@@ -317,7 +317,7 @@ def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
             if pv is None:
                 raise _Unreadable("nothing multiplies the attention weights")
             _, v, ctx = _product_sides(ops[pv], ops, inputs, first_is_weights=True)
-            sites.append(_Site(q, k, v, ctx))
+            sites.append(_Site(q, k, v, ctx, pv))
     return sites
 
 
@@ -362,19 +362,28 @@ class _Bank:
         self.raw = torch.cat(vecs) if vecs else torch.zeros(0, width, dtype=torch.float64)
         self.unit = self.raw / self.raw.norm(dim=1, keepdim=True).clamp_min(1e-300)
 
-    def match(self, w: Tensor, tol: float) -> tuple[tuple[str, bool, int], float] | None:
-        """The entry along which ``w`` lies, and the factor: ``w = factor * entry``."""
-        if not len(self.entries):
-            return None
-        norm = w.norm()
-        if float(norm) == 0.0:
-            return None
-        cos = self.unit @ (w / norm)
-        i = int(cos.abs().argmax())
-        if float(1.0 - cos[i].abs()) > tol:
-            return None
-        factor = float((w @ self.raw[i]) / (self.raw[i] @ self.raw[i]))
-        return self.entries[i], factor
+    def match_all(
+        self, feats: Tensor, x0: Tensor, tol: float
+    ) -> list[tuple[tuple[str, bool, int], float, float] | None]:
+        """For each column of ``feats`` ``(B, n)`` (features at position 0 over the probe, whose inputs there are
+        ``x0`` ``(B, E)``): the entry ``r`` with ``feats[:, d] = c * (x0 @ entry_r + b)``, the factor ``c`` and
+        the bias ``c * b``; None where no entry fits. Matched by correlation over the probe, centred (the bias
+        drops out), so any width costs one product."""
+        if not self.entries:
+            return [None] * feats.size(1)
+        Y = x0 @ self.raw.t()  # (B, N): every row applied to the probe
+        Yc, Fc = Y - Y.mean(0), feats - feats.mean(0)
+        cos = (Fc / Fc.norm(dim=0).clamp_min(1e-300)).t() @ (Yc / Yc.norm(dim=0).clamp_min(1e-300))  # (n, N)
+        best = cos.abs().argmax(dim=1)
+        out: list[tuple[tuple[str, bool, int], float, float] | None] = []
+        for d, i in enumerate(best.tolist()):
+            if float(Fc[:, d].norm()) == 0.0 or float(1.0 - cos[d, i].abs()) > tol:
+                out.append(None)
+                continue
+            c = float((Fc[:, d] @ Yc[:, i]) / (Yc[:, i] @ Yc[:, i]))
+            bias = float(feats[:, d].mean() - c * Y[:, i].mean())
+            out.append((self.entries[i], c, bias))
+        return out
 
 
 def _bias_source(
@@ -416,41 +425,79 @@ def _bias_source(
 
 
 def _role_rows(
-    module: nn.Module, feats: list[Tensor], bank: _Bank, tol: float
+    module: nn.Module, feats: list[Tensor], x0: Tensor, bank: _Bank, tol: float
 ) -> tuple[RowSource, list[tuple[str, bool, int]]]:
-    """``feats``: per head, ``(E + 1, D)`` position-0 features over the probe batch. The parameter rows
-    they come from (in the module's own per-head order) and the role's source in parameter order."""
-    matched: list[tuple[str, bool, int]] = []
-    factors: list[float] = []
-    effs: list[Tensor] = []
-    for f in feats:
-        W = (f[:-1] - f[-1]).t()  # (D, E): row d = the weights of feature d
-        for d in range(W.size(0)):
-            hit = bank.match(W[d], tol)
-            if hit is None:
-                raise _Unreadable("a feature is not any parameter's row")
-            matched.append(hit[0])
-            factors.append(hit[1])
-        effs.append(f[-1])
+    """``feats``: per head, ``(B, D)`` position-0 features over the probe. The parameter rows they come from
+    (in the module's own per-head order) and the role's source in the parameters' order."""
+    hits = bank.match_all(torch.cat(feats, dim=1), x0, tol)
+    if any(h is None for h in hits):
+        raise _Unreadable("a feature is not any parameter's row")
+    matched = [h[0] for h in hits if h is not None]
+    factors = [h[1] for h in hits if h is not None]
+    biases = [h[2] for h in hits if h is not None]
     fac = factors[0]
     if any(abs(x - fac) > 1e-6 * abs(fac) for x in factors):
         raise _Unreadable("features scaled unevenly")
-    eff_bias = torch.cat(effs)  # in matched order
-    unique = list(dict.fromkeys(matched))
-    bias_by = {m: float(b) for m, b in zip(matched, eff_bias.tolist(), strict=True)}
+    bias_by = dict(zip(matched, biases, strict=True))
     order = {p: n for n, (p, _) in enumerate(module.named_parameters())}
-    unique.sort(key=lambda e: (order.get(e[0], 0), e[1], e[2]))
-    parts: list[tuple[str, bool, tuple[int, ...]]] = []
-    for path, tr, r in unique:
-        if parts and parts[-1][0] == path and parts[-1][1] == tr:
-            parts[-1] = (path, tr, parts[-1][2] + (r,))
-        else:
-            parts.append((path, tr, (r,)))
+    unique = sorted(dict.fromkeys(matched), key=lambda e: (order.get(e[0], 0), e[1], e[2]))
     eff_sorted = torch.tensor([bias_by[e] for e in unique], dtype=torch.float64)
     bias, ok = _bias_source(module, unique, fac, eff_sorted, max(tol, 1e-9))
     if not ok:
         raise _Unreadable("a bias that is no parameter's")
-    return RowSource(tuple(parts), bias, fac), matched
+    return RowSource(_runs_of(unique), bias, fac), matched
+
+
+def _runs_of(entries: list[tuple[str, bool, int]]) -> tuple[tuple[str, bool, tuple[int, ...]], ...]:
+    """Consecutive entries of one parameter (and orientation) gathered: ``(path, transposed, rows)``."""
+    parts: list[tuple[str, bool, tuple[int, ...]]] = []
+    for path, tr, r in entries:
+        if parts and parts[-1][0] == path and parts[-1][1] == tr:
+            parts[-1] = (path, tr, parts[-1][2] + (r,))
+        else:
+            parts.append((path, tr, (r,)))
+    return tuple(parts)
+
+
+def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: Tensor, width: int) -> RowSource | None:
+    """The parameter that turns the merged heads into the output: among the tensors computed from the contexts,
+    one ``M`` ``(B, T, N)`` (or ``(T, B, N)``) and a parameter ``P`` with ``y = M P^T + b`` exactly; its columns in
+    the parameter's own order. None when nothing projects them (the output is the merged heads)."""
+    B, T, E = y.shape
+    flat_y = y.double().reshape(-1, E)
+    below: set[int] = set()
+    for i in sorted(contexts_at):
+        below |= _descendants(ops, i)
+    params = [(n, p.detach().double()) for n, p in module.named_parameters() if p.dim() == 2 and p.is_floating_point()]
+    ones = {n: p for n, p in module.named_parameters() if p.dim() == 1}
+    for i in sorted(below):
+        m = ops[i].out
+        if not m.is_floating_point() or m.dim() != 3 or m.size(-1) == 0:
+            continue
+        N = m.size(-1)
+        for merged in (m, m.transpose(0, 1)):
+            if merged.shape[:2] != (B, T):
+                continue
+            M = merged.double().reshape(-1, N)
+            for path, P in params:
+                for tr, W in ((True, P), (False, P.t())):  # W (E, N): nn.Linear's (out, in), or stored (in, out)
+                    if W.shape != (E, N):
+                        continue
+                    rest = flat_y - M @ W.t()
+                    bias = rest.mean(0)
+                    if float((rest - bias).abs().max()) > 1e-6 * float(flat_y.abs().max().clamp_min(1e-12)):
+                        continue
+                    bias_src = None
+                    for n, b in ones.items():
+                        if b.numel() == E and float((b.detach().double() - bias).abs().max()) <= 1e-6 * max(
+                            1.0, float(bias.abs().max())
+                        ):
+                            bias_src = ((n, tuple(range(E))),)
+                            break
+                    if bias_src is None and float(bias.abs().max()) > 1e-9:
+                        continue
+                    return RowSource(((path, tr, tuple(range(N))),), bias_src, 1.0)
+    return None
 
 
 def _fit_rotary(actual: list[Tensor], predicted: list[Tensor], tol: float) -> Rotary | None:
@@ -537,9 +584,8 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
     y = out[0] if isinstance(out, tuple | list) else out
     if not isinstance(y, Tensor) or y.shape != x.shape:
         raise _Unreadable("the output is not (B, T, E)")
-    B = E + 1
+    B = x.size(0)
     feats: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}  # per head: (B, T, D)
-    contexts: list[Tensor] = []  # per head: (B, T, Dv)
     for site, site2 in zip(sites, sites2, strict=True):
         for role, t, t2 in (("q", site.q, site2.q), ("k", site.k, site2.k), ("v", site.v, site2.v)):
             rows = _batch_rows(t, t2, B)
@@ -547,85 +593,39 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
                 raise _Unreadable(f"the {role} groups are not read as (batch, heads)")
             n = t.size(0) // B
             per_b = t[torch.argsort(rows, stable=True)].reshape(B, n, *t.shape[1:])  # (B, n, T, D)
-            feats[role] += [per_b[:, h] for h in range(n)]
-        rows = _batch_rows(site.context, site2.context, B)
-        if rows is None:
-            raise _Unreadable("the context groups are not read as (batch, heads)")
-        n = site.context.size(0) // B
-        per_b = site.context[torch.argsort(rows, stable=True)].reshape(B, n, *site.context.shape[1:])
-        contexts += [per_b[:, h] for h in range(n)]
+            feats[role] += [per_b[:, h].double() for h in range(n)]
     H = len(feats["q"])
     D = feats["q"][0].size(-1)
+    x0 = x[:, 0].double()  # (B, E)
     bank = _Bank(probe, E, "rows")
     sources: dict[str, RowSource] = {}
     matched: dict[str, list[tuple[str, bool, int]]] = {}
     for role in ("q", "k", "v"):
-        sources[role], matched[role] = _role_rows(probe, [f[:, 0].double() for f in feats[role]], bank, tol)
+        sources[role], matched[role] = _role_rows(probe, [f[:, 0] for f in feats[role]], x0, bank, tol)
     Dk = sources["k"].rows
     if sources["q"].rows != H * D or Dk % D:
         raise _Unreadable("head widths do not add up")
     G = Dk // D
-    # the position map: each role's features at every position, against its rows applied there
     params = dict(probe.named_parameters())
 
     def predicted(role: str) -> list[Tensor]:
-        src = sources[role]
+        """The role's features at every position if nothing but its projection made them: (B, T, D) per head."""
         rows = matched[role]
-        W = torch.stack([(params[p].t() if tr else params[p])[r].double() for p, tr, r in rows])  # (H*D, E)
-        bias = torch.zeros(W.size(0), dtype=torch.float64)
-        if src.bias is not None:
-            bmap = {(p.rsplit(".", 1)[0], r): 0 for p, _, r in rows}
-            del bmap
-            eff = torch.cat([f[-1, 0].double() for f in feats[role]]) / src.factor
-            bias = eff
-        proj = (x.double() @ W.t() + bias) * src.factor  # (B, T, H*D)
-        n = len(feats[role])
-        d = W.size(0) // n
-        return [proj[..., h * d : (h + 1) * d] for h in range(n)]
+        W = torch.stack([(params[p].t() if tr else params[p])[r].detach().double() for p, tr, r in rows])  # (n*D, E)
+        f0 = torch.cat([f[:, 0] for f in feats[role]], dim=1)  # (B, n*D)
+        lin0 = x0 @ W.t()
+        c = float((f0 - f0.mean(0)).flatten() @ (lin0 - lin0.mean(0)).flatten()) / float(
+            ((lin0 - lin0.mean(0)) ** 2).sum().clamp_min(1e-300)
+        )
+        offset = (f0 - c * lin0).mean(0)  # (n*D,): the bias, scaled
+        proj = c * (x.double() @ W.t()) + offset  # (B, T, n*D)
+        d = W.size(0) // len(feats[role])
+        return [proj[..., h * d : (h + 1) * d] for h in range(len(feats[role]))]
 
-    rotaries: dict[str, Rotary | None] = {}
-    for role in ("q", "k", "v"):
-        rotaries[role] = _fit_rotary([f.double() for f in feats[role]], predicted(role), tol)
+    rotaries = {role: _fit_rotary(feats[role], predicted(role), tol) for role in ("q", "k", "v")}
     carried = tuple(r for r in ("q", "k", "v") if rotaries[r] is not None)
-    rotary = rotaries["q"] or rotaries["k"]
-    notes: list[str] = []
-    if rotaries["v"] is not None and rotary is None:
-        rotary = rotaries["v"]
-    # the output projection: the output, by least squares on the contexts (all heads) and a constant
-    C = torch.cat([c.double() for c in contexts], dim=-1)  # (B, T, H*Dv)
-    feats_c = torch.cat([C.reshape(-1, C.size(-1)), torch.ones(C.size(0) * C.size(1), 1, dtype=torch.float64)], 1)
-    sol = torch.linalg.lstsq(feats_c, y.double().reshape(-1, E)).solution  # (H*Dv + 1, E)
-    resid = feats_c @ sol - y.double().reshape(-1, E)
-    out_src: RowSource | None = None
-    if float(resid.abs().max()) <= 1e-6 * float(y.abs().max().clamp_min(1e-12)):
-        Wo = sol[:-1].t()  # (E, H*Dv): column c = the weights of context feature c
-        cbank = _Bank(probe, E, "cols")
-        hits = [cbank.match(Wo[:, c], 1e-6) for c in range(Wo.size(1))]
-        if all(h is not None for h in hits):
-            entries = [h[0] for h in hits if h is not None]
-            facs = [h[1] for h in hits if h is not None]
-            if all(abs(f - 1.0) < 1e-6 for f in facs):
-                order = {p: n for n, (p, _) in enumerate(probe.named_parameters())}
-                uniq = sorted(dict.fromkeys(entries), key=lambda e: (order.get(e[0], 0), e[1], e[2]))
-                parts: list[tuple[str, bool, tuple[int, ...]]] = []
-                for path, tr, c in uniq:
-                    if parts and parts[-1][0] == path and parts[-1][1] == tr:
-                        parts[-1] = (path, tr, parts[-1][2] + (c,))
-                    else:
-                        parts.append((path, tr, (c,)))
-                bias_vec = sol[-1]
-                bias_src = None
-                for n, p in probe.named_parameters():
-                    if (
-                        p.dim() == 1
-                        and p.numel() == E
-                        and float((p.detach().double() - bias_vec).abs().max())
-                        <= 1e-6 * max(1.0, float(bias_vec.abs().max()))
-                    ):
-                        bias_src = ((n, tuple(range(E))),)
-                        break
-                if bias_src is not None or float(bias_vec.abs().max()) <= 1e-9:
-                    out_src = RowSource(tuple(parts), bias_src, 1.0)
+    rotary = rotaries["q"] or rotaries["k"] or rotaries["v"]
+    out_src = _out_projection(probe, ops, {site.at for site in sites}, y, E)
     used = {p for src in (*sources.values(), out_src) if src is not None for p, _, _ in src.parts}
     unused = tuple(n for n, p in probe.named_parameters() if p.dim() == 2 and n not in used)
     return Reading(
@@ -639,7 +639,6 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
         out=out_src,
         rotary=rotary,
         rotary_roles=carried,
-        notes=notes,
         unused=unused,
     )
 
