@@ -566,9 +566,50 @@ def cases_zhblog(m: nn.Module) -> list[Case]:
     ]  # fmt: skip
 
 
+def build_swin(mod: ModuleType) -> nn.Module:
+    return mod.WindowAttention(E, (2, 3), H)
+
+
+def cases_swin(m: nn.Module) -> list[Case]:
+    """2 images of 2 windows of N = 2 * 3 tokens, folded (image, window) into 4 rows, window index fastest."""
+    n_win, n = 2, 6
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2 * n_win, n, E, generator=g, dtype=F64)  # (nW*B, N, C)
+    qkv_w, qkv_b = lin(m.qkv)
+    w = (rows(qkv_w, qkv_b, 0), rows(qkv_w, qkv_b, 1), rows(qkv_w, qkv_b, 2), lin(m.proj))
+    region = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 2]])  # window 1 straddles three shifted regions
+    keep = region[:, :, None] == region[:, None, :]  # (nW, N, N)
+    mask = additive(keep, -100.0)  # Swin's fill
+    per_row = keep.repeat(2, 1, 1)[:, None]  # (nW*B, 1, N, N): row b * nW + w gets window w's
+    return [
+        ("no mask", lambda: m(x), attend(x, x, x, *w)),
+        ("shifted-window mask (nW,N,N)", lambda: m(x, mask=mask), attend(x, x, x, *w, per_row)),
+        ("one image", lambda: m(x[:n_win], mask=mask), attend(x[:n_win], x[:n_win], x[:n_win], *w, keep[:, None])),
+    ]
+
+
+def build_falcon(mod: ModuleType) -> nn.Module:
+    return mod.FalconAttention(mod.FalconConfig(hidden_size=E, num_attention_heads=H))
+
+
+def cases_falcon(m: nn.Module) -> list[Case]:
+    i = inputs()
+    qkv_w = m.query_key_value.weight  # (H + 2) * D rows: H query heads, then one key head, then one value head
+    w = ((qkv_w[:E], None), (qkv_w[E : E + D], None), (qkv_w[E + D :], None), lin(m.dense))
+    rope = rotary_halves(m.maybe_rotary.inv_freq, D)
+    pad, causal = pad_keep(), causal_keep()
+    both = causal & pad[:, None, None]  # (B, 1, T, T)
+    return [
+        ("no mask", lambda: m(i.x), attend(i.x, i.x, i.x, *w, kv_heads=1, rotary=rope)),
+        ("causal bool True = masked", lambda: m(i.x, attention_mask=~causal[None, None].expand(B, 1, T, T)),
+         attend(i.x, i.x, i.x, *w, causal, kv_heads=1, rotary=rope)),
+        ("causal + padding", lambda: m(i.x, attention_mask=~both), attend(i.x, i.x, i.x, *w, both, kv_heads=1, rotary=rope)),
+    ]  # fmt: skip
+
+
 STYLES = (
     "fairseq", "whisper", "ldm", "mistral", "xtransformers", "lucidrotary", "opennmt", "espnet", "labml", "sam",
-    "rasbt", "uva", "karpathy", "torchfunc", "flashattn", "neox", "clip", "zhblog",
+    "rasbt", "uva", "karpathy", "torchfunc", "flashattn", "neox", "clip", "zhblog", "swin", "falcon",
 )  # fmt: skip
 DRIVERS = {s: (globals()[f"build_{s}"], globals()[f"cases_{s}"]) for s in STYLES}
 
