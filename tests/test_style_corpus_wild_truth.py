@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.check.catalogue import MISTAKES
+from test_style_corpus_truth import declared  # the module-level string constants, read from the source
 
 CORPUS = Path(__file__).parent / "style_corpus_wild"
 FILES = sorted(CORPUS.glob("*.py"))
@@ -67,16 +68,6 @@ def load(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def declared(path: Path) -> dict[str, str]:
-    """The module-level string constants of a corpus file, read from its source."""
-    out = {}
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                out[node.targets[0].id] = node.value.value
-    return out
 
 
 # ----------------------------------------------------------------------------- the loop reference
