@@ -1,4 +1,4 @@
-"""Attention written the way Hugging Face's CLIP text/vision encoder (modeling_clip.py, CLIPAttention, eager path) writes it. (the style: see clip_correct.py).
+"""Attention written the way Hugging Face's CLIP text/vision encoder (modeling_clip.py, CLIPAttention, eager path) writes it (the style: see clip_correct.py).
 
 Mistake: causal_attention_mask is accepted but never added: the text encoder's causal mask never reaches
 the scores.

@@ -1,4 +1,4 @@
-"""Attention written the way Hugging Face's CLIP text/vision encoder (modeling_clip.py, CLIPAttention, eager path) writes it. (the style: see clip_correct.py).
+"""Attention written the way Hugging Face's CLIP text/vision encoder (modeling_clip.py, CLIPAttention, eager path) writes it (the style: see clip_correct.py).
 
 Mistake: the folded (B*H, T, D) output is reshaped to (B, T, E) without the transpose(1, 2) back from
 (B, H, T, D): positions and heads are mixed.

@@ -1,4 +1,4 @@
-"""Attention written the way Hugging Face's CLIP text/vision encoder (modeling_clip.py, CLIPAttention, eager path) writes it. (the style: see clip_correct.py).
+"""Attention written the way Hugging Face's CLIP text/vision encoder (modeling_clip.py, CLIPAttention, eager path) writes it (the style: see clip_correct.py).
 
 Mistake: none. Repaired twin of clip_merge_without_transpose.py: the same code with that one mistake fixed
 (attn_output.transpose(1, 2) before the reshape).

@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it. (the style: see espnet_correct.py).
+"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it (the style: see espnet_correct.py).
 
 Mistake: the blocked scores are filled with 0.0 instead of finfo.min: the masked keys take exp(0) of every
 row's softmax, and zeroing them after the softmax leaves rows that no longer sum to 1.

@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it. (the style: see espnet_correct.py).
+"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it (the style: see espnet_correct.py).
 
 Mistake: none. Repaired twin of espnet_masked_fill_zero.py: the same code with that one mistake fixed
 (scores.masked_fill(mask, torch.finfo(scores.dtype).min)).

@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it. (the style: see espnet_correct.py).
+"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it (the style: see espnet_correct.py).
 
 Mistake: the mask is turned into blocked positions with ``eq(1)`` instead of ``eq(0)``: the real keys are
 blocked and the padded ones attended.

@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it. (the style: see espnet_correct.py).
+"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it (the style: see espnet_correct.py).
 
 Mistake: none. Repaired twin of espnet_padding_inverted.py: the same code with that one mistake fixed
 (mask.unsqueeze(1).eq(0): 0 = blocked).

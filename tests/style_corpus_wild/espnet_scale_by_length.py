@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it. (the style: see espnet_correct.py).
+"""Multi-headed attention written the way ESPnet's espnet/nets/pytorch_backend/transformer/attention.py writes it (the style: see espnet_correct.py).
 
 Mistake: the scores are divided by sqrt(k.size(-2)), the key sequence length, instead of sqrt(d_k).
 Line: scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(k.size(-2))

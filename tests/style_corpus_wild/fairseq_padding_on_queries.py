@@ -1,4 +1,4 @@
-"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it. (the style: see fairseq_correct.py).
+"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it (the style: see fairseq_correct.py).
 
 Mistake: key_padding_mask is unsqueezed to (B, 1, S, 1) instead of (B, 1, 1, S): it blocks the padded
 queries' whole rows (which become NaN) instead of the padded keys.

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it. (the style: see fairseq_correct.py).
+"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it (the style: see fairseq_correct.py).
 
 Mistake: none. Repaired twin of fairseq_padding_on_queries.py: the same code with that one mistake fixed
 (key_padding_mask.unsqueeze(1).unsqueeze(2), laid along the key axis).

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it. (the style: see fairseq_correct.py).
+"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it (the style: see fairseq_correct.py).
 
 Mistake: the heads are folded with ``view(B*H, T, D)`` straight from the time-first (T, B, E) tensor, without
 the ``view(T, B*H, D).transpose(0, 1)``: time steps, batch rows and heads are mixed.

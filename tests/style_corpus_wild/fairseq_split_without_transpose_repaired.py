@@ -1,4 +1,4 @@
-"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it. (the style: see fairseq_correct.py).
+"""Multi-head attention written the way fairseq's fairseq/modules/multihead_attention.py writes it (the style: see fairseq_correct.py).
 
 Mistake: none. Repaired twin of fairseq_split_without_transpose.py: the same code with that one mistake fixed
 (q, k and v are folded with view(T, B*H, D).transpose(0, 1) again).

@@ -1,4 +1,4 @@
-"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it. (the style: see falcon_correct.py).
+"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it (the style: see falcon_correct.py).
 
 Mistake: the bool mask is added as 0/1 numbers (``attention_mask * 1.0`` without the -1e9 fill): a masked
 position gets +1.0 instead of being blocked.

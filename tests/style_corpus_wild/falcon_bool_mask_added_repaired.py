@@ -1,4 +1,4 @@
-"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it. (the style: see falcon_correct.py).
+"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it (the style: see falcon_correct.py).
 
 Mistake: none. Repaired twin of falcon_bool_mask_added.py: the same code with that one mistake fixed
 ((attention_mask * 1.0).masked_fill(attention_mask, -1e9)).

@@ -1,4 +1,4 @@
-"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it. (the style: see falcon_correct.py).
+"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it (the style: see falcon_correct.py).
 
 Mistake: the single value head is passed through the rotary map as well: V is position-coded, which
 changes every output row.

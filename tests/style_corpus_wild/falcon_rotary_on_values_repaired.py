@@ -1,4 +1,4 @@
-"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it. (the style: see falcon_correct.py).
+"""Multi-query attention with rotary embeddings, written the way Hugging Face's Falcon-7B (modeling_falcon.py, eager path) writes it (the style: see falcon_correct.py).
 
 Mistake: none. Repaired twin of falcon_rotary_on_values.py: the same code with that one mistake fixed
 (only q and k are rotated).

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to. (the style: see flashattn_correct.py).
+"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to (the style: see flashattn_correct.py).
 
 Mistake: the additive padding row is opened where the mask is False: ``masked_fill_(~key_padding_mask, 0.0)``
 keeps the padded keys and blocks the real ones.

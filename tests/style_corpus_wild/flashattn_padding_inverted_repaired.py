@@ -1,4 +1,4 @@
-"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to. (the style: see flashattn_correct.py).
+"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to (the style: see flashattn_correct.py).
 
 Mistake: none. Repaired twin of flashattn_padding_inverted.py: the same code with that one mistake fixed
 (padding_mask.masked_fill_(key_padding_mask, 0.0), True = keep).

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to. (the style: see flashattn_correct.py).
+"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to (the style: see flashattn_correct.py).
 
 Mistake: the default scale is 1.0 / q.shape[-1]: the scores are divided by head_dim, not by its square root.
 Line: softmax_scale = self.softmax_scale or 1.0 / q.shape[-1]

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to. (the style: see flashattn_correct.py).
+"""Multi-head attention written the way flash-attention's flash_attn/modules/mha.py writes its MHA and the plain-PyTorch SelfAttention it falls back to (the style: see flashattn_correct.py).
 
 Mistake: none. Repaired twin of flashattn_scale_head_dim_not_sqrt.py: the same code with that one mistake fixed
 (1.0 / math.sqrt(q.shape[-1])).

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it. (the style: see karpathy_correct.py).
+"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it (the style: see karpathy_correct.py).
 
 Mistake: the buffer is built with ``torch.triu`` although it is still named and used as ``tril``: each token
 sees itself and the future, not the past.

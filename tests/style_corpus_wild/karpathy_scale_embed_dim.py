@@ -1,4 +1,4 @@
-"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it. (the style: see karpathy_correct.py).
+"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it (the style: see karpathy_correct.py).
 
 Mistake: the scores are scaled by ``C ** -0.5`` with C = n_embd, the input width, instead of the head size
 (the first version of the lecture's line).

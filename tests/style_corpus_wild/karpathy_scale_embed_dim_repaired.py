@@ -1,4 +1,4 @@
-"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it. (the style: see karpathy_correct.py).
+"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it (the style: see karpathy_correct.py).
 
 Mistake: none. Repaired twin of karpathy_scale_embed_dim.py: the same code with that one mistake fixed
 (k.shape[-1] ** -0.5, the head size).

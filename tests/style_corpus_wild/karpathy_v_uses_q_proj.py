@@ -1,4 +1,4 @@
-"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it. (the style: see karpathy_correct.py).
+"""Multi-head attention written the way Andrej Karpathy's 'Let's build GPT' lecture (karpathy/ng-video-lecture gpt.py) writes it (the style: see karpathy_correct.py).
 
 Mistake: each head's values are computed with its query Linear (``v = self.query(x)``), a copy-paste slip.
 Line: v = self.query(x)  # (B,T,hs)

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way labml.ai's annotated implementations (labml_nn/transformers/mha.py) write it. (the style: see labml_correct.py).
+"""Multi-head attention written the way labml.ai's annotated implementations (labml_nn/transformers/mha.py) write it (the style: see labml_correct.py).
 
 Mistake: the scores are never multiplied by self.scale: softmax(q k^T) without 1/sqrt(d_k).
 Line: (scores *= self.scale is missing after get_scores)

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way labml.ai's annotated implementations (labml_nn/transformers/mha.py) write it. (the style: see labml_correct.py).
+"""Multi-head attention written the way labml.ai's annotated implementations (labml_nn/transformers/mha.py) write it (the style: see labml_correct.py).
 
 Mistake: the softmax runs over dim=0, the queries of the [i, j, b, h] layout (the usual 'dim=-2/-1'
 habit does not carry over to this layout): each key's weights sum to 1 over the queries.

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way labml.ai's annotated implementations (labml_nn/transformers/mha.py) write it. (the style: see labml_correct.py).
+"""Multi-head attention written the way labml.ai's annotated implementations (labml_nn/transformers/mha.py) write it (the style: see labml_correct.py).
 
 Mistake: none. Repaired twin of labml_softmax_query_axis.py: the same code with that one mistake fixed
 (nn.Softmax(dim=1), the keys).

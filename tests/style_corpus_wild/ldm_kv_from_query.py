@@ -1,4 +1,4 @@
-"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it. (the style: see ldm_correct.py).
+"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it (the style: see ldm_correct.py).
 
 Mistake: k and v are projected from x rather than from context: the cross-attention attends to its own
 queries whatever context is passed.

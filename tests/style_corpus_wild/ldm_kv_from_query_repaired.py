@@ -1,4 +1,4 @@
-"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it. (the style: see ldm_correct.py).
+"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it (the style: see ldm_correct.py).
 
 Mistake: none. Repaired twin of ldm_kv_from_query.py: the same code with that one mistake fixed
 (k = self.to_k(context); v = self.to_v(context)).

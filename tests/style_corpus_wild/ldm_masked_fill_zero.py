@@ -1,4 +1,4 @@
-"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it. (the style: see ldm_correct.py).
+"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it (the style: see ldm_correct.py).
 
 Mistake: the blocked scores are filled with 0 instead of -finfo.max, so the masked keys keep a weight of
 exp(0) in every row.

@@ -1,4 +1,4 @@
-"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it. (the style: see ldm_correct.py).
+"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it (the style: see ldm_correct.py).
 
 Mistake: none. Repaired twin of ldm_masked_fill_zero.py: the same code with that one mistake fixed
 (the blocked scores are filled with -finfo(dtype).max).

@@ -1,4 +1,4 @@
-"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it. (the style: see ldm_correct.py).
+"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it (the style: see ldm_correct.py).
 
 Mistake: the (B, S) mask is spread over the (b h) rows with ``mask.repeat(h, 1)`` (einops' 'b j -> (b h) () j'
 read as a tile): row b*h + i gets sequence (b*h + i) mod B's mask, not sequence b's.

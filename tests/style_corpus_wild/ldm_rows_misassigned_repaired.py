@@ -1,4 +1,4 @@
-"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it. (the style: see ldm_correct.py).
+"""Cross-attention written the way Stable Diffusion's ldm/modules/attention.py (CompVis) writes it (the style: see ldm_correct.py).
 
 Mistake: none. Repaired twin of ldm_rows_misassigned.py: the same code with that one mistake fixed
 (mask.repeat_interleave(h, dim=0), sequence-major like the (b h) fold).

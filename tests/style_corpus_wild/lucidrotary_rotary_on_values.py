@@ -1,4 +1,4 @@
-"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys). (the style: see lucidrotary_correct.py).
+"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys) (the style: see lucidrotary_correct.py).
 
 Mistake: v is rotated as well as q and k: the values are position-coded, which changes every output row.
 Line: v = self.rotary_emb.rotate_queries_or_keys(v)

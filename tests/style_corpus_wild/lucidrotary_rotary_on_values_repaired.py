@@ -1,4 +1,4 @@
-"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys). (the style: see lucidrotary_correct.py).
+"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys) (the style: see lucidrotary_correct.py).
 
 Mistake: none. Repaired twin of lucidrotary_rotary_on_values.py: the same code with that one mistake fixed
 (only q and k are rotated).

@@ -1,4 +1,4 @@
-"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys). (the style: see lucidrotary_correct.py).
+"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys) (the style: see lucidrotary_correct.py).
 
 Mistake: q and k are rotated with ``seq_dim=-3``, the library's setting for a (b, n, h, d) layout, while they
 are (b, h, n, d) here: the angles follow the head index, not the position.

@@ -1,4 +1,4 @@
-"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys). (the style: see lucidrotary_correct.py).
+"""Attention with rotary embeddings in the style of lucidrains' rotary-embedding-torch (RotaryEmbedding.rotate_queries_or_keys) (the style: see lucidrotary_correct.py).
 
 Mistake: none. Repaired twin of lucidrotary_rotary_wrong_axis.py: the same code with that one mistake fixed
 (the default seq_dim=-2, the positions' axis of (b, h, n, d)).

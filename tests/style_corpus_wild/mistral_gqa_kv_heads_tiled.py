@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it. (the style: see mistral_correct.py).
+"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it (the style: see mistral_correct.py).
 
 Mistake: repeat_kv tiles the K/V heads (kv0 kv1 kv0 kv1) with ``repeat`` instead of repeating each one in
 place (kv0 kv0 kv1 kv1): query heads meet another group's keys and values.

@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it. (the style: see mistral_correct.py).
+"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it (the style: see mistral_correct.py).
 
 Mistake: none. Repaired twin of mistral_gqa_kv_heads_tiled.py: the same code with that one mistake fixed
 (torch.repeat_interleave(..., dim=2) for keys and values).

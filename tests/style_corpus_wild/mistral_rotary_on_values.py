@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it. (the style: see mistral_correct.py).
+"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it (the style: see mistral_correct.py).
 
 Mistake: the values are rotated as well as q and k; rotary is a position code for the scores only, and
 rotating V changes every output row.

@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it. (the style: see mistral_correct.py).
+"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it (the style: see mistral_correct.py).
 
 Mistake: the rotated keys are kept under another name and the unrotated xk goes on to the scores: the
 rotary embedding reaches q but not k, so the scores no longer depend on relative position only.

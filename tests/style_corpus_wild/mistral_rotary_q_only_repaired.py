@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it. (the style: see mistral_correct.py).
+"""Grouped-query attention with rotary embeddings, written the way the Mistral reference (mistral-src one_file_ref.py) writes it (the style: see mistral_correct.py).
 
 Mistake: none. Repaired twin of mistral_rotary_q_only.py: the same code with that one mistake fixed
 (xq, xk = apply_rotary_emb(...), so that the rotated keys are the ones used).

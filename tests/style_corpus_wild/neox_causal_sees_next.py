@@ -1,4 +1,4 @@
-"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it. (the style: see neox_correct.py).
+"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it (the style: see neox_correct.py).
 
 Mistake: the causal buffer is ``tril(..., diagonal=1)``: each token also sees the next one.
 Line: torch.tril(torch.ones((max_positions, max_positions), dtype=torch.bool), diagonal=1).view(

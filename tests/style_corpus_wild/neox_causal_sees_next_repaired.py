@@ -1,4 +1,4 @@
-"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it. (the style: see neox_correct.py).
+"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it (the style: see neox_correct.py).
 
 Mistake: none. Repaired twin of neox_causal_sees_next.py: the same code with that one mistake fixed
 (torch.tril(torch.ones(...)): diagonal 0).

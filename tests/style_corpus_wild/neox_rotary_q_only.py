@@ -1,4 +1,4 @@
-"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it. (the style: see neox_correct.py).
+"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it (the style: see neox_correct.py).
 
 Mistake: the key's rotary half is concatenated back unrotated: rotary reaches q but not k, so the scores
 no longer depend on relative position only.

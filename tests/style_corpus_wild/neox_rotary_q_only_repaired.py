@@ -1,4 +1,4 @@
-"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it. (the style: see neox_correct.py).
+"""Attention with partial rotary embeddings, written the way Hugging Face's GPT-NeoX (modeling_gpt_neox.py) writes it (the style: see neox_correct.py).
 
 Mistake: none. Repaired twin of neox_rotary_q_only.py: the same code with that one mistake fixed
 (key = torch.cat((apply_rotary_pos_emb(key_rot, cos, sin), key_pass), dim=-1)).

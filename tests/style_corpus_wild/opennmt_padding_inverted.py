@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way OpenNMT-py's onmt/modules/multi_headed_attn.py writes it. (the style: see opennmt_correct.py).
+"""Multi-headed attention written the way OpenNMT-py's onmt/modules/multi_headed_attn.py writes it (the style: see opennmt_correct.py).
 
 Mistake: the mask is applied with ``mask == 0``, the Annotated Transformer's keep convention, while
 OpenNMT's mask is True = masked: the real keys are blocked and the padded ones attended.

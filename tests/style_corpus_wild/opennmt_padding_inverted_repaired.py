@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way OpenNMT-py's onmt/modules/multi_headed_attn.py writes it. (the style: see opennmt_correct.py).
+"""Multi-headed attention written the way OpenNMT-py's onmt/modules/multi_headed_attn.py writes it (the style: see opennmt_correct.py).
 
 Mistake: none. Repaired twin of opennmt_padding_inverted.py: the same code with that one mistake fixed
 (scores.masked_fill(mask, -1e18), True = masked).

@@ -1,4 +1,4 @@
-"""Multi-headed attention written the way OpenNMT-py's onmt/modules/multi_headed_attn.py writes it. (the style: see opennmt_correct.py).
+"""Multi-headed attention written the way OpenNMT-py's onmt/modules/multi_headed_attn.py writes it (the style: see opennmt_correct.py).
 
 Mistake: the values are projected with linear_keys (a copy-paste slip): V = key projection of the value input.
 Line: value = shape(self.linear_keys(value))

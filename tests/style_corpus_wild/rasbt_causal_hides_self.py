@@ -1,4 +1,4 @@
-"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it. (the style: see rasbt_correct.py).
+"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it (the style: see rasbt_correct.py).
 
 Mistake: the causal buffer is ``triu(..., diagonal=0)``: each token is blocked from itself as well as the
 future (and the first token's row is all -inf).

@@ -1,4 +1,4 @@
-"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it. (the style: see rasbt_correct.py).
+"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it (the style: see rasbt_correct.py).
 
 Mistake: none. Repaired twin of rasbt_causal_hides_self.py: the same code with that one mistake fixed
 (torch.triu(..., diagonal=1): the diagonal stays visible).

@@ -1,4 +1,4 @@
-"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it. (the style: see rasbt_correct.py).
+"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it (the style: see rasbt_correct.py).
 
 Mistake: the heads are merged without the transpose back: (b, num_heads, num_tokens, head_dim) is viewed as
 (b, num_tokens, d_out) directly, mixing tokens and heads.

@@ -1,4 +1,4 @@
-"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it. (the style: see rasbt_correct.py).
+"""Causal multi-head attention written the way Sebastian Raschka's 'Build a Large Language Model (From Scratch)' (rasbt/LLMs-from-scratch, chapter 3) writes it (the style: see rasbt_correct.py).
 
 Mistake: the scale reads ``keys.shape[-2]``, the number of tokens, instead of ``keys.shape[-1]``, the head
 width: the scores are divided by sqrt(T).

@@ -1,4 +1,4 @@
-"""Attention written the way Segment Anything's segment_anything/modeling/transformer.py writes it. (the style: see sam_correct.py).
+"""Attention written the way Segment Anything's segment_anything/modeling/transformer.py writes it (the style: see sam_correct.py).
 
 Mistake: the keys are projected with q_proj (a copy-paste slip in the three projection lines): K = the query
 projection of the k input.

@@ -1,4 +1,4 @@
-"""Attention written the way Segment Anything's segment_anything/modeling/transformer.py writes it. (the style: see sam_correct.py).
+"""Attention written the way Segment Anything's segment_anything/modeling/transformer.py writes it (the style: see sam_correct.py).
 
 Mistake: the scores are divided by sqrt(internal_dim), the whole projected width, instead of sqrt(c_per_head).
 Line: attn = attn / math.sqrt(self.internal_dim)

@@ -1,4 +1,4 @@
-"""Attention written the way Segment Anything's segment_anything/modeling/transformer.py writes it. (the style: see sam_correct.py).
+"""Attention written the way Segment Anything's segment_anything/modeling/transformer.py writes it (the style: see sam_correct.py).
 
 Mistake: none. Repaired twin of sam_scale_embed_dim.py: the same code with that one mistake fixed
 (attn / math.sqrt(c_per_head)).

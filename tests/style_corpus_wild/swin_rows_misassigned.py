@@ -1,4 +1,4 @@
-"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias. (the style: see swin_correct.py).
+"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias (the style: see swin_correct.py).
 
 Mistake: the window mask is spread over the folded batch with ``repeat_interleave(B_ // nW)``, as if the
 windows were batch-major: window rows get another window's mask (the windows are fastest in B_).

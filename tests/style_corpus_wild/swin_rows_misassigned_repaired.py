@@ -1,4 +1,4 @@
-"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias. (the style: see swin_correct.py).
+"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias (the style: see swin_correct.py).
 
 Mistake: none. Repaired twin of swin_rows_misassigned.py: the same code with that one mistake fixed
 (the (B_ // nW, nW, H, N, N) view, so that row b * nW + w gets window w's mask).

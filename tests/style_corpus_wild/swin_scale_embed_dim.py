@@ -1,4 +1,4 @@
-"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias. (the style: see swin_correct.py).
+"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias (the style: see swin_correct.py).
 
 Mistake: the default scale is ``dim ** -0.5``, the channel width, instead of head_dim ** -0.5.
 Line: self.scale = qk_scale or dim**-0.5

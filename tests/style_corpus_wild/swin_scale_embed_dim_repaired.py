@@ -1,4 +1,4 @@
-"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias. (the style: see swin_correct.py).
+"""Window attention written the way the Swin Transformer (microsoft/Swin-Transformer models/swin_transformer.py) writes it, without the relative position bias (the style: see swin_correct.py).
 
 Mistake: none. Repaired twin of swin_scale_embed_dim.py: the same code with that one mistake fixed
 (qk_scale or head_dim ** -0.5).

@@ -1,4 +1,4 @@
-"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward. (the style: see torchfunc_correct.py).
+"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward (the style: see torchfunc_correct.py).
 
 Mistake: the batch-first inputs are handed to the time-first functional without the transpose: the batch
 axis is read as time, so each sequence's tokens attend across the batch.

@@ -1,4 +1,4 @@
-"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward. (the style: see torchfunc_correct.py).
+"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward (the style: see torchfunc_correct.py).
 
 Mistake: none. Repaired twin of torchfunc_batch_seq_swapped.py: the same code with that one mistake fixed
 (the inputs are transposed to (T, B, E) before the call and the output back after it).

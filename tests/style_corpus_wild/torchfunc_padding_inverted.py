@@ -1,4 +1,4 @@
-"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward. (the style: see torchfunc_correct.py).
+"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward (the style: see torchfunc_correct.py).
 
 Mistake: the keep mask is passed to the functional as it is (only cast to bool), but the functional reads
 True as padding: the real tokens are blocked and the padded ones attended.

@@ -1,4 +1,4 @@
-"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward. (the style: see torchfunc_correct.py).
+"""A module that holds nn.MultiheadAttention's parameters itself and calls torch.nn.functional.multi_head_attention_forward (the style: see torchfunc_correct.py).
 
 Mistake: none. Repaired twin of torchfunc_padding_inverted.py: the same code with that one mistake fixed
 (key_padding_mask == 0, turning keep into the functional's True = pad).

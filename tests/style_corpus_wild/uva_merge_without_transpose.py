@@ -1,4 +1,4 @@
-"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it. (the style: see uva_correct.py).
+"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it (the style: see uva_correct.py).
 
 Mistake: the per-head outputs (B, H, T, D) are reshaped to (B, T, embed_dim) without the permute back to
 (B, T, H, D): positions and heads are mixed.

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it. (the style: see uva_correct.py).
+"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it (the style: see uva_correct.py).
 
 Mistake: none. Repaired twin of uva_merge_without_transpose.py: the same code with that one mistake fixed
 (values.permute(0, 2, 1, 3) before the reshape).

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it. (the style: see uva_correct.py).
+"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it (the style: see uva_correct.py).
 
 Mistake: the softmax runs over dim=-2, the queries: each key's weights sum to 1 over the queries.
 Line: attention = F.softmax(attn_logits, dim=-2)

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it. (the style: see uva_correct.py).
+"""Multi-head attention written the way the UvA deep learning tutorials (phlippe/uvadlc_notebooks, tutorial 6) write it (the style: see uva_correct.py).
 
 Mistake: none. Repaired twin of uva_softmax_query_axis.py: the same code with that one mistake fixed
 (F.softmax(attn_logits, dim=-1)).

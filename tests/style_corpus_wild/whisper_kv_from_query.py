@@ -1,4 +1,4 @@
-"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it. (the style: see whisper_correct.py).
+"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it (the style: see whisper_correct.py).
 
 Mistake: k and v are computed from x even when the audio features xa are given: cross-attention attends to
 the text itself.

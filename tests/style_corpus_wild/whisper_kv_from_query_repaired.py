@@ -1,4 +1,4 @@
-"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it. (the style: see whisper_correct.py).
+"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it (the style: see whisper_correct.py).
 
 Mistake: none. Repaired twin of whisper_kv_from_query.py: the same code with that one mistake fixed
 (k and v come from xa when it is given).

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it. (the style: see whisper_correct.py).
+"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it (the style: see whisper_correct.py).
 
 Mistake: each of q and k is multiplied by head_dim ** -0.5 (a port that applied the usual scale to both),
 so the scores are divided by head_dim, not by its square root.

@@ -1,4 +1,4 @@
-"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it. (the style: see whisper_correct.py).
+"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it (the style: see whisper_correct.py).
 
 Mistake: none. Repaired twin of whisper_scale_head_dim_not_sqrt.py: the same code with that one mistake fixed
 (scale = head_dim ** -0.25 on each of q and k).

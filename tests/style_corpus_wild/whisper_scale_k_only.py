@@ -1,4 +1,4 @@
-"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it. (the style: see whisper_correct.py).
+"""Multi-head attention written the way OpenAI Whisper's whisper/model.py writes it (the style: see whisper_correct.py).
 
 Mistake: only k is multiplied by head_dim ** -0.25; q is left unscaled, so the scores carry 1/head_dim**(1/4)
 instead of 1/sqrt(head_dim) (half of Whisper's split scale).

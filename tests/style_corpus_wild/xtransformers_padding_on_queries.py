@@ -1,4 +1,4 @@
-"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it. (the style: see xtransformers_correct.py).
+"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it (the style: see xtransformers_correct.py).
 
 Mistake: the key mask is broadcast as 'b i -> b 1 i 1', along the query axis: the padded queries' rows are
 filled instead of the padded keys' columns.

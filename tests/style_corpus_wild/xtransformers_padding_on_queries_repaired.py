@@ -1,4 +1,4 @@
-"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it. (the style: see xtransformers_correct.py).
+"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it (the style: see xtransformers_correct.py).
 
 Mistake: none. Repaired twin of xtransformers_padding_on_queries.py: the same code with that one mistake fixed
 (the key mask is broadcast as 'b j -> b 1 1 j').

@@ -1,4 +1,4 @@
-"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it. (the style: see xtransformers_correct.py).
+"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it (the style: see xtransformers_correct.py).
 
 Mistake: the softmax runs over dim=1, the heads, instead of the keys: each query/key pair's weights sum to
 1 across heads.

@@ -1,4 +1,4 @@
-"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it. (the style: see xtransformers_correct.py).
+"""Attention written the way lucidrains' x-transformers (x_transformers/x_transformers.py) writes it (the style: see xtransformers_correct.py).
 
 Mistake: none. Repaired twin of xtransformers_softmax_head_axis.py: the same code with that one mistake fixed
 (dots.softmax(dim=-1)).

@@ -1,4 +1,4 @@
-"""多头注意力 (multi-head attention) written the way Chinese-language blog tutorials (CSDN / Zhihu 'Transformer 从零实现') write it. (the style: see zhblog_correct.py).
+"""多头注意力 (multi-head attention) written the way Chinese-language blog tutorials (CSDN / Zhihu 'Transformer 从零实现') write it (the style: see zhblog_correct.py).
 
 Mistake: ``score.masked_fill(mask == 0, -10000)`` is not in place and its result is thrown away: the mask
 never reaches the scores.

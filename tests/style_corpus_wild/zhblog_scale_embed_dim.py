@@ -1,4 +1,4 @@
-"""多头注意力 (multi-head attention) written the way Chinese-language blog tutorials (CSDN / Zhihu 'Transformer 从零实现') write it. (the style: see zhblog_correct.py).
+"""多头注意力 (multi-head attention) written the way Chinese-language blog tutorials (CSDN / Zhihu 'Transformer 从零实现') write it (the style: see zhblog_correct.py).
 
 Mistake: the scores are divided by sqrt(dimension), the model width, instead of sqrt(n_d), each head's width.
 Line: score = q @ k.transpose(2, 3) / math.sqrt(dimension)

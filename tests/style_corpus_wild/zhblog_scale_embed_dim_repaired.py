@@ -1,4 +1,4 @@
-"""多头注意力 (multi-head attention) written the way Chinese-language blog tutorials (CSDN / Zhihu 'Transformer 从零实现') write it. (the style: see zhblog_correct.py).
+"""多头注意力 (multi-head attention) written the way Chinese-language blog tutorials (CSDN / Zhihu 'Transformer 从零实现') write it (the style: see zhblog_correct.py).
 
 Mistake: none. Repaired twin of zhblog_scale_embed_dim.py: the same code with that one mistake fixed
 (score / math.sqrt(n_d)).
