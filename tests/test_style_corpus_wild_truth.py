@@ -1,12 +1,13 @@
 """Ground truth for tests/style_corpus_wild/: each correct module is attention, each mistake visibly is not.
 
-The corpus holds modules written in the styles of 18 codebases that no other corpus here covers (fairseq, Whisper,
-Stable Diffusion's ldm, the Mistral reference, x-transformers, lucidrains' rotary-embedding-torch, OpenNMT-py,
-ESPnet, labml.ai, Segment Anything, "LLMs from scratch", the UvA tutorials, Karpathy's "Let's build GPT",
-``F.multi_head_attention_forward``, flash-attention's MHA, GPT-NeoX, CLIP and a Chinese blog): per style one correct
-module, one-mistake modules, and for each mistake its repaired twin (the same code with that mistake fixed).
+The corpus holds modules written in 20 styles that no other corpus here covers (fairseq, Whisper, Stable Diffusion's
+ldm, the Mistral reference, x-transformers, lucidrains' rotary-embedding-torch, OpenNMT-py, ESPnet, labml.ai,
+Segment Anything, "LLMs from scratch", the UvA tutorials, Karpathy's "Let's build GPT",
+``F.multi_head_attention_forward``, flash-attention's MHA, GPT-NeoX, CLIP, Swin, Falcon and a Chinese blog): per
+style one correct module, one-mistake modules, and for each mistake its repaired twin (the same code with that
+mistake fixed).
 
-Every file is built at E=32, H=4 (G=2 K/V heads for Mistral), D=8, float64, eval mode, dropout 0, and called by a
+Every file is built at E=32, H=4 (G=2 K/V heads for Mistral, 1 for Falcon), D=8, float64, eval mode, dropout 0, and called by a
 small driver per style that knows its call form and mask convention (time-first, keyword-only, key/value/query
 order, additive, 0/1, HF extended, (B*H)-folded inside). The reference is written here as explicit loops over batch,
 head and query: a softmax over the kept keys of q.k / sqrt(D), times v, with the module's own projection weights read
