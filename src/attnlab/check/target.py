@@ -390,6 +390,13 @@ def build_target(
         built: object = obj
         factory = None
     elif callable(obj):
+        from .function_target import is_attention_function  # imported here: function_target imports this module
+
+        if is_attention_function(obj):
+            raise TargetError(
+                f"--target {spec!r}: {attr} is an attention function f(q, k, v, ...), not a module to build; "
+                f"`attnlab check --target {spec}` checks it (trace and run_checks read nn.Modules)."
+            )
         kwargs = _constructor_kwargs(spec, obj, wanted)
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         torch.manual_seed(seed)
