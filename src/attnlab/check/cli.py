@@ -25,7 +25,7 @@ from ..weight_files import pretrained
 from ..weight_files.precision import is_gguf_source
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
-from .function_target import FunctionTarget, attention_function, check_function
+from .function_target import FunctionTarget, attention_function, check_function, interpret_triton
 from .mla import MLAAdapter
 from .mla_checks import MLA_CHECKS, run_mla
 from .probe import as_adapter
@@ -34,7 +34,7 @@ from .report import print_tables, to_json
 from .result import CheckError, CheckResult, Report
 from .runner import diagnosed, run_checks
 from .suite import CHECKS, raised_in_target
-from .target import TargetError, build_target, random_biases
+from .target import TargetError, build_target, load_object, random_biases
 
 # Where to report a failure of check's own code (exit code 3).
 REPORT_TO = "the attnlab maintainers (the project's issue tracker), with the command and the traceback"
@@ -115,9 +115,12 @@ def _targets(
 ) -> list[object]:
     """The targets, built on the CPU as their seeds draw them, then moved to ``device`` in ``dtype``; an
     attention function ``f(q, k, v, ...)`` is a :class:`FunctionTarget`, its call form found by experiment."""
+    loaded = None
     if target not in ("attnlab", "torch"):
+        interpret_triton(device)  # before the file is imported: a Triton kernel in it runs on the CPU
+        loaded = load_object(target)
         fn = attention_function(target, seed=seed, scale=scale, mask_convention=mask_convention,
-                                causal_alignment=causal_alignment, device=device)  # fmt: skip
+                                causal_alignment=causal_alignment, device=device, loaded=loaded)  # fmt: skip
         if fn is not None:
             _function_flags(
                 target, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, backend=backend
@@ -158,6 +161,7 @@ def _targets(
             mask_convention=mask_convention,
             device=device,
             dtype=dtype,
+            loaded=loaded,
         )
     ]
 

@@ -46,7 +46,15 @@ from .result import Cause, CheckError, CheckResult, Report
 from .suite import GRAD_TOL, LOW_PRECISION_FACTOR, LOW_PRECISION_FLOOR, PARITY_TOL, _rel
 from .target import ALIASES, TargetError, load_object
 
-__all__ = ["FunctionTarget", "Sizes", "attention_function", "check_function", "is_attention_function"]
+__all__ = [
+    "FunctionTarget",
+    "Sizes",
+    "attention_function",
+    "check_function",
+    "interpret_triton",
+    "is_attention_function",
+    "read_function",
+]
 
 Layout = Literal["BHTD", "BTHD", "flat", "varlen"]
 LAYOUT_TEXT = {
@@ -78,6 +86,8 @@ SELF_T = 13  # the lengths when the function takes T_q == T_k only (T != D still
 VARLEN_Q, VARLEN_K = (3, 6, 2), (5, 9, 4)  # per-sequence lengths, q and k (equal when one cu_seqlens is shared)
 TILES = (8, 16, 32, 64, 128)  # key-tile sizes an online softmax is tried at
 MATCH_TOL = 1e-4  # an experiment's output "is" a formula's when their relative error is below this
+# What the experiments run in: the first the function takes (a fused kernel may take float16/bfloat16 only).
+WORK_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 PROBE_SCALE = 0.37  # what a scale argument is set to: no usual scale equals it
 PROBE_DROPOUT = 0.37
 # Parameter names tried when the function shows no signature (a builtin such as SDPA) or takes **kwargs.
@@ -344,8 +354,15 @@ class FunctionTarget:
         self.gqa_found: str | None = None  # "interleave", "tile", or None (runs, matches neither)
         self.gqa_unread = ""  # why GQA is not taken, when the call ran
         self.triton_bf16: str | None = None  # why bfloat16 rows are skipped under the Triton interpreter
+        self.work_dtype = torch.float64  # the experiments': the first of WORK_DTYPES it takes
 
     # -- sizes and inputs ----------------------------------------------------------------------------------
+    @property
+    def tol_match(self) -> float:
+        """How near an experiment's output must come to a formula to be read as it: a half dtype's rounding
+        is ~1e-3 relative, a mistake's departure 1e-1 and more."""
+        return MATCH_TOL if self.work_dtype in (torch.float64, torch.float32) else 3e-2
+
     def scale_for(self, s: Sizes) -> float:
         return self.user_scale if self.user_scale is not None else 1 / math.sqrt(s.D)
 
@@ -496,13 +513,13 @@ class FunctionTarget:
         choices = list(itertools.product((None, False, self.scale_for(SHORT)), repeat=len(required)))
         errors: list[str] = []
         best: tuple[float, Layout, dict[str, object], bool, tuple[str, str]] | None = None
-        for equal in (False, True):
+        for self.work_dtype, equal in itertools.product(WORK_DTYPES, (False, True)):
             s = replace(SHORT, T_q=SELF_T, T_k=SELF_T) if equal else SHORT
             f = Formula(self.scale_for(s))
             for layout in ("BHTD", "BTHD", "flat"):
                 for values in choices:
                     fixed: dict[str, object] = {p.name: v for p, v in zip(required, values, strict=True)}
-                    c = Call(s, *self.inputs("layout", s, torch.float64), want=f)
+                    c = Call(s, *self.inputs("layout", s, self.work_dtype), want=f)
                     try:
                         self.fixed = fixed
                         c.out = self.run(c, layout=layout)
@@ -511,7 +528,7 @@ class FunctionTarget:
                         continue
                     self.layout = layout
                     i, what, err = self._best(c, [("pass", "", f), *_mistakes(f, s)])
-                    if best is None or err < best[0] - 1e-12:
+                    if best is None or err < best[0] - 1e-12:  # the nearest reading; the first of equals
                         best = (err, layout, fixed, equal, (i, what))
             if best is not None:
                 break
@@ -523,7 +540,7 @@ class FunctionTarget:
     def _set_base(self, i: str, what: str, err: float, s: Sizes) -> None:
         """The base formula: the mistake ``(i, what)`` when it fits the plain call, else the right one."""
         right = Formula(self.scale_for(s))
-        fits = err < MATCH_TOL and i != "pass"
+        fits = err < self.tol_match and i != "pass"
         self.base = next((f for j, w, f in _mistakes(right, s) if (j, w) == (i, what)), right) if fits else right
         self.base_mistake = (i, what) if fits else None
 
@@ -544,9 +561,15 @@ class FunctionTarget:
         s = self.sizes(SHORT)
         s = replace(s, B=len(VARLEN_Q), T_q=max(VARLEN_Q), T_k=max(self.varlen_lens(s)[1]))
         f = Formula(self.scale_for(s))
-        c = Call(s, *self.inputs("layout", s, torch.float64), want=f)
-        c.out = self.run(c)
         self.varlen_sizes = s
+        for self.work_dtype in WORK_DTYPES:
+            c = Call(s, *self.inputs("layout", s, self.work_dtype), want=f)
+            try:
+                c.out = self.run(c)
+                break
+            except TargetRaised:
+                if self.work_dtype == WORK_DTYPES[-1]:
+                    raise
         i, what, err = self._best(c, [("pass", "", f), *_mistakes(f, s)])
         self._set_base(i, what, err, s)
 
@@ -555,7 +578,7 @@ class FunctionTarget:
 
     def _probe(self, tag: str, s: Sizes | None = None, *, want: Formula | None = None, **knobs: object) -> Call:
         s = s or self.short()
-        c = Call(s, *self.inputs(tag, s, torch.float64), want=want or replace(self.base, scale=self.scale_for(s)))
+        c = Call(s, *self.inputs(tag, s, self.work_dtype), want=want or replace(self.base, scale=self.scale_for(s)))
         c.knobs = dict(knobs)
         return c
 
@@ -571,10 +594,10 @@ class FunctionTarget:
             c.out = self._try(c, **{n: PROBE_SCALE})
             if c.out is None:
                 continue
-            if self.error(c, replace(c.want, scale=PROBE_SCALE)) < MATCH_TOL:
+            if self.error(c, replace(c.want, scale=PROBE_SCALE)) < self.tol_match:
                 self.scale_arg = n
                 return
-            if "scale" in n and self.error(c) < MATCH_TOL:  # named a scale, and it changes nothing
+            if "scale" in n and self.error(c) < self.tol_match:  # named a scale, and it changes nothing
                 self.scale_ignored = n
 
     def _find_dropout(self, names: list[str]) -> None:
@@ -592,7 +615,7 @@ class FunctionTarget:
         for n in sorted(names, key=lambda n: "causal" not in n):
             c = self._probe("causal")
             c.out = self._try(c, **{n: True})
-            if c.out is None or plain.out is None or _rel(c.out, plain.out) < MATCH_TOL:
+            if c.out is None or plain.out is None or _rel(c.out, plain.out) < self.tol_match:
                 continue
             aligned = [0] if s.T_q == s.T_k or self.layout == "varlen" else [0, s.T_k - s.T_q]
             if self.layout == "varlen":
@@ -602,12 +625,12 @@ class FunctionTarget:
                 tried += [(i, str(o), f) for i, _, f in _mistakes(replace(c.want, causal=o), s)
                           if i.startswith("causal_") and i != "causal_alignment"]  # fmt: skip
             i, what, err = self._best(c, tried)
-            if err >= MATCH_TOL and "causal" not in n:
+            if err >= self.tol_match and "causal" not in n:
                 continue  # it changes the output, and no causal formula fits: not a causal flag
             self.causal_arg = n
-            if err < MATCH_TOL and not i.startswith("causal_"):
+            if err < self.tol_match and not i.startswith("causal_"):
                 self.causal_offset = int(what)
-            elif err < MATCH_TOL:
+            elif err < self.tol_match:
                 self.causal_mistake = (i, _alignment(int(what), s))
                 self.causal_mistake_offset = int(what)
             return
@@ -636,14 +659,14 @@ class FunctionTarget:
                 for shape, cut in MASK_SHAPES.items():
                     m = cut(tensor)
                     c = self._probe("mask")
-                    c.out = self._try(c, **{n: m if kind == "bool" else m.to(torch.float64)})
+                    c.out = self._try(c, **{n: m if kind == "bool" else m.to(self.work_dtype)})
                     if c.out is None:
                         continue
                     want = replace(c.want, keep=m) if kind == "bool" else replace(c.want, bias=m)
                     tried = [("bool keep" if kind == "bool" else "additive", "", want), *_mistakes(want, s)]
                     tried = [t for t in tried if t[0] in ("bool keep", "additive") or "mask" in t[0]]
                     i, what, err = self._best(c, tried)
-                    if err >= MATCH_TOL:
+                    if err >= self.tol_match:
                         continue
                     if i == "mask_polarity":
                         i = "bool block"
@@ -668,8 +691,8 @@ class FunctionTarget:
                 continue
             i, _, err = self._best(c, [("interleave", "", c.want), ("tile", "", replace(c.want, kv_repeat="tile"))])
             finite = bool(torch.isfinite(c.out).all())  # not: it read past K/V (see _guarded)
-            if err < MATCH_TOL or (n is None and finite) or (n is not None and "gqa" in n):
-                self.gqa_found = i if err < MATCH_TOL else None
+            if err < self.tol_match or (n is None and finite) or (n is not None and "gqa" in n):
+                self.gqa_found = i if err < self.tol_match else None
                 return
             if n is None:
                 self.gqa_unread = (
@@ -693,6 +716,8 @@ class FunctionTarget:
         parts = [f"layout {LAYOUT_TEXT[self.layout]}"]
         if self.equal_lengths:
             parts.append("T_q = T_k only")
+        if self.work_dtype != torch.float64:
+            parts.append(f"no float64: read in {str(self.work_dtype).removeprefix('torch.')}")
         if self.fixed:
             parts.append("called with " + ", ".join(f"{k}={v!r}" for k, v in self.fixed.items()))
         if self.mask_arg:
@@ -761,6 +786,21 @@ def _skip(name: str, reason: str) -> CheckResult:
     return CheckResult(name, "skip", None, None, reason)
 
 
+def _plain_error(t: FunctionTarget, c: Call) -> float:
+    """The worse error of the two plain formulas (torch.softmax, and exp / sum by hand) run in ``c``'s dtype."""
+    want = t.expected(c)
+    return max(_rel(t.expected(c, f, plain=True), want) for f in (c.want, replace(c.want, by_hand=True)))
+
+
+def _raised(t: FunctionTarget, name: str, dtype: torch.dtype, e: TargetRaised) -> CheckResult:
+    """A row whose call raised: a skip when the function does not take ``dtype`` at all (a kernel for half
+    precision only), unless the message is a catalogued crash (a mask fill float16 cannot hold); else a failure."""
+    crash = any(m.kind == "crash" and re.search(m.pattern, str(e)) for m in MISTAKES)
+    if dtype != t.work_dtype and not crash:
+        return _skip(name, f"it does not take {str(dtype).removeprefix('torch.')} inputs: it raised {e}")
+    return _crash(name, e)
+
+
 def _crash(name: str, e: TargetRaised) -> CheckResult:
     return CheckResult(name, "fail", "raised", "-", f"the function raised {e}", data={"raised": str(e)})
 
@@ -780,13 +820,26 @@ class Rows:
             want = replace(want, causal=t.expected_causal(s))
         if "mask" in knobs:
             want = replace(want, **knobs.pop("_want"))  # type: ignore[arg-type]
+        if "scale" in knobs:
+            want = replace(want, scale=knobs["scale"])  # type: ignore[arg-type]
         c = Call(s, *t.inputs(name, s, dtype), want=want, knobs=dict(knobs))
         try:
             c.out = t.run(c)
         except TargetRaised as e:
-            return Row(_crash(name, e))
-        err = t.error(c)
-        return Row(_row(name, err <= PARITY_TOL, err, PARITY_TOL, detail), [c])
+            return Row(_raised(t, name, dtype, e))
+        err, tol = t.error(c), PARITY_TOL
+        if dtype in (torch.float16, torch.bfloat16):  # a kernel that takes half only: flash-attention's rule
+            tol = LOW_PRECISION_FACTOR * _plain_error(t, c) + LOW_PRECISION_FLOOR
+            detail += (
+                f"; in {str(dtype).removeprefix('torch.')} (it takes no float32): 2x plain + {LOW_PRECISION_FLOOR:g}"
+            )
+        return Row(_row(name, err <= tol, err, tol, detail), [c], tol)
+
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """What the feature rows (long keys, scale, causal, mask, GQA, varlen) run in: float32, or the half dtype
+        a kernel that takes no float32 runs in."""
+        return torch.float32 if self.t.work_dtype in (torch.float64, torch.float32) else self.t.work_dtype
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
@@ -799,7 +852,7 @@ class Rows:
         self.add(self.parity("parity[float32]", s, torch.float32, f"{dims}, float32"))
         if t.layout != "varlen":
             long = t.sizes(LONG)
-            self.add(self.parity("parity[long keys]", long, torch.float32,
+            self.add(self.parity("parity[long keys]", long, self.feature_dtype,
                                  f"T_q={long.T_q}, T_k={long.T_k}: keys span several tiles of 16 .. 128"))  # fmt: skip
         self.add(self.scale_row(s))
         self.add(self.causal_row(s))
@@ -825,20 +878,13 @@ class Rows:
                             ignored=t.scale_ignored))  # fmt: skip
         if t.scale_arg is None:
             return Row(_skip("scale_argument", "takes no scale argument (none of its arguments set to 0.37 scales the scores by 0.37)"))  # fmt: skip
-        c = Call(s, *t.inputs("scale_argument", s, torch.float32), want=t.right(s, scale=PROBE_SCALE))
-        c.knobs = {"scale": PROBE_SCALE}
-        try:
-            c.out = t.run(c)
-        except TargetRaised as e:
-            return Row(_crash("scale_argument", e))
-        err = t.error(c)
-        return Row(_row("scale_argument", err <= PARITY_TOL, err, PARITY_TOL, f"{t.scale_arg}={PROBE_SCALE}"), [c])
+        return self.parity("scale_argument", s, self.feature_dtype, f"{t.scale_arg}={PROBE_SCALE}", scale=PROBE_SCALE)
 
     def causal_row(self, s: Sizes) -> Row:
         t = self.t
         if t.causal_arg is None:
             return Row(_skip("causal", "takes no causal flag (no argument set to True masks the future)"))
-        row = self.parity("causal", s, torch.float32, "", causal=True)
+        row = self.parity("causal", s, self.feature_dtype, "", causal=True)
         found = _alignment(t.causal_offset, s) if t.causal_offset is not None else "neither alignment"
         want = _alignment(t.expected_causal(s), s)
         r = row.result
@@ -868,8 +914,8 @@ class Rows:
         detail = f"{t.mask_arg} (B, H, T_q, T_k)" + (f", {conv}" if kind == "bool" else ", added to the scores")
         if shapes:
             detail += f"; shapes that work: {', '.join(shapes)}"
-        mask = mask if kind == "bool" else mask.to(torch.float32)
-        return self.parity(name, s, torch.float32, detail, mask=mask, _want=want)
+        mask = mask if kind == "bool" else mask.to(self.feature_dtype)
+        return self.parity(name, s, self.feature_dtype, detail, mask=mask, _want=want)
 
     def gqa_row(self) -> Row:
         t = self.t
@@ -880,15 +926,15 @@ class Rows:
             return Row(_skip("gqa", f"{why}, and no flag makes it take them: no GQA"))
         s = GQA_SIZES if not t.equal_lengths else replace(GQA_SIZES, T_q=SELF_T, T_k=SELF_T)
         flag = "" if t.gqa == "native" else f", {t.gqa}=True"
-        return self.parity("gqa", s, torch.float32, f"H={s.H}, G={s.G}{flag}: query head h reads K/V head h // {s.H // s.G}",
+        return self.parity("gqa", s, self.feature_dtype, f"H={s.H}, G={s.G}{flag}: query head h reads K/V head h // {s.H // s.G}",
                            gqa=True)  # fmt: skip
 
     def varlen_leak_row(self, s: Sizes) -> Row:
         """Sequence 0's output may not change when only the other sequences' keys and values do."""
         t = self.t
-        c = Call(s, *t.inputs("varlen_leak", s, torch.float32), want=t.right(s))
+        c = Call(s, *t.inputs("varlen_leak", s, self.feature_dtype), want=t.right(s))
         other = Call(s, c.q, c.k.clone(), c.v.clone(), want=c.want)
-        _, k2, v2 = t.inputs("varlen_leak other", s, torch.float32)
+        _, k2, v2 = t.inputs("varlen_leak other", s, self.feature_dtype)
         other.k[1:], other.v[1:] = k2[1:], v2[1:]
         try:
             c.out, other.out = t.run(c), t.run(other)
@@ -908,10 +954,9 @@ class Rows:
         try:
             c.out = t.run(c)
         except TargetRaised as e:
-            return Row(_crash(name, e))
+            return Row(_raised(t, name, dtype, e))
         want = t.expected(c)
-        plain = max(_rel(t.expected(c, f, plain=True), want) for f in (c.want, replace(c.want, by_hand=True)))
-        tol = LOW_PRECISION_FACTOR * plain + LOW_PRECISION_FLOOR
+        tol = LOW_PRECISION_FACTOR * _plain_error(t, c) + LOW_PRECISION_FLOOR
         err = _rel(c.out, want)
         detail = f"q, k ~ 6 N(0, 1): largest score {float((q.double() @ k.double().transpose(-2, -1)).abs().max()) * c.want.scale:.0f}; 2x plain + {LOW_PRECISION_FLOOR:g}"
         return Row(_row(name, err <= tol, err, tol, detail), [c], tol)
@@ -935,7 +980,7 @@ class Rows:
             try:
                 got = self._errors(c, grads)
             except TargetRaised as e:
-                return Row(_crash(name, e))
+                return Row(_raised(t, name, dtype, e))
             except _NoGrad as e:
                 return Row(_skip(name, str(e)))
             worst_target, worst_plain = max(worst_target, got[0]), max(worst_plain, got[1])
@@ -952,9 +997,7 @@ class Rows:
         by_hand = replace(c, want=replace(c.want, by_hand=True))
         if not grads:
             c.out = t.run(c)
-            want = t.expected(c)
-            plain = max(_rel(t.expected(p, plain=True), want) for p in (c, by_hand))
-            return _rel(c.out, want), plain
+            return t.error(c), _plain_error(t, c)
         up = torch.randn(c.q.shape, generator=torch.Generator().manual_seed(t.seed + 5), dtype=torch.float64)
         got = _grads(t, c, up.to(c.q))
         exact = _grads(t, replace(c, q=c.q.double(), k=c.k.double(), v=c.v.double()), up, formula=True)
@@ -968,7 +1011,7 @@ class Rows:
         try:
             got = _grads(t, c, up)
         except TargetRaised as e:
-            return Row(_crash("grads[float64]", e))
+            return Row(_raised(t, "grads[float64]", torch.float64, e))
         except _NoGrad as e:
             return Row(_skip("grads[float64]", str(e)))
         want = _grads(t, c, up, formula=True)
@@ -1241,6 +1284,13 @@ def is_attention_function(obj: object) -> bool:
     return any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
+def interpret_triton(device: torch.device | str) -> None:
+    """On the CPU, ``TRITON_INTERPRET=1`` when it is unset, before a target file is imported: a Triton kernel
+    is then run by Triton's interpreter, as ``@triton.jit`` reads the variable when the file defines the kernel."""
+    if torch.device(device).type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def attention_function(
     spec: str,
     *,
@@ -1249,25 +1299,44 @@ def attention_function(
     mask_convention: Literal["keep", "block"] | None = None,
     causal_alignment: Literal["top-left", "bottom-right"] | None = None,
     device: torch.device | str = "cpu",
+    loaded: tuple[object, str] | None = None,
 ) -> FunctionTarget | None:
     """The :class:`FunctionTarget` for ``--target spec`` when it names an attention function whose call form
     the experiments find; None for a class, module or factory (``build_target`` builds those).
 
-    On the CPU, ``TRITON_INTERPRET=1`` is set before the file is imported (when unset), so that a Triton kernel
-    runs in Triton's interpreter. Raises :class:`TargetError` when it looks like one and no call runs."""
-    if torch.device(device).type == "cpu" and "TRITON_INTERPRET" not in os.environ:
-        os.environ["TRITON_INTERPRET"] = "1"
-    obj, attr = load_object(spec)
+    ``loaded``: ``load_object(spec)``'s answer, when the caller has it (the file is then not imported again).
+    On the CPU, ``TRITON_INTERPRET=1`` is set before the file is imported (see :func:`interpret_triton`).
+    Raises :class:`TargetError` when it looks like one and no call runs."""
+    if loaded is None:
+        interpret_triton(device)
+    obj, attr = loaded or load_object(spec)
     if not is_attention_function(obj):
         return None
-    t = FunctionTarget(cast(Callable, obj), attr, scale=scale, mask_convention=mask_convention, causal_alignment=causal_alignment,
+    return read_function(cast(Callable, obj), attr, spec=spec, scale=scale, mask_convention=mask_convention,
+                         causal_alignment=causal_alignment, device=device, seed=seed)  # fmt: skip
+
+
+def read_function(
+    fn: Callable,
+    name: str,
+    *,
+    spec: str | None = None,
+    scale: float | None = None,
+    mask_convention: Literal["keep", "block"] | None = None,
+    causal_alignment: Literal["top-left", "bottom-right"] | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> FunctionTarget:
+    """``fn`` as a :class:`FunctionTarget`, its call form found by experiment (:meth:`FunctionTarget.find_form`);
+    :class:`TargetError` when no probe call runs. ``check_function(read_function(f, "f"))`` checks it."""
+    t = FunctionTarget(fn, name, scale=scale, mask_convention=mask_convention, causal_alignment=causal_alignment,
                        device=device, seed=seed)  # fmt: skip
     try:
         with one_thread():
             t.find_form()
     except TargetRaised as e:
         raise TargetError(
-            f"--target {spec!r}: {attr} takes three positional arguments but no probe call ran: {e}; check calls "
+            f"--target {spec or name!r}: {name} takes three positional arguments but no probe call ran: {e}; check calls "
             f"f(q, k, v) with q (B, H, T_q, D) or (B, T, H, D) and k, v of T_k != T_q positions (B={SHORT.B}, "
             f"H={SHORT.H}, T_q={SHORT.T_q}, T_k={SHORT.T_k}, D={SHORT.D}), then T_q = T_k = {SELF_T}."
         ) from None

@@ -373,13 +373,15 @@ def build_target(
     mask_convention: Literal["keep", "block"] | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    loaded: tuple[object, str] | None = None,
 ) -> AttentionAdapter:
     """The adapter for ``--target spec``, built at those sizes (see the module docstring), then moved to
     ``device`` in ``dtype`` (each None: where and as it was built) before its call form and mask are probed:
-    a module may behave otherwise on another device. An instance named by ``spec`` is copied, not moved."""
+    a module may behave otherwise on another device. An instance named by ``spec`` is copied, not moved.
+    ``loaded``: ``load_object(spec)``'s answer when the caller has it (the file is not imported twice)."""
     dev = None if device is None else resolve_device(device, "--device")
     dt = None if dtype is None else resolve_dtype(dtype, dev, "--dtype")
-    obj, attr = load_object(spec)
+    obj, attr = loaded or load_object(spec)
     wanted: dict[str, object] = {
         "embed_dim": embed_dim,
         "num_heads": num_heads,
