@@ -152,6 +152,8 @@ def test_cli_refuses_module_sizes_and_causal_alignment_where_they_do_not_apply(c
     target = f"{CORPUS / 'sdpa_correct.py'}:attention"
     assert main(["check", "--target", target, "--embed-dim", "64"]) == 2
     assert "--embed-dim 64 does not apply to --target" in capsys.readouterr().err
+    assert main(["check", "--target", target, "--checks", "parity_self"]) == 2
+    assert "--checks parity_self does not apply to --target" in capsys.readouterr().err
     assert main(["check", "--target", "torch", "--causal-alignment", "top-left", "--checks", "parity_self"]) == 2
     assert "--causal-alignment top-left applies to an attention function" in capsys.readouterr().err
 

@@ -17,7 +17,6 @@ TARGET = "attention"
 LAYOUT = "BHTD"
 FOUND = "causal: causal=True, bottom-right"
 NEEDS = "triton"
-NO_RESCALE = False  # triton_no_rescale.py flips it
 
 
 @triton.jit
@@ -55,13 +54,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sm_scale, T_q, T_k, CAUSAL: tl
     )
 
 
-def attention(q, k, v, causal=False, sm_scale=None):
+def launch(q, k, v, causal, sm_scale, rescale):
+    """The kernel on (B, H, T, D) tensors; ``rescale=False`` is triton_no_rescale.py's mistake."""
     B, H, T_q, D = q.shape
     T_k = k.shape[2]
     sm_scale = D**-0.5 if sm_scale is None else sm_scale
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     grid = (triton.cdiv(T_q, 16), B * H)
-    _attention_kernel[grid](q, k, v, o, sm_scale, T_q, T_k, CAUSAL=causal, RESCALE=not NO_RESCALE, D=D,
+    _attention_kernel[grid](q, k, v, o, sm_scale, T_q, T_k, CAUSAL=causal, RESCALE=rescale, D=D,
                             BLOCK_M=16, BLOCK_N=16)  # fmt: skip
     return o
+
+
+def attention(q, k, v, causal=False, sm_scale=None):
+    return launch(q, k, v, causal, sm_scale, rescale=True)

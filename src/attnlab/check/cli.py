@@ -167,14 +167,16 @@ def _targets(
 
 
 def _function_flags(target: str, **given: object) -> None:
-    """A module's sizes do not apply to an attention function (its probes have their own): set, they are a mistake."""
+    """A module's sizes, its checks and one dtype do not apply to an attention function (its rows have their own
+    probe sizes and run in every dtype): set, they are a mistake, not ignored."""
     defaults = {n: p.default for n, p in inspect.signature(check).parameters.items()}
     for name, value in given.items():
         if value != defaults[name]:
             flag = "--" + name.replace("_", "-")
+            shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
             raise UsageError(
-                f"{flag} {value} does not apply to --target {target!r}, an attention function f(q, k, v, ...) "
-                f"that check calls on probe tensors of its own sizes; drop {flag}."
+                f"{flag} {shown} does not apply to --target {target!r}, an attention function f(q, k, v, ...), "
+                f"whose rows are its own (probe sizes of their own, float64 to bfloat16); drop {flag}."
             )
 
 
@@ -428,6 +430,8 @@ def check(
             dt,
             causal_alignment,
         )
+        if any(isinstance(t, FunctionTarget) for t in targets):
+            _function_flags(target, checks=tuple(checks), dtype=dtype)  # its rows are its own, in every dtype
     else:
         targets = _model_targets(
             model,

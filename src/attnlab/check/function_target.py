@@ -355,6 +355,7 @@ class FunctionTarget:
         self.gqa_unread = ""  # why GQA is not taken, when the call ran
         self.triton_bf16: str | None = None  # why bfloat16 rows are skipped under the Triton interpreter
         self.work_dtype = torch.float64  # the experiments': the first of WORK_DTYPES it takes
+        self.varlen_sizes: Sizes | None = None  # varlen: the padded (B, H, max T_q, max T_k, D) of the lengths
 
     # -- sizes and inputs ----------------------------------------------------------------------------------
     @property
@@ -574,7 +575,8 @@ class FunctionTarget:
         self._set_base(i, what, err, s)
 
     def short(self) -> Sizes:
-        return getattr(self, "varlen_sizes", None) or self.sizes(SHORT)
+        """The sizes of the probes and of most rows (:data:`SHORT`, as the function can take them)."""
+        return self.varlen_sizes or self.sizes(SHORT)
 
     def _probe(self, tag: str, s: Sizes | None = None, *, want: Formula | None = None, **knobs: object) -> Call:
         s = s or self.short()
