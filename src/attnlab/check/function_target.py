@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .catalogue import MISTAKES, S_MASK, S_SCALE, S_WALK, Mistake, by_id
@@ -125,12 +126,12 @@ class Formula:
     softmax_dim: int = -1
     scale_after_softmax: bool = False
     no_max: bool = False  # exp of the unshifted scores
-    by_hand: bool = (
-        False  # exp(s - max) / sum written out, each step in the inputs' dtype (torch.softmax accumulates wider)
-    )
-    tile: tuple[int, bool] | None = (
-        None  # an online softmax over key tiles that never rescales its sum: (size, l rescaled)
-    )
+    # exp(s - max) / sum written out, each step in the inputs' dtype (torch.softmax accumulates wider)
+    by_hand: bool = False
+    # an online softmax over key tiles that never rescales its sum: (tile size, l rescaled)
+    tile: tuple[int, bool] | None = None
+    # keys padded with zeros to a multiple of this tile, the padding not masked: phantom keys of score 0
+    pad_tile: int | None = None
 
 
 def _visible(f: Formula, T_q: int, T_k: int, device: torch.device) -> Tensor | None:
@@ -157,6 +158,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, f: Formula) -> Tensor:
             k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)  # (B, H, T_k, D)
         else:
             k, v = k.repeat(1, H // G, 1, 1), v.repeat(1, H // G, 1, 1)  # (B, H, T_k, D)
+    if f.pad_tile is not None:  # zero keys and values up to a whole number of tiles
+        pad = (-k.size(-2)) % f.pad_tile
+        k = torch.cat([k, k.new_zeros(*k.shape[:-2], pad, k.size(-1))], -2)  # (B, H, T_k + pad, D)
+        v = torch.cat([v, v.new_zeros(*v.shape[:-2], pad, v.size(-1))], -2)
+        f = replace(f, pad_tile=None, keep=None if f.keep is None else F.pad(f.keep, (0, pad), value=True),
+                    bias=None if f.bias is None else F.pad(f.bias, (0, pad)))  # fmt: skip
     T_q, T_k = q.size(-2), k.size(-2)
     s = q @ k.transpose(-2, -1)  # (B, H, T_q, T_k)
     if not f.scale_after_softmax:
@@ -209,7 +216,9 @@ def _mistakes(f: Formula, s: Sizes) -> list[tuple[str, str, Formula]]:
         ("scale_seq_len", f"1/sqrt(T_q) = 1/sqrt({s.T_q})", replace(f, scale=1 / math.sqrt(s.T_q))),
         ("scale_after_softmax", "", replace(f, scale_after_softmax=True)),
         ("softmax_query_axis", "", replace(f, softmax_dim=-2)),
+        ("softmax_head_axis", "", replace(f, softmax_dim=1)),
     ]
+    out += [("tile_padding_unmasked", str(t), replace(f, pad_tile=t)) for t in TILES if s.T_k % t]
     out += [
         (
             "online_softmax_no_rescale",
@@ -513,7 +522,7 @@ class FunctionTarget:
         # the required arguments after q, k, v: each tried as None, False and the expected scale
         choices = list(itertools.product((None, False, self.scale_for(SHORT)), repeat=len(required)))
         errors: list[str] = []
-        best: tuple[float, Layout, dict[str, object], bool, tuple[str, str]] | None = None
+        best: tuple[tuple[bool, bool, float], Layout, dict[str, object], bool, tuple[str, str]] | None = None
         for self.work_dtype, equal in itertools.product(WORK_DTYPES, (False, True)):
             s = replace(SHORT, T_q=SELF_T, T_k=SELF_T) if equal else SHORT
             f = Formula(self.scale_for(s))
@@ -529,13 +538,18 @@ class FunctionTarget:
                         continue
                     self.layout = layout
                     i, what, err = self._best(c, [("pass", "", f), *_mistakes(f, s)])
-                    if best is None or err < best[0] - 1e-12:  # the nearest reading; the first of equals
-                        best = (err, layout, fixed, equal, (i, what))
+                    right = self.error(c, f) < self.tol_match
+                    # a 4-D reading before (B*H, T, D): a (B, H, T, D) function runs on 3-D tensors too, where its
+                    # softmax over heads reads as one over queries and its q.size(2) as D; then the one where the
+                    # right formula fits; then the nearest
+                    rank = (layout == "flat", not right, err)
+                    if best is None or rank < best[0]:
+                        best = (rank, layout, fixed, equal, (i, what))
             if best is not None:
                 break
         if best is None:
             raise TargetRaised(RuntimeError("; ".join(dict.fromkeys(errors)) or "no call ran"))
-        err, self.layout, self.fixed, self.equal_lengths, (i, what) = best
+        (_, _, err), self.layout, self.fixed, self.equal_lengths, (i, what) = best
         self._set_base(i, what, err, self.sizes(SHORT))
 
     def _set_base(self, i: str, what: str, err: float, s: Sizes) -> None:
@@ -1096,6 +1110,12 @@ _OWN = {
                 "when a tile raises the maximum from m to m_new: acc = acc * exp(m - m_new) and "
                 "l = l * exp(m - m_new) before adding the tile",
                 S_SCALE, "rows whose keys span several tiles"),
+        Mistake("tile_padding_unmasked", "recipe",
+                "keys are padded with zeros to a whole number of tiles of {what} and the padding is not masked: "
+                "each padded key scores 0 and takes a share of every query's weights",
+                "mask the keys past T_k before the softmax: s = tl.where(offs_n[None, :] < T_k, s, float('-inf')) "
+                "(zero-filled loads, other=0.0, do not mask)",
+                S_MASK, "every output row whose keys end inside a tile"),
         Mistake("softmax_overflow", "behaviour",
                 "softmax takes exp of the scores without subtracting their maximum: exp overflows to inf (NaN after "
                 "the division) once a score passes {limit:.3g}, the exp limit of {dtype}",
@@ -1259,11 +1279,16 @@ class Diagnosis:
         elif first.measured == "raised":
             found = f"the function raises on the {first.name} row's inputs: {first.data.get('raised')}"
         else:
-            found = (f"{first.name}: the output departs from softmax(q k^T * scale) v by {first.measured} (relative), "
-                     f"and no catalogued mistake reproduces it")  # fmt: skip
-        return Cause("stage", found, "; ".join(f"{r.result.name}: {r.result.detail}" for r in rows),
+            found = (f"{first.name}: the output departs from softmax(q k^T * scale) v by {_shown(first.measured)} "
+                     f"(relative), and no catalogued mistake reproduces it")  # fmt: skip
+        return Cause("stage", found, f"{first.name}: {first.detail}; off by: " + ", ".join(
+                     f"{r.result.name} {_shown(r.result.measured)}" for r in rows),
                      "compare the function with the formula step by step on that row's inputs: scores, softmax, weighted sum",
                      S_WALK, names)  # fmt: skip
+
+
+def _shown(x: float | str | None) -> str:
+    return f"{x:.2e}" if isinstance(x, float) else str(x)
 
 
 # -- entry points ----------------------------------------------------------------------------------------------
