@@ -33,6 +33,7 @@ import math
 import os
 import re
 import sys
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -261,12 +262,14 @@ def _alignment(offset: int | None, s: Sizes) -> str:
 
 
 # -- calling the function ------------------------------------------------------------------------------------
-def _first_tensor(out: object) -> Tensor | None:
-    """The output tensor: the result, or the first tensor of a tuple (flash-attention's ``(out, lse, ...)``)."""
+def _output(out: object, shape: tuple[int, ...]) -> Tensor | None:
+    """The output tensor: the result, or the first tensor of a tuple of ``shape`` (flash-attention's
+    ``(out, softmax_lse, ...)``, an ``(lse, out)`` pair), else its first tensor; None when there is none."""
     if isinstance(out, Tensor):
         return out
     if isinstance(out, (tuple, list)):
-        return next((o for o in out if isinstance(o, Tensor)), None)
+        tensors = [o for o in out if isinstance(o, Tensor)]
+        return next((o for o in tensors if tuple(o.shape) == shape), tensors[0] if tensors else None)
     return None
 
 
@@ -385,20 +388,21 @@ class FunctionTarget:
 
     def inputs(self, tag: str, s: Sizes, dtype: torch.dtype, magnitude: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
         """Seeded ``q (B, H, T_q, D)``, ``k, v (B, G, T_k, D)``, drawn in float64 on the CPU, rounded to ``dtype``."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + sum(map(ord, tag)))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(tag.encode()))
         q = torch.randn(s.B, s.H, s.T_q, s.D, generator=g, dtype=torch.float64) * magnitude
         k = torch.randn(s.B, s.G, s.T_k, s.D, generator=g, dtype=torch.float64) * magnitude
         v = torch.randn(s.B, s.G, s.T_k, s.D, generator=g, dtype=torch.float64)
         return tuple(t.to(self.device, dtype) for t in (q, k, v))  # type: ignore[return-value]
 
     # -- one call ------------------------------------------------------------------------------------------
-    def invoke(self, *args: object, **kwargs: object) -> Tensor:
-        """``fn(*args, **kwargs)``'s output tensor; anything it raises is :class:`TargetRaised`."""
+    def invoke(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Tensor:
+        """``fn(q, k, v, **kwargs)``'s output tensor (of q's shape, when it returns several); anything it
+        raises is :class:`TargetRaised`."""
         try:
-            out = self.fn(*args, **kwargs)
+            out = self.fn(q, k, v, **kwargs)
         except Exception as e:
             raise TargetRaised(e) from e
-        t = _first_tensor(out)
+        t = _output(out, (*q.shape[:-1], v.size(-1)))
         if t is None:
             raise TargetRaised(TypeError(f"it returned {type(out).__name__}, not a tensor"))
         return t
@@ -1401,7 +1405,8 @@ def check_function(t: FunctionTarget, *, strict: bool = False) -> Report:
                     "function": {"layout": t.layout, "mask": t.mask_forms, "mask_arg": t.mask_arg,
                                  "causal_arg": t.causal_arg, "causal": _alignment(t.causal_offset, s),
                                  "gqa": t.gqa, "gqa_mapping": t.gqa_found, "scale_arg": t.scale_arg,
-                                 "dropout_arg": t.dropout_arg, "equal_lengths": t.equal_lengths},
+                                 "dropout_arg": t.dropout_arg, "equal_lengths": t.equal_lengths,
+                                 "work_dtype": str(t.work_dtype).removeprefix("torch.")},
                 },
                 strict=strict,
             )  # fmt: skip
