@@ -96,11 +96,13 @@ PROBE_DROPOUT = 0.37
 COMMON_NAMES = ("attn_mask", "mask", "attn_bias", "is_causal", "causal", "scale", "softmax_scale", "sm_scale",
                 "enable_gqa", "dropout_p", "p")  # fmt: skip
 # The mask shapes tried, each cut from a (B, H, T_q, T_k) mask.
-MASK_SHAPES: dict[str, Callable[[Tensor], Tensor]] = {
-    "(B, H, T_q, T_k)": lambda m: m,
-    "(B, 1, T_q, T_k)": lambda m: m[:, :1],
-    "(T_q, T_k)": lambda m: m[0, 0],
-    "(B, 1, 1, T_k)": lambda m: m[:, :1, :1],
+MASK_SHAPES: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {
+    # shape: (cut it from a (B, H, T_q, T_k) mask, widen it back to broadcast over (B, H, T_q, T_k))
+    "(B, H, T_q, T_k)": (lambda m: m, lambda m: m),
+    "(B, 1, T_q, T_k)": (lambda m: m[:, :1], lambda m: m),
+    "(T_q, T_k)": (lambda m: m[0, 0], lambda m: m),
+    "(B, 1, 1, T_k)": (lambda m: m[:, :1, :1], lambda m: m),
+    "(B, T_k)": (lambda m: m[:, 0, 0], lambda m: m[:, None, None, :]),  # a key padding mask
 }
 
 
@@ -340,7 +342,8 @@ class FunctionTarget:
         self.fn, self.name, self.seed = fn, name, seed
         self.device = torch.device(device)
         self.user_scale = scale
-        self.convention = mask_convention or "keep"
+        self.given_convention = mask_convention
+        self.convention = mask_convention or "keep"  # block for an argument named a padding mask (_find_mask)
         self.causal_alignment = causal_alignment
         try:
             self.params: dict[str, inspect.Parameter] | None = dict(inspect.signature(fn).parameters)
@@ -676,13 +679,13 @@ class FunctionTarget:
             forms: dict[str, list[str]] = {}
             mistake: tuple[str, str] | None = None
             for kind, tensor in (("bool", keep), ("additive", bias)):
-                for shape, cut in MASK_SHAPES.items():
+                for shape, (cut, widen) in MASK_SHAPES.items():
                     m = cut(tensor)
                     c = self._probe("mask")
                     c.out = self._try(c, **{n: m if kind == "bool" else m.to(self.work_dtype)})
                     if c.out is None:
                         continue
-                    want = replace(c.want, keep=m) if kind == "bool" else replace(c.want, bias=m)
+                    want = replace(c.want, keep=widen(m)) if kind == "bool" else replace(c.want, bias=widen(m))
                     tried = [("bool keep" if kind == "bool" else "additive", "", want), *_mistakes(want, s)]
                     tried = [t for t in tried if t[0] in ("bool keep", "additive") or "mask" in t[0]]
                     i, what, err = self._best(c, tried)
@@ -697,6 +700,8 @@ class FunctionTarget:
             only_ignored = mistake is not None and mistake[0] == "mask_ignored" and not forms
             if forms or (mistake and (not only_ignored or "mask" in n or "bias" in n)):
                 self.mask_arg, self.mask_forms, self.mask_mistake = n, forms, mistake
+                if self.given_convention is None and "padding" in n:
+                    self.convention = "block"  # a key padding mask: True = padding (nn.MultiheadAttention's, HF's)
                 return
 
     def _find_gqa(self, names: list[str]) -> None:
@@ -924,17 +929,23 @@ class Rows:
         if kind == "bool":
             if "additive" in t.mask_forms and not any(k.startswith("bool") for k in t.mask_forms):
                 return Row(_skip(name, "takes additive float masks only (a bool mask is added as 0/1 or refused)"))
-            want, mask = {"keep": ~keep if block else keep}, keep
+            shapes = next((v for k, v in t.mask_forms.items() if k.startswith("bool")), [])
         else:
             if not t.mask_forms.get("additive") and any(k.startswith("bool") for k in t.mask_forms):
                 return Row(_skip(name, "takes bool masks only (an additive float mask raises or does not fit)"))
-            want, mask = {"bias": bias}, bias
+            shapes = t.mask_forms.get("additive", [])
+        shape = shapes[0] if shapes else "(B, H, T_q, T_k)"  # the first shape it takes: a key padding mask's
+        cut, widen = MASK_SHAPES[shape]
+        if kind == "bool":
+            mask = cut(keep)
+            want: dict[str, object] = {"keep": ~widen(mask) if block else widen(mask)}
+        else:
+            mask = cut(bias).to(self.feature_dtype)
+            want = {"bias": widen(cut(bias))}
         conv = "True = blocked" if block else "True = may attend"
-        shapes = t.mask_forms.get("additive" if kind == "additive" else f"bool {t.convention}", [])
-        detail = f"{t.mask_arg} (B, H, T_q, T_k)" + (f", {conv}" if kind == "bool" else ", added to the scores")
-        if shapes:
+        detail = f"{t.mask_arg} {shape}" + (f", {conv}" if kind == "bool" else ", added to the scores")
+        if len(shapes) > 1:
             detail += f"; shapes that work: {', '.join(shapes)}"
-        mask = mask if kind == "bool" else mask.to(self.feature_dtype)
         return self.parity(name, s, self.feature_dtype, detail, mask=mask, _want=want)
 
     def gqa_row(self) -> Row:
@@ -1156,9 +1167,15 @@ class Diagnosis:
         self.dims: dict[str, object] = {
             "E": s.H * s.D, "H": s.H, "G": s.G, "D": s.D, "scale": t.scale_for(s), "rE": 1 / math.sqrt(s.H * s.D),
             "rD": 1 / math.sqrt(s.D), "declared": t.scale_for(s), "probe": PROBE_SCALE, "qkv_order": "",
-            "convention": "True = blocked" if t.convention == "block" else "True = may attend (SDPA's convention)",
-            "polarity_fix": "mask with scores.masked_fill(~attn_mask, float('-inf')) (True = may attend, as SDPA); "
-            "or, if True = blocked is your convention, say so: --mask-convention block",
+            "convention": ("True = blocked" + (" (a padding mask's)" if t.given_convention is None else "")
+                           if t.convention == "block" else "True = may attend (SDPA's convention)"),
+            "polarity_fix": (
+                f"mask with scores.masked_fill({t.mask_arg}, float('-inf')) (True = blocked); or, if True = may "
+                f"attend is your convention, say so: --mask-convention keep"
+                if t.convention == "block" else
+                f"mask with scores.masked_fill(~{t.mask_arg}, float('-inf')) (True = may attend, as SDPA); "
+                f"or, if True = blocked is your convention, say so: --mask-convention block"
+            ),
             "pad_fix": "", "limit": 88.72, "dtype": "float32", "what": "", "want": "", "offset": "", "causal_fix": "",
         }  # fmt: skip
 
