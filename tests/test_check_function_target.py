@@ -9,7 +9,6 @@ and its mistake named first.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import math
@@ -30,23 +29,11 @@ from attnlab.check.function_target import (
 )
 from attnlab.check.target import TargetError, build_target
 from attnlab.cli import main
+from test_check_style_corpus import _constants  # EXPECTED, TARGET, LAYOUT ... read without importing the file
 
 CORPUS = Path(__file__).parent / "function_corpus"
 FILES = sorted(CORPUS.glob("*.py"))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _constants(path: Path) -> dict[str, str]:
-    """The file's string constants (EXPECTED, TARGET, LAYOUT ...), read without importing it."""
-    out: dict[str, str] = {}
-    for node in ast.parse(path.read_text()).body:
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.targets[0], ast.Name)
-            and isinstance(node.value, ast.Constant)
-        ):
-            out[node.targets[0].id] = node.value.value
-    return out
 
 
 def test_the_corpus_has_correct_functions_in_every_layout_and_one_mistake_each_of_thirteen_kinds():
