@@ -77,6 +77,9 @@ def test_torch_sdpa_itself_passes_with_every_form_found():
     report = check_function(t)
     assert report.ok, [(r.name, r.measured) for r in report.failures]
     assert report.config["call_form"].startswith("scaled_dot_product_attention: found layout (B, H, T, D)")
+    # docs/howto/check.md quotes this line: it must be the tool's
+    page = " ".join((Path(__file__).parents[1] / "docs" / "howto" / "check.md").read_text().split())
+    assert f"`{report.config['call_form']}`" in page, report.config["call_form"]
 
 
 def test_bottom_right_is_found_where_flash_attention_aligns_and_either_passes_unless_one_is_asked():

@@ -10,7 +10,7 @@ import torch
 EXPECTED = "pass"
 TARGET = "padded_attention"
 LAYOUT = "BHTD"
-FOUND = "mask: key_padding_mask = bool block ((B, T_k))"
+FOUND = "mask: key_padding_mask = bool block, shapes (B, T_k)"
 
 
 def padded_attention(q, k, v, key_padding_mask=None):

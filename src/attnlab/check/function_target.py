@@ -746,10 +746,13 @@ class FunctionTarget:
         if self.fixed:
             parts.append("called with " + ", ".join(f"{k}={v!r}" for k, v in self.fixed.items()))
         if self.mask_arg:
-            shown = " or ".join(
-                f"{k} ({'any shape tried' if len(v) == len(MASK_SHAPES) else ', '.join(v)})"
-                for k, v in self.mask_forms.items()
-            ) or (f"no form fits ({self.mask_mistake[0]})" if self.mask_mistake else "no form fits")
+            shapes = {tuple(v) for v in self.mask_forms.values()}
+            if len(shapes) == 1:  # every form in the same shapes: said once
+                shown = f"{' or '.join(self.mask_forms)}, shapes {', '.join(shapes.pop())}"
+            else:
+                shown = " or ".join(f"{k} ({', '.join(v)})" for k, v in self.mask_forms.items())
+            if not self.mask_forms:
+                shown = f"no form fits ({self.mask_mistake[0]})" if self.mask_mistake else "no form fits"
             parts.append(f"mask: {self.mask_arg} = {shown}")
         else:
             parts.append("mask: none")
