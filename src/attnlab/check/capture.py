@@ -41,6 +41,7 @@ class Op:
     memory: str  # "view" (shares its input's storage) or "new"
     out: Tensor = field(repr=False)
     input_dtypes: list[torch.dtype] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # the ops that produced its tracked tensor inputs, lists included
     stage: str | None = None  # the reference stage its value equals (match_stages)
 
 
@@ -49,6 +50,12 @@ def _fname(func: object) -> str:
     if name == "__get__":  # a property such as .T or .mT
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     return name.strip("_")  # __matmul__ -> matmul, __getitem__ -> getitem
+
+
+def _in_place(func: object) -> bool:
+    """``q *= s``, ``scores.masked_fill_(...)``: an op that rewrites its first argument and returns it."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name.endswith("__"))
 
 
 class _Mode(TorchFunctionMode):
@@ -112,8 +119,10 @@ class _Mode(TorchFunctionMode):
         tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
         split = self.tuples and isinstance(out, tuple | list) and len(out) > 0
         parts = list(out) if split else [out]
-        if not tracked or not all(isinstance(o, Tensor) for o in parts) or any(out is t for t in tracked):
-            return out  # off the data path, not one tensor, or a no-op such as .to(its own dtype)
+        if not tracked or not all(isinstance(o, Tensor) for o in parts):
+            return out  # off the data path, or not one tensor
+        if any(out is t for t in tracked) and not _in_place(func):
+            return out  # a no-op such as .to(its own dtype)
         src = tracked[0]
         args_text, kwargs_text = [self._arg(a) for a in args], {k: str(self._arg(v)) for k, v in kwargs.items()}
         for i, part in enumerate(parts):
@@ -129,8 +138,9 @@ class _Mode(TorchFunctionMode):
                     shape=list(part.shape),
                     dtype=part.dtype,
                     memory="view" if shares else "new",
-                    out=part.detach(),
+                    out=part.detach().clone(),  # its value now: a later in-place op must not rewrite it
                     input_dtypes=[t.dtype for t in tracked],
+                    inputs=[self.ids[id(t)] for t in tracked],
                 )
             )
             self.ids[id(part)] = len(self.ops) - 1
