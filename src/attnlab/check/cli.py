@@ -25,6 +25,7 @@ from ..weight_files import pretrained
 from ..weight_files.precision import is_gguf_source
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
+from .function_target import FunctionTarget, attention_function, check_function, interpret_triton
 from .mla import MLAAdapter
 from .mla_checks import MLA_CHECKS, run_mla
 from .probe import as_adapter
@@ -33,7 +34,7 @@ from .report import print_tables, to_json
 from .result import CheckError, CheckResult, Report
 from .runner import diagnosed, run_checks
 from .suite import CHECKS, SEQ_LEN, raised_in_target
-from .target import TargetError, build_target, random_biases
+from .target import TargetError, build_target, load_object, random_biases
 
 # Where to report a failure of check's own code (exit code 3).
 REPORT_TO = "the attnlab maintainers (the project's issue tracker), with the command and the traceback"
@@ -110,8 +111,26 @@ def _targets(
     mask_convention: Literal["keep", "block"] | None,
     device: torch.device,
     dtype: torch.dtype,
+    causal_alignment: Literal["top-left", "bottom-right"] | None = None,
 ) -> list[object]:
-    """The targets, built on the CPU as their seeds draw them, then moved to ``device`` in ``dtype``."""
+    """The targets, built on the CPU as their seeds draw them, then moved to ``device`` in ``dtype``; an
+    attention function ``f(q, k, v, ...)`` is a :class:`FunctionTarget`, its call form found by experiment."""
+    loaded = None
+    if target not in ("attnlab", "torch"):
+        interpret_triton(device)  # before the file is imported: a Triton kernel in it runs on the CPU
+        loaded = load_object(target)
+        fn = attention_function(target, seed=seed, scale=scale, mask_convention=mask_convention,
+                                causal_alignment=causal_alignment, device=device, loaded=loaded)  # fmt: skip
+        if fn is not None:
+            _function_flags(
+                target, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, backend=backend
+            )
+            return [fn]
+    if causal_alignment is not None:
+        raise UsageError(
+            f"--causal-alignment {causal_alignment} applies to an attention function f(q, k, v, ...), and "
+            f"--target {target!r} is a module; drop the flag."
+        )
     torch.manual_seed(seed)
     if target == "attnlab":
         backends: tuple[Backend, ...] = ("math", "sdpa") if backend == "both" else (backend,)
@@ -142,8 +161,23 @@ def _targets(
             mask_convention=mask_convention,
             device=device,
             dtype=dtype,
+            loaded=loaded,
         )
     ]
+
+
+def _function_flags(target: str, **given: object) -> None:
+    """A module's sizes, its checks and one dtype do not apply to an attention function (its rows have their own
+    probe sizes and run in every dtype): set, they are a mistake, not ignored."""
+    defaults = {n: p.default for n, p in inspect.signature(check).parameters.items()}
+    for name, value in given.items():
+        if value != defaults[name]:
+            flag = "--" + name.replace("_", "-")
+            shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
+            raise UsageError(
+                f"{flag} {shown} does not apply to --target {target!r}, an attention function f(q, k, v, ...), "
+                f"whose rows are its own (probe sizes of their own, float64 to bfloat16); drop {flag}."
+            )
 
 
 def _validate(
@@ -246,6 +280,11 @@ def _run_all(
     done = 0
     total = len(targets) * len(names)
     for t in targets:
+        if isinstance(t, FunctionTarget):  # an attention function: its own rows (attnlab.check.function_target)
+            on_check(t.name, "function rows", done)
+            reports.append(check_function(t, strict=strict))
+            done += len(names)
+            continue
         if isinstance(t, MLAAdapter):  # multi-head latent attention: its own rows (attnlab.check.mla_checks)
             reports.append(_run_mla(t, seed=seed, batch=batch_size, seq_len=seq_len, strict=strict, on_check=on_check))
             done += len(MLA_CHECKS)
@@ -324,6 +363,7 @@ def check(
     layer: int | None = None,
     scale: float | None = None,
     mask_convention: Literal["keep", "block"] | None = None,
+    causal_alignment: Literal["top-left", "bottom-right"] | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     strict: bool = False,
@@ -340,7 +380,9 @@ def check(
             or factory gets whichever of the width (embed_dim, d_model, ...), heads (num_heads, n_heads,
             ...), K/V heads and dropout it takes, and is built again at other sizes for the head-dim
             checks. Any forward works: forward(query, key, value[, attn_mask][, key_padding_mask]
-            [, is_causal][, need_weights]), forward(x_query, x_context, mask) or forward(x, mask).
+            [, is_causal][, need_weights]), forward(x_query, x_context, mask) or forward(x, mask). Name may
+            also be an attention function or kernel f(q, k, v, ...): its layout, mask, causal flag, scale and
+            GQA are found by experiment, and it gets rows of its own (docs/howto/check.md).
         backend: attnlab backends to audit ('both' = math and sdpa).
         json: print JSON for CI instead of tables (every field; no progress on stdout).
         embed_dim: E.
@@ -356,6 +398,7 @@ def check(
         layer: with --model, which attention layer (0 = the first; default 0).
         scale: the expected multiplier of the scores (default 1/sqrt(head_dim)); a module's own scale attribute is never the truth.
         mask_convention: what a bool mask should mean to your module: keep (True = may attend, the seeds' and SDPA's) or block (True = blocked, nn.MultiheadAttention's). Default: block if its forward looks like nn.MultiheadAttention's (key_padding_mask and need_weights), else keep.
+        causal_alignment: for an attention function f(q, k, v, ...): where its causal flag must align when T_q != T_k: top-left (SDPA's is_causal: query i sees keys j <= i) or bottom-right (flash-attention >= 2.1: j <= i + T_k - T_q). Default: either passes, and the one found is printed.
         device: where to check it, as it runs: cpu, cuda, cuda:N, mps, xpu (a device this torch sees). The module, every input, the float64 reference and the diagnosis run there.
         dtype: what to check it in: float32, float64, bfloat16 or float16. In bfloat16/float16 each figure may be 2x plain PyTorch's error in that dtype (flash-attention's rule).
         strict: fail on hardening notes too: NaN/inf in padded key/value rows reaching outputs, fully masked rows, a mask fill float16 cannot hold, float32 softmax in a float64 run. Without it they are printed as notes, each with its fix, and exit 0.
@@ -385,7 +428,10 @@ def check(
             mask_convention,
             dev,
             dt,
+            causal_alignment,
         )
+        if any(isinstance(t, FunctionTarget) for t in targets):
+            _function_flags(target, checks=tuple(checks), dtype=dtype)  # its rows are its own, in every dtype
     else:
         targets = _model_targets(
             model,
@@ -482,12 +528,14 @@ def _with_progress(
             return run(lambda target, name, done: None)
         seen: list[str] = []
         mla_names = {t.name for t in targets if isinstance(t, MLAAdapter)}
+        functions = {t.name for t in targets if isinstance(t, FunctionTarget)}
 
         def plain(target: str, name: str, done: int) -> None:
             if target not in seen:
                 seen.append(target)
                 count = len(MLA_CHECKS) if target in mla_names else len(names)
-                print(f"checking {target}: {count} checks ...", flush=True)
+                what = "an attention function's rows" if target in functions else f"{count} checks"
+                print(f"checking {target}: {what} ...", flush=True)
 
         start = time.perf_counter()
         reports = run(plain)

@@ -471,13 +471,15 @@ def build_target(
     mask_convention: Literal["keep", "block"] | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    loaded: tuple[object, str] | None = None,
 ) -> AttentionAdapter:
     """The adapter for ``--target spec``, built at those sizes (see the module docstring), then moved to
     ``device`` in ``dtype`` (each None: where and as it was built) before its call form and mask are probed:
-    a module may behave otherwise on another device. An instance named by ``spec`` is copied, not moved."""
+    a module may behave otherwise on another device. An instance named by ``spec`` is copied, not moved.
+    ``loaded``: ``load_object(spec)``'s answer when the caller has it (the file is not imported twice)."""
     dev = None if device is None else resolve_device(device, "--device")
     dt = None if dtype is None else resolve_dtype(dtype, dev, "--dtype")
-    obj, attr = load_object(spec)
+    obj, attr = loaded or load_object(spec)
     wanted: dict[str, object] = {
         "embed_dim": embed_dim,
         "num_heads": num_heads,
@@ -488,6 +490,13 @@ def build_target(
         built: object = obj
         factory = None
     elif callable(obj):
+        from .function_target import is_attention_function  # imported here: function_target imports this module
+
+        if is_attention_function(obj):
+            raise TargetError(
+                f"--target {spec!r}: {attr} is an attention function f(q, k, v, ...), not a module to build; "
+                f"`attnlab check --target {spec}` checks it (trace and run_checks read nn.Modules)."
+            )
         kwargs = _constructor_kwargs(spec, obj, wanted)
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         torch.manual_seed(seed)
