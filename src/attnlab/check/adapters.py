@@ -101,8 +101,8 @@ class Projections:
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(dtype)
 
-        weights = (cast(getattr(self, f)) for f in self.__dataclass_fields__ if f != "rotary")
-        return Projections(*weights, rotary=self.rotary)  # type: ignore[arg-type]
+        weights = {f: cast(getattr(self, f)) for f in self.__dataclass_fields__ if f != "rotary"}
+        return Projections(**weights, rotary=self.rotary)  # type: ignore[arg-type]
 
     def rotate(self, x: Tensor) -> Tensor:
         """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is)."""

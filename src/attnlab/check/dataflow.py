@@ -571,8 +571,12 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
     moved[0, 0, 0] += 0.5
     results = []
     for inp in (x, moved):
+
+        def run(inp: Tensor = inp) -> object:
+            return call(probe, inp)
+
         with torch.no_grad():  # read only: no graph (an in-place op on a split's view is then allowed, as in eval)
-            ops, err = capture_until_error(lambda inp=inp: call(probe, inp), {"x": inp}, probe)
+            ops, err = capture_until_error(run, {"x": inp}, probe)
         if err is not None:
             raise _Unreadable(f"the probe call raised {type(err).__name__}: {err}")
         results.append((ops, _sites(ops, [inp])))

@@ -45,6 +45,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ..core.attention import MultiHeadAttention
 from ..core.functional import causal_keep
@@ -130,6 +131,12 @@ def _param_names(fn: Callable) -> tuple[list[str], dict[str, inspect.Parameter]]
         for n, p in params.items()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in _MASK_ARGS + _PAD_ARGS
     ]
+    if not positional:  # forward(self, *, x, mask=None): the inputs are keyword-only
+        positional = [
+            n
+            for n, p in params.items()
+            if p.kind == p.KEYWORD_ONLY and p.default is inspect.Parameter.empty and n not in _MASK_ARGS + _PAD_ARGS
+        ]
     return positional, params
 
 
@@ -151,9 +158,13 @@ class CallForm:
     by_name: bool = False
     # (T, B, E) inputs and output (fairseq, labml, nn.MultiheadAttention's default), found by experiment
     time_first: bool = False
+    # the inputs go by keyword only (forward(self, *, x, mask=None))
+    keyword_only: bool = False
+    # forward(x, context=None): self-attention is the call without a context (its own route, masks included)
+    context_optional: bool = False
 
     def describe(self) -> str:
-        sig = ", ".join(self.input_names)
+        sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
         extras = [a for a in (self.mask_arg, self.padding_arg, self.causal_arg, self.weights_arg) if a]
         layout = " with (T, B, E) inputs" if self.time_first else ""
         return f"forward({sig}{''.join(', ' + e for e in extras)}){layout}"
@@ -199,6 +210,8 @@ def read_call_form(module: nn.Module) -> CallForm:
         torch_form=pad_arg is not None and weights_arg is not None and mask_arg is not None,
         required_none=tuple(n for n in maskish if n in params and params[n].default is inspect.Parameter.empty),
         by_name=roles is not None and roles != ["query", "key", "value"],
+        keyword_only=bool(inputs) and params[inputs[0]].kind == inspect.Parameter.KEYWORD_ONLY,
+        context_optional=n_inputs == 2 and params[inputs[1]].default is None,
     )
 
 
@@ -211,6 +224,10 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
         if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
             return (out[0].transpose(0, 1), *out[1:])
         return out.transpose(0, 1) if isinstance(out, Tensor) else out
+    if form.context_optional and qkv[1] is qkv[0] and qkv[2] is qkv[0]:  # self-attention: no context given
+        return module(qkv[0], **kwargs)
+    if form.keyword_only:
+        return module(**dict(zip(form.input_names, qkv, strict=False)), **kwargs)
     if form.by_name:  # forward(v, k, q): each by its own name
         roles = _roles(list(form.input_names))
         assert roles is not None  # read_call_form saw them
@@ -223,6 +240,10 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
     """``form`` with ``time_first`` set by experiment: a batch-first module's output for sequence 1 ignores
     sequence 0's input; a time-first one (read (B, T, E) as (T, B, E)) mixes them, and its output at position 1
     ignores position 0's input instead."""
+    if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
+        # a wrapper of torch's layer: its batch_first decides, and a wrapper that hands it (B, T, E) while it reads
+        # (T, B, E) makes the batch_seq_swapped mistake (the wrapper's inputs are taken as batch-first)
+        return form
     widths = [embed_dim] if embed_dim else []
     widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
     g = torch.Generator().manual_seed(99)
@@ -561,7 +582,7 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name}.forward takes no attention mask")
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
-        if mf.use == "float" and mf.bool_reading is None:
+        if mf.use == "float" and mf.bool_reading is None and not self._converts_bool_mask(query, mask):
             raise Unsupported(
                 f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes"
             )
@@ -575,6 +596,49 @@ class ProbedAdapter(AttentionAdapter):
         if mf.use in ("int", "float01"):
             mask = mask.long() if mf.use == "int" else mask.to(query.dtype)
         return _first(self._invoke(query, query, query, {arg: mask}))
+
+    def _converts_bool_mask(self, query: Tensor, mask: Tensor) -> bool:
+        """Whether the module is written for bool masks: it fills, selects or converts with the mask it is handed
+        (``masked_fill``, ``where``, ``~mask``, ``mask.float()``). A module that only adds what it is handed to
+        the scores takes additive float masks by design, and a bool mask is no input of its."""
+        arg = self.form.mask_arg
+        assert arg is not None
+        derived = {id(mask)}
+        keep_alive: list[object] = [mask]
+        uses: list[str] = []
+        reshapes = (
+            "expand",
+            "expand_as",
+            "view",
+            "reshape",
+            "unsqueeze",
+            "getitem",
+            "repeat",
+            "repeat_interleave",
+            "to",
+            "contiguous",
+            "squeeze",
+        )
+
+        class _Watch(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
+                if any(isinstance(a, Tensor) and id(a) in derived for a in flat):
+                    name = getattr(func, "__name__", "").strip("_")
+                    if name in reshapes and isinstance(out, Tensor) and out.dtype == torch.bool:
+                        derived.add(id(out))
+                        keep_alive.append(out)
+                    else:
+                        uses.append(name)
+                return out
+
+        try:
+            with torch.no_grad(), _Watch():
+                self._invoke(query, query, query, {arg: mask})
+        except Exception:
+            return False
+        return any(u not in ("add", "radd", "iadd", "sub", "rsub", "isub") for u in uses)
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
         return self._sibling(copy.deepcopy(self.module).to(dtype))
@@ -784,7 +848,7 @@ class ProbedAdapter(AttentionAdapter):
         output at every position: softmax ignores it on the keys; on the values, it shifts every output alike
         (the weights sum to 1); on the queries, it changes them unevenly. None when the thirds do not read as
         one of each (a per-head interleaved split, a module that mixes positions)."""
-        if self.found.qkv is None:
+        if self.found is None or self.found.qkv is None:
             return None
         fused = linear_in(self.module.get_submodule(self.found.qkv))
         assert fused is not None

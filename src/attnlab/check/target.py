@@ -292,12 +292,14 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
     if _shares_dropout(obj, param.name):
         p = 0.0  # nanoGPT's config.dropout also drops the output: the rate checks would see both; off
     default = param.default if param.default is not inspect.Parameter.empty else None
-    config = copy.copy(default) if default is not None else _annotated_default(obj, param) or SimpleNamespace()
-    unknown = []
+    config = copy.copy(default) if default is not None else _annotated_default(obj, param, read) or SimpleNamespace()
+    unknown: list[str] = []
+    guessed: list[str] = []
     for field in read:
         value = _CONFIG_VALUES.get(field, _MISSING)
         if value is _MISSING and not hasattr(config, field) and field not in optional:
-            value = _guess(field, E, H, G)  # a field no list names: a first guess, kept only if the module runs
+            guessed.append(field)  # a field no list names: tried by experiment (see _constructor_kwargs)
+            value = _candidates(field, E, H, G)[0]
         if value is _MISSING:
             if field not in optional and not hasattr(config, field):
                 unknown.append(field)
@@ -314,24 +316,40 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
             f"dropout, bias and block_size under their usual names); give {param.name} a default object that "
             f"has them, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
         )
+    if guessed:
+        try:
+            config.__dict__["_attnlab_guessed"] = guessed
+        except (AttributeError, TypeError):
+            pass
     return config
 
 
 _MISSING = object()
 
 
-def _annotated_default(obj: Callable, param: inspect.Parameter) -> object | None:
-    """An instance of the config class ``param`` is annotated with, built from its own defaults (Mistral's
-    ``args: ModelArgs``); None when there is no such class or it needs arguments."""
+def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str]) -> object | None:
+    """A config built from its own class's defaults: the class ``param`` is annotated with (Mistral's ``args:
+    ModelArgs``), else the class of ``obj``'s file that builds with no arguments and carries the most of the
+    fields ``obj`` reads (at least half); None when there is none."""
+    home = inspect.getmodule(obj)
     ann = param.annotation
     if isinstance(ann, str):  # from __future__ import annotations: look the name up where obj lives
-        ann = getattr(inspect.getmodule(obj), ann.split("[")[0].strip(), None)
-    if not inspect.isclass(ann) or ann in (int, float, str, bool, dict, object):
-        return None
-    try:
-        return ann()
-    except Exception:
-        return None
+        ann = getattr(home, ann.split("[")[0].strip(), None)
+    classes = [ann] if inspect.isclass(ann) and ann not in (int, float, str, bool, dict, object) else []
+    if not classes and home is not None and read:
+        scored = []
+        for _, c in inspect.getmembers(home, inspect.isclass):
+            if inspect.getmodule(c) is home and not issubclass(c, nn.Module):
+                have = sum(hasattr(c, f) or f in getattr(c, "__dataclass_fields__", {}) for f in read)
+                if have * 2 >= len(read):
+                    scored.append((have, c))
+        classes = [c for _, c in sorted(scored, key=lambda t: -t[0])]
+    for c in classes:
+        try:
+            return c()
+        except Exception:
+            continue
+    return None
 
 
 def _guess(name: str, E: int, H: int, G: int) -> object:
@@ -381,10 +399,14 @@ def _guess(name: str, E: int, H: int, G: int) -> object:
 
 
 def _candidates(name: str, E: int, H: int, G: int) -> list[object]:
-    """Values to try for a required argument no list names, the suggested one first."""
+    """Values to try for a required argument or config field no list names, the suggested one first."""
     first = _guess(name, E, H, G)
     values: list[object] = [] if first is _MISSING else [first]
-    return list(dict.fromkeys([*values, E, H, E // H, G, 1024]))
+    return list(
+        dict.fromkeys(
+            [*values, E, H, E // H, G, 1024, False, True, 1.0, 0.0],
+        )
+    )
 
 
 def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
@@ -440,6 +462,17 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
     for n in _CONFIG_ARGS:
         if n in params and n not in kwargs and params[n].kind != inspect.Parameter.VAR_KEYWORD:
             kwargs[n] = _make_config(spec, obj, params[n], wanted)
+    E0, H0 = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
+    G0 = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H0)
+    for n, value in list(kwargs.items()):  # config fields no list names: first guesses, then each candidate
+        fields = getattr(value, "__dict__", {}).get("_attnlab_guessed")
+        if not fields or _runs(obj, kwargs, E0, H0):
+            continue
+        for combo in itertools.islice(itertools.product(*(_candidates(f, E0, H0, G0) for f in fields)), 200):
+            for f, v in zip(fields, combo, strict=True):
+                setattr(value, f, v)
+            if _runs(obj, kwargs, E0, H0):
+                break
     unguessable = [n for n in params if n in required and n not in kwargs]
     if unguessable and len(unguessable) <= 3:  # sizes under names no list has: tried, kept where it runs
         E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
