@@ -464,7 +464,7 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             kwargs[n] = _make_config(spec, obj, params[n], wanted)
     E0, H0 = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
     G0 = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H0)
-    for n, value in list(kwargs.items()):  # config fields no list names: first guesses, then each candidate
+    for value in list(kwargs.values()):  # config fields no list names: first guesses, then each candidate
         fields = getattr(value, "__dict__", {}).get("_attnlab_guessed")
         if not fields or _runs(obj, kwargs, E0, H0):
             continue
