@@ -41,6 +41,7 @@ __all__ = [
     "WAIT_ENV",
     "KernelBuildError",
     "build_lock",
+    "checks",
     "explain",
     "preflight",
     "problems",
@@ -55,7 +56,11 @@ CACHE_SETTING = "ATTNLAB_KERNEL_DIR (or XDG_CACHE_HOME, which moves all of attnl
 TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton, in the build folder
 _OUTPUTS = (".o", ".so", ".ninja_log", ".ninja_deps")  # what a killed build may have left half-written
 _FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
-_DENIED = {errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied", errno.EPERM: "Operation not permitted"}
+_DENIED = {
+    errno.EROFS: "Read-only file system",
+    errno.EACCES: "Permission denied",
+    errno.EPERM: "Operation not permitted",
+}
 _ABS_PATH = re.compile(r"(/[^\s:'\"`‘’()]+)")
 
 
@@ -89,8 +94,9 @@ def _inodes_free(path: Path) -> int | None:
     return st.f_favail if st.f_files else None  # f_files 0: a file system without an inode count (btrfs)
 
 
-def _full(folder: Path, build_dir: Path, code: int = errno.ENOSPC) -> KernelBuildError:
-    """The disk (or inode table, or quota) holding ``folder`` is full: say which, with what is free there."""
+def _full(folder: Path, build_dir: Path, code: int = errno.ENOSPC, *, ours: bool = True) -> KernelBuildError:
+    """The disk (or inode table, or quota) holding ``folder`` is full: say which, with what is free there.
+    ``ours``: ``folder`` is the kernels' folder or a parent it is created in (else the compiler's TMPDIR)."""
     free, inodes = free_bytes(folder), _inodes_free(folder)
     if inodes == 0:
         what = f"the file system holding {str(folder)!r} has no free inodes (statvfs f_favail 0"
@@ -101,15 +107,21 @@ def _full(folder: Path, build_dir: Path, code: int = errno.ENOSPC) -> KernelBuil
         what = f"{str(folder)!r} cannot hold the build: {cause} ({'?' if free is None else nbytes(free)} free there"
         what += f", shutil.disk_usage; the build needs about {nbytes(NEED_BYTES)})"
         fix_what = "free space there"
-    inside = folder == build_dir or build_dir.is_relative_to(folder) or folder.is_relative_to(build_dir)
-    move = _setting_fix(build_dir) if inside else "set TMPDIR to a folder on a disk with room"
+    move = _setting_fix(build_dir) if ours else "set TMPDIR to a folder on a disk with room"
     return KernelBuildError(f"building the kernels failed: {what}", f"{fix_what}, or {move}")
 
 
 def _unwritable(folder: Path, build_dir: Path, why: str) -> KernelBuildError:
-    inside = folder == build_dir or build_dir.is_relative_to(folder) or folder.is_relative_to(build_dir)
-    move = _setting_fix(build_dir) if inside else "set TMPDIR to a folder you can write to"
-    return KernelBuildError(f"the kernels' folder {str(folder)!r} cannot be written ({why})", move)
+    """``folder`` refused a write: the kernels' folder (or the parent it is created in), or the compiler's TMPDIR."""
+    if not (folder == build_dir or build_dir.is_relative_to(folder) or folder.is_relative_to(build_dir)):
+        return KernelBuildError(
+            f"the compiler's temporary folder {str(folder)!r} cannot be written ({why})",
+            "set TMPDIR to a folder you can write to",
+        )
+    at = "" if folder == build_dir else f" at {str(folder)!r}"
+    return KernelBuildError(
+        f"the kernels' folder {str(build_dir)!r} cannot be written ({why}{at})", _setting_fix(build_dir)
+    )
 
 
 def _compiler() -> str:
@@ -132,35 +144,49 @@ def _no_ninja() -> KernelBuildError:
     )
 
 
-def preflight(build_dir: Path, *, building: bool) -> None:
-    """Raise :class:`KernelBuildError` for a cause known before any work: the folder cannot be created or
-    written; and when ``building``, too little free space or inodes, no compiler, no ninja."""
+def _writable(build_dir: Path) -> None:
+    """Create ``build_dir`` and prove it writable (a file made and removed), or raise the cause."""
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         probe = build_dir / f".attnlab-write-probe-{os.getpid()}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.close(fd)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         probe.unlink()
     except OSError as err:
         raise explain(err, build_dir) from None
-    missing = _tools_and_room(build_dir) if building else []
-    if missing:
-        raise missing[0]
 
 
-def _tools_and_room(build_dir: Path) -> list[KernelBuildError]:
-    """What a build needs beyond a writable folder: free space and inodes there, a compiler, ninja."""
-    found: list[KernelBuildError] = []
-    free, inodes = free_bytes(build_dir), _inodes_free(build_dir)
-    if (free is not None and free < NEED_BYTES) or inodes == 0:
-        found.append(_full(build_dir, build_dir))
-    if shutil.which(_compiler()) is None:
-        found.append(_no_compiler())
+def checks(build_dir: Path) -> list[tuple[str, str, KernelBuildError | None]]:
+    """What a build needs, as ``(topic, what was found, problem or None)``: the kernels' folder writable with
+    room (free space and inodes), a C++ compiler, ninja. ``attnlab doctor`` prints them."""
+    try:
+        _writable(build_dir)
+        free, inodes = free_bytes(build_dir), _inodes_free(build_dir)
+        room = None if (free is None or free >= NEED_BYTES) and inodes != 0 else _full(build_dir, build_dir)
+    except KernelBuildError as err:
+        free, room = None, err
+    space = "" if free is None else f", {nbytes(free)} free"
+    found = [("kernels' folder", f"{build_dir} (writable{space})", room)]
+    cxx = shutil.which(_compiler())
+    found.append(("C++ compiler", f"{cxx} (CXX or c++)" if cxx else "none", None if cxx else _no_compiler()))
     from torch.utils import cpp_extension
 
-    if not cpp_extension.is_ninja_available():
-        found.append(_no_ninja())
+    ninja = cpp_extension.is_ninja_available()
+    found.append(("ninja", "installed" if ninja else "none", None if ninja else _no_ninja()))
     return found
+
+
+def problems(build_dir: Path) -> list[KernelBuildError]:
+    """What would stop a build here now: :func:`checks`' problems, in their order."""
+    return [problem for _, _, problem in checks(build_dir) if problem is not None]
+
+
+def preflight(build_dir: Path, *, building: bool) -> None:
+    """Raise :class:`KernelBuildError` for a cause known before any work: the folder cannot be created or
+    written; and when ``building``, too little free space or inodes, no compiler, no ninja."""
+    _writable(build_dir)
+    missing = problems(build_dir) if building else []
+    if missing:
+        raise missing[0]
 
 
 def _text_errno(text: str) -> int | None:
@@ -194,8 +220,10 @@ def explain(err: BaseException, build_dir: Path) -> KernelBuildError:
     text = str(err)
     code = err.errno if isinstance(err, OSError) and err.errno else _text_errno(text)
     if code in _FULL:
-        folder = Path(err.filename).parent if isinstance(err, OSError) and err.filename else None
-        return _full(folder or _where(text, _FULL[code], build_dir), build_dir, code)
+        if isinstance(err, OSError) and err.filename:
+            return _full(_existing(Path(err.filename).parent), build_dir, code)
+        folder = _where(text, _FULL[code], build_dir)
+        return _full(folder, build_dir, code, ours=folder.is_relative_to(build_dir))
     if code in _DENIED:
         if isinstance(err, OSError) and err.filename:
             folder = Path(err.filename)
@@ -215,7 +243,7 @@ def explain(err: BaseException, build_dir: Path) -> KernelBuildError:
         )
     link = ("undefined reference", "collect2", "cannot find -l", "ld returned", "ld: ")
     if any(mark in text for mark in link):
-        missing = re.search(r"cannot find -l(\S+)", text)
+        missing = re.search(r"cannot find -l([\w+.-]+)", text)
         fix = (
             f"install the library lib{missing.group(1)} (for -lgomp: the compiler's OpenMP runtime, part of g++)"
             if missing
@@ -317,12 +345,3 @@ def build_lock(build_dir: Path, note: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         lock.release()
-
-
-def problems(build_dir: Path) -> list[KernelBuildError]:
-    """What would stop a build here now (``attnlab doctor``): the folder, its space, the compiler, ninja."""
-    try:
-        preflight(build_dir, building=False)
-    except KernelBuildError as err:
-        return [err]
-    return _tools_and_room(build_dir)

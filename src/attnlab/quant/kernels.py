@@ -104,7 +104,9 @@ def _compile(build_dir: Path, quiet: bool) -> None:
     preflight(build_dir, building=building)
     with build_lock(build_dir, _note):
         if not (build_dir / "attnlab_quant.so").exists() and not quiet:
-            _note(f"attnlab: compiling its quantized-matmul kernels into {build_dir} (once per torch version, ~15 s) ...")
+            _note(
+                f"attnlab: compiling its quantized-matmul kernels into {build_dir} (once per torch version, ~15 s) ..."
+            )
         cpp_extension.load(
             "attnlab_quant",
             [str(SOURCE)],
