@@ -3,7 +3,9 @@
 Importing attnlab takes seconds (torch, its compiler, the models); a Ctrl-C in them would end in a
 ``KeyboardInterrupt`` traceback from deep inside torch's import, and a SIGTERM or SIGHUP in a silent
 kill. The signals are those of ``attnlab.runtime.signals.STOP_SIGNALS`` (where each is argued), named
-here because importing that module is the import this one guards.
+here because importing that module is the import this one guards. ``python -m attnlab`` imports the
+package before its ``__main__``: the package's ``__init__`` calls :func:`guard_start` first thing when
+``sys.argv[0]`` is ``"-m"`` (what it is while ``-m`` imports the package), and ``__main__`` ends the guard.
 This module lives outside the ``attnlab`` package, whose ``__init__`` is that import, so that its
 handlers are in place before it starts. ``attnlab.cli.main`` installs its own once it runs.
 """
@@ -13,9 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from types import FrameType
 
-__all__ = ["main"]
+__all__ = ["end_guard", "guard_start", "main", "running_module"]
 
 
 STOP_SIGNALS = tuple(
@@ -35,14 +38,38 @@ def _while_starting(signum: int, frame: FrameType | None) -> None:
     os._exit(128 + signum)  # mid-import: nothing to clean up, and a half-imported torch has no business running atexit
 
 
+def guard_start() -> dict[int, object]:
+    """Install the start-up handlers (main thread only); returns the handlers they replace, for :func:`end_guard`."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _while_starting) for sig in STOP_SIGNALS}
+
+
+def end_guard(usual: dict[int, object]) -> None:
+    """Put back the handlers :func:`guard_start` replaced (those still its own: a later owner keeps its own)."""
+    for sig, handler in usual.items():
+        if signal.getsignal(sig) is _while_starting:
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def running_module() -> str | None:
+    """The module ``python -m`` runs (``"attnlab"``, ``"attnlab.quant"``), or None for a script or ``-c``."""
+    argv = getattr(sys, "orig_argv", [])
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("-m"):
+            return arg[2:] or (argv[i + 1] if i + 1 < len(argv) else None)
+        if not arg.startswith("-") or arg == "-c":
+            return None
+    return None
+
+
 def main() -> int:
     """Install the start-up handlers, import the CLI, restore the usual handlers, run it."""
-    usual = {sig: signal.signal(sig, _while_starting) for sig in STOP_SIGNALS}
+    usual = guard_start()
     try:
         from attnlab.cli import main as cli_main
     finally:
-        for sig, handler in usual.items():
-            signal.signal(sig, handler)
+        end_guard(usual)
     return cli_main()
 
 
