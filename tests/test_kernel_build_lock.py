@@ -90,12 +90,10 @@ def _holder(build_dir: Path) -> subprocess.Popen[str]:
 def test_a_stale_torch_lock_is_cleared_by_the_next_build(build_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     build_dir.mkdir(parents=True)
     (build_dir / "lock").write_text("")  # what a build killed by an older attnlab (or torch alone) leaves
-    (build_dir / "qmatmul.o").write_bytes(b"half")
     kernels._compile(build_dir, quiet=True)
     assert (build_dir / "attnlab_quant.so").read_bytes() == b"\x7fELF"
     assert not (build_dir / "lock").exists() and not (build_dir / ".attnlab.lock").exists()
-    err = capsys.readouterr().err
-    assert "ended without finishing (killed?); removed its 2 leftover files, building again." in err
+    assert capsys.readouterr().err == ""
 
 
 def test_a_build_killed_with_sigkill_frees_its_lock(build_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

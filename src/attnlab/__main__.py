@@ -3,9 +3,8 @@
 
 import sys
 
-from attnlab_launch import end_guard, guard_start
-
 import attnlab
+from attnlab_launch import end_guard, guard_start
 
 usual = getattr(attnlab, "_start_guard", None) or guard_start()
 try:

@@ -8,7 +8,7 @@ that wedges nothing, and a failure said by its real cause, with its figures and 
 * **torch's own lock cannot wedge it.** ``cpp_extension.load`` guards its build with a plain file,
   ``<build dir>/lock``, that a killed build leaves behind and every later load waits on forever (issue 53:
   ``attnlab generate`` never returned). Whoever holds our lock is the only builder, so such a file is stale:
-  it is removed, and a build that ended without releasing our lock (its record left in the lock file) has
+  it is removed; and a build that ended without releasing our lock (its record left in the lock file) has
   its outputs removed too, since a killed compiler or linker can leave half an object or library.
 * **The cause, not a guess.** :func:`explain` reads an exception (or the compiler's output inside torch's
   ``RuntimeError``) as one of: a full disk or inode table, a folder that cannot be written, no compiler,
@@ -284,23 +284,27 @@ def _wait_s() -> float:
 
 
 def _clear_killed_build(build_dir: Path, lock: RunLock, note: Callable[[str], None]) -> None:
-    """Held: remove torch's baton and, if a build ended without releasing, what it may have left half-written."""
-    baton = build_dir / TORCH_LOCK
-    killed = lock.previous is not None or baton.exists()
-    if not killed:
+    """Held: remove torch's baton (only a builder holding our lock takes it, so it is stale now); and when one of
+    ours ended without releasing the lock (its record is still in the file), what it may have left half-written."""
+    try:
+        (build_dir / TORCH_LOCK).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass  # left for torch to report: the folder's fault is explained by the build that follows
+    if lock.previous is None:
         return
-    who = lock.previous.describe() if lock.previous is not None else "an earlier process"
     removed = 0
     for path in build_dir.iterdir():
-        if path.name == TORCH_LOCK or path.name.endswith(_OUTPUTS):
+        if path.name.endswith(_OUTPUTS):
             try:
-                path.unlink(missing_ok=True)
+                path.unlink()
                 removed += 1
             except OSError:
                 pass
     note(
-        f"attnlab: note: a kernel build in {str(build_dir)!r} by {who} ended without finishing (killed?); "
-        f"removed its {removed} leftover file{'s' if removed != 1 else ''}, building again."
+        f"attnlab: note: a kernel build in {str(build_dir)!r} by {lock.previous.describe()} ended without "
+        f"finishing (killed?); removed its {removed} leftover file{'s' if removed != 1 else ''}, building again."
     )
 
 
