@@ -189,7 +189,7 @@ def test_too_little_room_or_no_inodes_is_said_before_the_build(tmp_path: Path, m
     )
     assert info.value.fix.startswith("free space there, or set ATTNLAB_KERNEL_DIR")
     monkeypatch.setattr(kernel_build, "free_bytes", lambda path: 50 * 2**30)
-    monkeypatch.setattr(kernel_build, "_inodes_free", lambda path: 0)
+    monkeypatch.setattr(kernel_build, "inodes_free", lambda path: 0)
     with pytest.raises(KernelBuildError, match=r"has no free inodes \(statvfs f_favail 0, 50.0 GiB free\)"):
         preflight(tmp_path, building=True)
 

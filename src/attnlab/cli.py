@@ -36,9 +36,10 @@ from .check.cli import check
 from .distributed.failures import RankLost
 from .lab.cli import ablate_command, lab_main, train_command
 from .lab.stopping import TrainingInterrupted
+from .lab.train import RunFolderGone
 from .runtime import INTERRUPTS, Terminated, UsageError, disk_full_line, interrupt_exit, kept, out_of_memory_line
-from .runtime.signals import STOP_SIGNALS, detach_hung_up_terminal
 from .runtime.disk import is_disk_full
+from .runtime.signals import STOP_SIGNALS, detach_hung_up_terminal
 from .runtime.streams import prepare_streams, stdout_is_full, stdout_target
 from .tools.demo import demo
 from .tools.doctor import doctor
@@ -228,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stdout_failed(err):  # `> /dev/full`: the output is what was lost
             err = StdoutLost(err)  # type: ignore[arg-type]
             _quiet_stdout()
+        if isinstance(err, RunFolderGone):
+            print(err.line, file=sys.stderr)
+            return 1
         line = (
             str(err)
             if isinstance(err, StdoutLost)

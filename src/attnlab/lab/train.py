@@ -31,12 +31,14 @@ are the single-process run's on the same data.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 import hashlib
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -58,6 +60,8 @@ from ..distributed.failures import (
     mark_left,
 )
 from ..runtime import DiskFullError, UsageError, append_whole, atomic_write_text
+from ..runtime.disk import is_disk_full
+from ..runtime.streams import stdout_target
 from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, save_config
 from .data import IGNORE, build_task
 from .footprint import check_train_fits
@@ -70,7 +74,7 @@ from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_
 from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
 from .validation import validate_train
 
-__all__ = ["RunResult", "train", "lr_at", "read_metrics", "TrainingInterrupted", "TrainingDiverged"]
+__all__ = ["RunFolderGone", "RunResult", "train", "lr_at", "read_metrics", "TrainingInterrupted", "TrainingDiverged"]
 
 
 @dataclass
@@ -82,6 +86,18 @@ class RunResult:
     task: Any  # the data source: ``task.tokenizer`` turns its ids into text
     final: dict[str, Any]  # eval_loss, eval_acc, steps, wall_s, seconds_to_target, ...
     history: list[dict[str, Any]] = field(repr=False)  # one record per step (and step 0's evaluation)
+
+
+class RunFolderGone(FileNotFoundError):
+    """The run folder was removed while the run wrote to it; ``str`` is the line to print (what was saved, and
+    the command that resumes)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(errno.ENOENT, line)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -352,14 +368,14 @@ def _train(
         start = last_ckpt = load_train_state(ckpt_path, raw, optimizer)  # every rank loads: same weights, same RNG
     model = nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
 
-    def out_of_space(err: DiskFullError, step: int) -> DiskFullError:
+    def out_of_space(err: DiskFullError, step: int, room: str = "free space there") -> DiskFullError:
         """``err`` saying what a run stopped by a full disk kept, what it lost, and how to go on."""
         if last_ckpt is None:
             lost = f", so its {step} step{'s are' if step != 1 else ' is'} lost" if step else ""
             again = free_sibling(out_dir) if step else out_dir  # a run that failed before step 1 leaves no files
             return err.refix(
-                f"the run stopped at step {step} of {cfg.steps}, before its first checkpoint{lost}; free space "
-                f"there, then start it again with `{train_command_line(cfg, again)}`"
+                f"the run stopped at step {step} of {cfg.steps}, before its first checkpoint{lost}; {room}, "
+                f"then start it again with `{train_command_line(cfg, again)}`"
             )
         since = {0: "no step since it is lost", 1: f"step {step} since it is lost"}.get(
             step - last_ckpt, f"steps {last_ckpt + 1}-{step} since it are lost"
@@ -367,8 +383,8 @@ def _train(
         if last_ckpt == step and step == cfg.steps:
             since = "training is complete (resuming writes the files still missing)"
         return err.refix(
-            f"the checkpoint of step {last_ckpt} of {cfg.steps}, {ckpt_path}, is intact and {since}; free space "
-            f"there, then resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+            f"the checkpoint of step {last_ckpt} of {cfg.steps}, {ckpt_path}, is intact and {since}; {room}, "
+            f"then resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
         )
 
     history: list[dict[str, Any]] = []
@@ -383,6 +399,26 @@ def _train(
         except DiskFullError as err:
             raise out_of_space(err, start) from None
 
+    def folder_gone(step: int) -> RunFolderGone:
+        """The run folder was removed under the run: made again, with the state of ``step`` saved there."""
+        resume = f"resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(dataclasses.replace(cfg, resume=False), out_dir / "config.json")
+            metrics_path.write_text("")
+            checkpoint(step)
+        except OSError as err:
+            return RunFolderGone(
+                f"attnlab: the run folder {str(out_dir)!r} was removed while the run wrote to it (at step {step} of "
+                f"{cfg.steps}), and it could not be made again ({err.strerror or err}), so no checkpoint was kept; "
+                f"start it again with `{train_command_line(cfg, free_sibling(out_dir))}`"
+            )
+        return RunFolderGone(
+            f"attnlab: the run folder {str(out_dir)!r} was removed while the run wrote to it (at step {step} of "
+            f"{cfg.steps}); attnlab made it again and saved the checkpoint of step {step} there, {ckpt_path} (the "
+            f"metrics of earlier steps went with the folder); {resume}"
+        )
+
     def log(rec: dict[str, Any]) -> None:
         history.append(rec)
         if write:
@@ -390,6 +426,22 @@ def _train(
                 append_whole(metrics_path, (json.dumps(rec) + "\n").encode())
             except DiskFullError as err:
                 raise out_of_space(err, rec["step"]) from None
+            except FileNotFoundError:
+                raise folder_gone(rec["step"]) from None
+
+    def show(update: Callable[[], None], step: int) -> None:
+        """A progress line; a stdout that refuses it (``> /dev/full``) stops the run with the step under way saved."""
+        try:
+            update()
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            if last_ckpt != step:
+                checkpoint(step)
+            refused = DiskFullError(
+                err.errno or errno.ENOSPC, "stdout", "its progress lines", None, "", f"stdout ({stdout_target()})"
+            )
+            raise out_of_space(refused, step, "send stdout to a file on a disk with room (`> log.txt`)") from None
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
@@ -428,7 +480,7 @@ def _train(
 
     reporter = Reporter(cfg.steps, start, enabled=not quiet, log_every=cfg.log_every, use_bar=cfg.progress)
     if start:
-        reporter.print(f"resumed {ckpt_path} at step {start}")
+        show(lambda: reporter.print(f"resumed {ckpt_path} at step {start}"), start)
     scorer = HeadScorer(task, device) if cfg.log_head_scores else None
 
     def evaluation() -> dict[str, Any]:
@@ -509,7 +561,7 @@ def _train(
                 if seconds_to_target is None and rec["eval_acc"] >= target:
                     seconds_to_target = rec["wall_s"]
             log(rec)
-            reporter.update(rec)
+            show(lambda: reporter.update(rec), step)  # noqa: B023  # called at once
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
                 checkpoint(step)
             if cfg.stop_at_acc is not None and rec.get("eval_acc", -1.0) >= cfg.stop_at_acc:
@@ -580,11 +632,12 @@ def _train(
             atomic_write_text(out_dir / "summary.json", json.dumps(final, indent=2) + "\n")
         except DiskFullError as err:
             raise out_of_space(err, step) from None
-    reporter.print(
+    done = (
         f"done: {step} steps in {wall:.1f}s, held-out loss {final['eval_loss']:.4f}, "
         f"acc {final['eval_acc']:.3f} (chance {task.chance_acc:.3f})"
         + (f", {target:.0%} reached after {seconds_to_target:.1f}s" if seconds_to_target is not None else "")
     )
+    show(lambda: reporter.print(done), step)
     if not identical:
         raise RuntimeError(
             f"ranks ended with different weights (sha256 {[d.hex()[:12] for d in digests]}); "

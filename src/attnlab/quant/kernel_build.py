@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..runtime import RunLock, UsageError, free_bytes, nbytes
+from ..runtime.disk import inodes_free
 from ..runtime.run_lock import Holder, command_line
 
 __all__ = [
@@ -86,18 +87,10 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _inodes_free(path: Path) -> int | None:
-    try:
-        st = os.statvfs(_existing(path))
-    except OSError:
-        return None
-    return st.f_favail if st.f_files else None  # f_files 0: a file system without an inode count (btrfs)
-
-
 def _full(folder: Path, build_dir: Path, code: int = errno.ENOSPC, *, ours: bool = True) -> KernelBuildError:
     """The disk (or inode table, or quota) holding ``folder`` is full: say which, with what is free there.
     ``ours``: ``folder`` is the kernels' folder or a parent it is created in (else the compiler's TMPDIR)."""
-    free, inodes = free_bytes(folder), _inodes_free(folder)
+    free, inodes = free_bytes(folder), inodes_free(folder)
     if inodes == 0:
         what = f"the file system holding {str(folder)!r} has no free inodes (statvfs f_favail 0"
         what += "" if free is None else f", {nbytes(free)} free)"
@@ -160,7 +153,7 @@ def checks(build_dir: Path) -> list[tuple[str, str, KernelBuildError | None]]:
     room (free space and inodes), a C++ compiler, ninja. ``attnlab doctor`` prints them."""
     try:
         _writable(build_dir)
-        free, inodes = free_bytes(build_dir), _inodes_free(build_dir)
+        free, inodes = free_bytes(build_dir), inodes_free(build_dir)
         room = None if (free is None or free >= NEED_BYTES) and inodes != 0 else _full(build_dir, build_dir)
     except KernelBuildError as err:
         free, room = None, err
