@@ -59,7 +59,7 @@ from ..distributed.failures import (
     local_job,
     mark_left,
 )
-from ..runtime import DiskFullError, UsageError, append_whole, atomic_write_text
+from ..runtime import DiskFullError, LimitError, UsageError, append_whole, atomic_write_text, nbytes
 from ..runtime.disk import is_disk_full
 from ..runtime.streams import stdout_target
 from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, save_config
@@ -98,6 +98,31 @@ class RunFolderGone(FileNotFoundError):
 
     def __str__(self) -> str:
         return self.line
+
+
+def import_writers() -> None:
+    """Import what a run's writes need later (safetensors for its checkpoints, matplotlib for curve.png), before
+    its memory is checked: under ``ulimit -v`` a failure then comes first, named, instead of at the first save.
+
+    Raises:
+        LimitError: an import ran out of the address space ``ulimit -v`` (RLIMIT_AS) allows.
+    """
+    try:
+        import safetensors.torch  # noqa: F401
+
+        from . import plots  # noqa: F401
+    except (ImportError, MemoryError, OSError) as err:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise LimitError(
+            f"`ulimit -v` allows this process {nbytes(soft)} of address space (RLIMIT_AS), too little to load "
+            f"safetensors and matplotlib, which a run writes its checkpoints and curve with ({first}); raise the "
+            f"limit (`ulimit -v unlimited`) in the shell that runs attnlab."
+        ) from None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -340,6 +365,8 @@ def _train(
     task = build_task(cfg.data)
     resuming = cfg.resume and (Path(cfg.out_dir) / CKPT_NAME).exists()
     vocab, block = task.vocab_size, task.block_size
+    if write:
+        import_writers()  # now, so that the memory check below counts them (issue 53: `ulimit -v` at the first save)
     check_train_fits(  # memory (every rank) and rank 0's disk, before the model exists
         cfg, vocab, block, device, replicas=layout.data, context=layout.context, resuming=resuming, write=write
     )
