@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +51,7 @@ from torch import Tensor, nn
 
 from ..distributed.failures import (
     DEFAULT_RANK_TIMEOUT,
+    LOST_EXIT,
     Job,
     RankFailure,
     RankLost,
@@ -58,6 +60,7 @@ from ..distributed.failures import (
     join,
     local_job,
     mark_left,
+    watch_joining,
 )
 from ..runtime import DiskFullError, LimitError, UsageError, append_whole, atomic_write_text, nbytes
 from ..runtime.disk import is_disk_full
@@ -70,7 +73,7 @@ from .models import build_model
 from .parallel import ProcessLayout, check_context_parallel, cp_loss, make_context_parallel, shard_batch
 from .progress import Reporter
 from .run_dir import RunClaim, claim_out_dir, free_sibling, read_metrics, resume_metrics, train_command_line
-from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_signal, signal_slots
+from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_signal, print_line, signal_slots
 from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
 from .validation import validate_train
 
@@ -278,7 +281,8 @@ def train(
         job: Job | None = None
         lost = False
         try:
-            rank, device, job = _setup_distributed(device, world, claim.refusal, cfg.rank_timeout)
+            with watch_joining(cfg.rank_timeout, partial(_lost_while_joining, cfg)):
+                rank, device, job = _setup_distributed(device, world, claim.refusal, cfg.rank_timeout)
             layout = ProcessLayout(world, rank, cfg.context_parallel)
             try:
                 result = _train(cfg, layout, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
@@ -309,6 +313,14 @@ def train(
             gc.collect()
             if dist.is_initialized() and not lost:
                 dist.destroy_process_group()
+
+
+def _lost_while_joining(cfg: TrainConfig, job: Job, failure: RankFailure) -> None:
+    """A rank died before the group formed (:func:`watch_joining`'s thread): the line (one rank prints it), then
+    this process ends at once, as a lost rank does after the group formed (``cli.py``): no group exists to leave."""
+    if job.rank == failure.reporter:
+        print_line(_lost_line(cfg, job, failure))
+    os._exit(LOST_EXIT)
 
 
 def _lost_line(cfg: TrainConfig, job: Job, failure: RankFailure) -> str:
