@@ -33,7 +33,8 @@ LOST_EXIT = 75  # attnlab.distributed.failures.LOST_EXIT: every rank's exit code
 
 def _sibling_ranks() -> set[int]:
     """The ranks of this torchrun job alive on this host: the processes of the same parent and rendezvous."""
-    port, parent, alive = os.environ.get("MASTER_PORT"), os.getppid(), set()
+    port, parent = os.environ.get("MASTER_PORT"), os.getppid()
+    alive: set[int] = set()
     try:
         stats = [name for name in os.listdir("/proc") if name.isdigit()]
     except OSError:

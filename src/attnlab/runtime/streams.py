@@ -32,7 +32,7 @@ def _note(line: str) -> None:
         pass
 
 
-def _escape(err: UnicodeError) -> tuple[str, int]:
+def _escape(err: UnicodeError) -> tuple[str | bytes, int]:
     if not _noted:
         encoding = getattr(err, "encoding", "?")
         _noted.append(encoding)

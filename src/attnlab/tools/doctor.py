@@ -253,11 +253,11 @@ def iter_findings(
     from ..quant.kernels import _build_dir
     from ..weight_files.precision import GGUF_SPEEDUP
 
-    for topic, found, problem in checks(_build_dir()):  # what a build of the kernels needs, each named
+    for topic, seen, problem in checks(_build_dir()):  # what a build of the kernels needs, each named
         yield Finding(
             topic,
             "ok" if problem is None else "warn",
-            found if problem is None else problem.cause,
+            seen if problem is None else problem.cause,
             "" if problem is None else problem.fix[0].upper() + problem.fix[1:] + ".",
         )
     status = kernel_status()  # builds them if this environment has not yet (about 20 s, said on stderr)
