@@ -42,9 +42,9 @@ def check_writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
     except OSError as err:
         if err.errno in DISK_ERRNOS:
             free = free_bytes(p)
-            cause, fix = refusal_cause(err.errno, p)
+            cause, fix = refusal_cause(err.errno, p)  # the inodes or `ulimit -f`, when they are what ran out
             raise UsageError(
-                f"{flag} {str(p)!r} cannot be written ({cause}"
+                f"{flag} {str(p)!r} cannot be written ({cause if fix else err.strerror}"
                 + ("" if free is None else f", {nbytes(free)} free there")
                 + f"); {fix or 'free space there'}, or pass another {flag}."
             ) from None
