@@ -258,6 +258,30 @@ def test_the_memory_check_runs_after_the_late_imports(tmp_path: Path, monkeypatc
     assert order == ["imports", "check"]
 
 
+@pytest.mark.slow
+def test_the_cpu_time_limit_saves_the_step_under_way_and_names_the_limit(tmp_path: Path) -> None:
+    """`ulimit -t`: SIGXCPU at the soft limit (SIGKILL follows at the hard one): the run saves and says why."""
+    import resource
+
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "attnlab", "train", *TINY, "--steps", "1000000", "--out-dir", str(run)],
+        env=_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CPU, (25, 120)),
+    )
+    assert out.returncode == 128 + signal.SIGXCPU, out.stderr
+    (line,) = out.stderr.splitlines()
+    step = read_meta(run / CKPT_NAME)["step"]
+    assert line == (
+        "attnlab: SIGXCPU (the CPU-time limit, `ulimit -t`, was reached) received: stopped after step "
+        f"{step} of 1000000, checkpoint saved to {run / CKPT_NAME}; resume with `attnlab train --out-dir {run} "
+        "--resume`"
+    )
+
+
 # -- HOME ------------------------------------------------------------------------------------------------------
 def test_a_read_only_home_shows_no_matplotlib_warning(tmp_path: Path) -> None:
     home = tmp_path / "home-is-a-file"  # root writes through chmod: a HOME where no folder can be made
