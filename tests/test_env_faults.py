@@ -260,7 +260,7 @@ def test_the_memory_check_runs_after_the_late_imports(tmp_path: Path, monkeypatc
 
 @pytest.mark.slow
 def test_the_cpu_time_limit_saves_the_step_under_way_and_names_the_limit(tmp_path: Path) -> None:
-    """`ulimit -t`: SIGXCPU at the soft limit (SIGKILL follows at the hard one): the run saves and says why."""
+    """`ulimit -t`: SIGXCPU at the soft limit (SIGKILL follows at the hard one): the run saves, as on SIGTERM."""
     import resource
 
     run = tmp_path / "run"
@@ -276,7 +276,7 @@ def test_the_cpu_time_limit_saves_the_step_under_way_and_names_the_limit(tmp_pat
     (line,) = out.stderr.splitlines()
     step = read_meta(run / CKPT_NAME)["step"]
     assert line == (
-        "attnlab: SIGXCPU (the CPU-time limit, `ulimit -t`, was reached) received: stopped after step "
+        "attnlab: SIGXCPU received: stopped after step "
         f"{step} of 1000000, checkpoint saved to {run / CKPT_NAME}; resume with `attnlab train --out-dir {run} "
         "--resume`"
     )

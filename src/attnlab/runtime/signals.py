@@ -64,18 +64,12 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
-# Signals whose name alone does not tell a user what happened
-_MEANING = {"SIGXCPU": "the CPU-time limit, `ulimit -t`, was reached"}
-
-
 def signal_name(signum: int) -> str:
-    """``"SIGHUP"`` for 1; ``"SIGXCPU (the CPU-time limit, `ulimit -t`, was reached)"``; ``"signal 99"`` for a
-    number this platform does not name."""
+    """``"SIGHUP"`` for 1; ``"signal 99"`` for a number this platform does not name."""
     try:
-        name = signal.Signals(signum).name
+        return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-    return f"{name} ({_MEANING[name]})" if name in _MEANING else name
 
 
 class Terminated(BaseException):
