@@ -109,6 +109,66 @@ def test_a_build_killed_with_sigkill_frees_its_lock(build_dir: Path, capsys: pyt
     assert f"by PID {proc.pid} (" in err and "ended without finishing (killed?)" in err
 
 
+STOPPED_BUILD = textwrap.dedent(
+    """
+    import errno, os, signal, sys, time
+    from pathlib import Path
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+    from attnlab.quant import kernels
+    from attnlab.runtime import Terminated
+
+    def raise_terminated(signum, frame):  # what attnlab's command line installs for SIGTERM
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    build_dir, fault = Path(sys.argv[1]), sys.argv[2]
+
+    def load(name, sources, *, build_directory, **kwargs):  # torch's baton, then a compile that takes a while
+        baton = FileBaton(os.path.join(build_directory, "lock"))
+        assert baton.try_acquire()
+        try:
+            Path(build_directory, "qmatmul.o").write_bytes(b"half an object")
+            if fault == "ENOSPC":
+                raise RuntimeError("Error building extension: qmatmul.o: fatal error: No space left on device")
+            print("building", flush=True)
+            time.sleep(60)
+        finally:
+            baton.release()
+
+    cpp_extension.load = load
+    print(kernels.build_kernels(quiet=True).reason, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGINT", "SIGTERM", "ENOSPC"])
+def test_a_build_stopped_any_way_is_followed_by_one_that_works(
+    fault: str, build_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first run's build killed, interrupted, terminated or failed by a full disk: the next one just works."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_BUILD, str(build_dir), fault],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    if fault == "ENOSPC":
+        assert first.startswith("building the kernels failed: ") and "the disk holding it is full" in first
+    else:
+        assert first == "building\n"
+        proc.send_signal(getattr(signal, fault))
+    proc.communicate(timeout=60)
+    start = time.monotonic()
+    kernels._compile(build_dir, quiet=True)  # the fake load of this process: a stale baton would make it fail
+    assert time.monotonic() - start < 5
+    assert (build_dir / "attnlab_quant.so").exists()
+    assert not (build_dir / "lock").exists() and not (build_dir / ".attnlab.lock").exists()
+
+
 def test_a_waiter_names_the_live_builder_and_gives_up_after_its_timeout(
     build_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
