@@ -272,7 +272,9 @@ def test_the_cpu_time_limit_saves_the_step_under_way_and_names_the_limit(tmp_pat
         timeout=600,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CPU, (25, 120)),
     )
-    assert out.returncode == 128 + signal.SIGXCPU, out.stderr
+    # past the soft limit the kernel sends SIGXCPU again each CPU second: one landing after attnlab put the default
+    # handler back ends the process by that signal, which a shell reports as the same 152
+    assert out.returncode in (128 + signal.SIGXCPU, -signal.SIGXCPU), out.stderr
     (line,) = out.stderr.splitlines()
     step = read_meta(run / CKPT_NAME)["step"]
     assert line == (
