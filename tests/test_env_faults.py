@@ -112,6 +112,33 @@ def test_stdout_on_a_full_disk_saves_the_step_under_way_and_the_resumed_run_is_b
     _same_weights(tmp_path / "straight", tmp_path / "cut")
 
 
+class _ClosedPipe(io.TextIOBase):
+    """stdout a pipe whose reader exited (`| head`)."""
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+def test_a_closed_pipe_on_stdout_saves_the_step_under_way_and_the_resumed_run_is_bit_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines_at_3 = ["--eval-every", "4", "--log-every", "3", "--ckpt-every", "100"]
+    assert main(["train", *TINY, *lines_at_3, "--out-dir", str(tmp_path / "straight")]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    monkeypatch.setattr("attnlab.cli._quiet_stdout", lambda: None)  # it would point this process's fd 1 elsewhere
+    code = main(["train", *TINY, *lines_at_3, "--out-dir", str(tmp_path / "cut")])
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    assert code == 141
+    assert err == (
+        "attnlab: stdout's reader went away (a closed pipe, `| head`): stopped after step 3 of 4, checkpoint saved "
+        f"to {tmp_path / 'cut' / CKPT_NAME}; resume with `attnlab train --out-dir {tmp_path / 'cut'} --resume`\n"
+    )
+    assert main(_resume_command(err)) == 0
+    _same_weights(tmp_path / "straight", tmp_path / "cut")
+
+
 # -- a signal while python -m attnlab imports -------------------------------------------------------------------
 def test_ctrl_c_during_the_imports_of_python_m_attnlab_is_one_line() -> None:
     proc = subprocess.Popen(

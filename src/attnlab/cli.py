@@ -36,7 +36,7 @@ from .check.cli import check
 from .distributed.failures import RankLost
 from .lab.cli import ablate_command, lab_main, train_command
 from .lab.stopping import TrainingInterrupted
-from .lab.train import RunFolderGone
+from .lab.train import RunStopped
 from .runtime import INTERRUPTS, Terminated, UsageError, disk_full_line, interrupt_exit, kept, out_of_memory_line
 from .runtime.disk import is_disk_full
 from .runtime.signals import STOP_SIGNALS, detach_hung_up_terminal
@@ -220,6 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _lost_rank(err)
         raise  # not reached: _lost_rank ends the process
+    except RunStopped as err:  # train's folder removed, or its stdout's reader gone: what was saved, and how to go on
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        if err.exit_code == 141:
+            _quiet_stdout()
+        print(err.line, file=sys.stderr)
+        return err.exit_code
     except BrokenPipeError:  # `attnlab ... | head`: the reader has what it wanted
         _quiet_stdout()
         return 141
@@ -229,9 +236,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stdout_failed(err):  # `> /dev/full`: the output is what was lost
             err = StdoutLost(err)  # type: ignore[arg-type]
             _quiet_stdout()
-        if isinstance(err, RunFolderGone):
-            print(err.line, file=sys.stderr)
-            return 1
         line = (
             str(err)
             if isinstance(err, StdoutLost)

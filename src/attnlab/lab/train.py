@@ -77,7 +77,17 @@ from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_
 from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
 from .validation import validate_train
 
-__all__ = ["RunFolderGone", "RunResult", "train", "lr_at", "read_metrics", "TrainingInterrupted", "TrainingDiverged"]
+__all__ = [
+    "ReaderGone",
+    "RunFolderGone",
+    "RunResult",
+    "RunStopped",
+    "train",
+    "lr_at",
+    "read_metrics",
+    "TrainingInterrupted",
+    "TrainingDiverged",
+]
 
 
 @dataclass
@@ -91,16 +101,32 @@ class RunResult:
     history: list[dict[str, Any]] = field(repr=False)  # one record per step (and step 0's evaluation)
 
 
-class RunFolderGone(FileNotFoundError):
-    """The run folder was removed while the run wrote to it; ``str`` is the line to print (what was saved, and
-    the command that resumes)."""
+class RunStopped(OSError):
+    """The run's surroundings stopped it (its folder removed, its stdout's reader gone); ``str`` is the line to
+    print (what was saved, and the command that resumes), ``exit_code`` the process's."""
+
+    code = errno.EIO
+    exit_code = 1
 
     def __init__(self, line: str) -> None:
-        super().__init__(errno.ENOENT, line)
+        super().__init__(self.code, line)
         self.line = line
 
     def __str__(self) -> str:
         return self.line
+
+
+class RunFolderGone(RunStopped):
+    """The run folder was removed while the run wrote to it."""
+
+    code = errno.ENOENT
+
+
+class ReaderGone(RunStopped):
+    """stdout is a pipe whose reader went away (``attnlab train | head``): exit 141, as a tool killed by SIGPIPE."""
+
+    code = errno.EPIPE
+    exit_code = 141
 
 
 def import_writers() -> None:
@@ -472,6 +498,14 @@ def _train(
         """A progress line; a stdout that refuses it (``> /dev/full``) stops the run with the step under way saved."""
         try:
             update()
+        except BrokenPipeError:  # `| head`: the reader has what it wanted; the run's steps are kept all the same
+            if last_ckpt != step:
+                checkpoint(step)
+            raise ReaderGone(
+                f"attnlab: stdout's reader went away (a closed pipe, `| head`): stopped after step {step} of "
+                f"{cfg.steps}, checkpoint saved to {ckpt_path}; resume with "
+                f"`{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+            ) from None
         except OSError as err:
             if not is_disk_full(err):
                 raise
