@@ -47,21 +47,24 @@ codecs.register_error(ESCAPE, _escape)
 
 
 def _reopen_closed(fd: int, name: str) -> bool:
-    """Point a closed ``fd`` (1 or 2) at /dev/null and give ``sys.<name>`` a stream on it; True if it was closed."""
-    stream = getattr(sys, name)
+    """``sys.<name>`` is None (``fd`` 1 or 2 was closed when Python started): give it a stream on /dev/null, put
+    at ``fd`` when ``fd`` is still free (a child's output then goes nowhere, not into a file we open later);
+    True if it was closed."""
+    if getattr(sys, name) is not None:
+        return False
     try:
-        os.fstat(fd)
-        if stream is not None:
-            return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
     except OSError:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-        except OSError:
-            return False
-        if devnull != fd:
-            os.dup2(devnull, fd)
-            os.close(devnull)
-    replacement = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True, errors="backslashreplace")
+        return False
+    try:
+        os.fstat(fd)  # taken since: an import opened a file there; leave it to its owner
+    except OSError:
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        devnull = fd
+    replacement = io.TextIOWrapper(
+        io.FileIO(devnull, "w", closefd=devnull != fd), line_buffering=True, errors="backslashreplace"
+    )
     setattr(sys, name, replacement)
     setattr(sys, f"__{name}__", replacement)
     return True
