@@ -236,7 +236,11 @@ def watch_joining(timeout_s: float, lost: Callable[[Job, RankFailure], None]) ->
     The peers are the processes torchrun started for the same rendezvous (:func:`local_job`).
     """
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    all_here = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    # torchrun's agent starts every rank of a host as siblings: one never seen, where all are here, has ended (another
+    # launcher may start them apart, where only a rank seen and gone counts)
+    all_here = "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get(
+        "WORLD_SIZE"
+    )
     done = threading.Event()
     seen: dict[int, int] = {}
     missing: dict[int, float] = {}
