@@ -82,59 +82,59 @@ def test_an_encoding_that_cannot_show_the_output_escapes_it_and_says_so_once(
     )
 
 
-class _FullStdout(io.TextIOBase):
-    """stdout on a full disk (`> /dev/full`): every write is refused with ENOSPC."""
+class _RefusingStdout(io.TextIOBase):
+    """stdout that refuses every write with ``error``: a full disk (`> /dev/full`), a pipe whose reader exited."""
+
+    def __init__(self, error: OSError) -> None:
+        self.error = error
 
     def write(self, s: str) -> int:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise self.error
 
 
-def test_stdout_on_a_full_disk_saves_the_step_under_way_and_the_resumed_run_is_bit_equal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    lines_at_3 = ["--eval-every", "4", "--log-every", "3", "--ckpt-every", "100"]  # no checkpoint before the end
-    assert main(["train", *TINY, *lines_at_3, "--out-dir", str(tmp_path / "straight")]) == 0
+LINES_AT_3 = ["--eval-every", "4", "--log-every", "3", "--ckpt-every", "100"]  # a line at step 3, no checkpoint yet
+
+
+def _train_with_stdout(
+    error: OSError, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
+    """A straight run, then one whose stdout refuses its first line (step 3) with ``error``: (exit code, stderr)."""
+    assert main(["train", *TINY, *LINES_AT_3, "--out-dir", str(tmp_path / "straight")]) == 0
     capsys.readouterr()
-    monkeypatch.setattr(sys, "stdout", _FullStdout())
+    monkeypatch.setattr(sys, "stdout", _RefusingStdout(error))
     monkeypatch.setattr(TRAIN, "stdout_target", lambda: "'/dev/full'")
-    code = main(["train", *TINY, *lines_at_3, "--out-dir", str(tmp_path / "cut")])
-    err = capsys.readouterr().err
-    monkeypatch.undo()
-    assert code == 1
-    ckpt = tmp_path / "cut" / CKPT_NAME
-    assert err == (
-        "attnlab: error: no space left on device while writing its progress lines to stdout ('/dev/full'); the "
-        f"checkpoint of step 3 of 4, {ckpt}, is intact and no step since it is lost; send stdout to a file on a disk "
-        f"with room (`> log.txt`), then resume with `attnlab train --out-dir {tmp_path / 'cut'} --resume`\n"
-    )
-    assert read_meta(ckpt)["step"] == 3  # the step under way: no checkpoint had been written before it
-    assert main(_resume_command(err)) == 0
-    _same_weights(tmp_path / "straight", tmp_path / "cut")
-
-
-class _ClosedPipe(io.TextIOBase):
-    """stdout a pipe whose reader exited (`| head`)."""
-
-    def write(self, s: str) -> int:
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
-
-
-def test_a_closed_pipe_on_stdout_saves_the_step_under_way_and_the_resumed_run_is_bit_equal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    lines_at_3 = ["--eval-every", "4", "--log-every", "3", "--ckpt-every", "100"]
-    assert main(["train", *TINY, *lines_at_3, "--out-dir", str(tmp_path / "straight")]) == 0
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     monkeypatch.setattr("attnlab.cli._quiet_stdout", lambda: None)  # it would point this process's fd 1 elsewhere
-    code = main(["train", *TINY, *lines_at_3, "--out-dir", str(tmp_path / "cut")])
+    code = main(["train", *TINY, *LINES_AT_3, "--out-dir", str(tmp_path / "cut")])
     err = capsys.readouterr().err
     monkeypatch.undo()
-    assert code == 141
-    assert err == (
+    assert read_meta(tmp_path / "cut" / CKPT_NAME)["step"] == 3  # the step under way
+    return code, err
+
+
+STDOUT_FAULTS = {  # the error stdout's writes get, the exit code, the line (CUT: the run folder)
+    "full disk": (
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+        1,
+        "attnlab: error: no space left on device while writing its progress lines to stdout ('/dev/full'); the "
+        "checkpoint of step 3 of 4, CUT/checkpoint.safetensors, is intact and no step since it is lost; send stdout "
+        "to a file on a disk with room (`> log.txt`), then resume with `attnlab train --out-dir CUT --resume`",
+    ),
+    "closed pipe": (
+        BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)),
+        141,
         "attnlab: stdout's reader went away (a closed pipe, `| head`): stopped after step 3 of 4, checkpoint saved "
-        f"to {tmp_path / 'cut' / CKPT_NAME}; resume with `attnlab train --out-dir {tmp_path / 'cut'} --resume`\n"
-    )
+        "to CUT/checkpoint.safetensors; resume with `attnlab train --out-dir CUT --resume`",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(STDOUT_FAULTS))
+def test_stdout_that_refuses_a_line_saves_the_step_under_way_and_the_resumed_run_is_bit_equal(
+    fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    error, exit_code, line = STDOUT_FAULTS[fault]
+    code, err = _train_with_stdout(error, tmp_path, monkeypatch, capsys)
+    assert (code, err) == (exit_code, line.replace("CUT", str(tmp_path / "cut")) + "\n")
     assert main(_resume_command(err)) == 0
     _same_weights(tmp_path / "straight", tmp_path / "cut")
 
