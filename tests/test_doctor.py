@@ -139,8 +139,33 @@ def test_doctor_reports_the_quantized_kernels_and_the_fallback(monkeypatch):
 
     found = {f.topic: f for f in diagnose(compile_check=False)}["quantized kernels"]
     assert found.status == ("ok" if kernels.kernel_status().available else "warn")
-    off = kernels.KernelStatus(False, "none", "building them failed (x); they need a C++17 compiler", "/x")
+    off = kernels.KernelStatus(
+        False, "none", "building them failed (x); install a C++17 compiler", "/x", fix="install a C++17 compiler"
+    )
     monkeypatch.setattr(kernels, "_status", off)
     found = {f.topic: f for f in diagnose(compile_check=False)}["quantized kernels"]
-    assert (found.status, found.detail) == ("warn", "building them failed (x); they need a C++17 compiler")
-    assert found.fix == "dtype='gguf' models run the slower pure-PyTorch path; they need a C++17 compiler."
+    assert (found.status, found.detail) == ("warn", "building them failed (x); install a C++17 compiler")
+    assert found.fix == (
+        "dtype='gguf' models run the slower pure-PyTorch path (about 16x slower); install a C++17 compiler."
+    )
+
+
+def test_doctor_checks_what_a_kernel_build_needs(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    from attnlab.tools.doctor import diagnose
+
+    monkeypatch.setenv("ATTNLAB_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "attnlab-no-such-compiler")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    found = {f.topic: f for f in diagnose(compile_check=False)}
+    assert found["kernels' folder"].status == "ok" and str(tmp_path) in found["kernels' folder"].detail
+    assert found["C++ compiler"].status == "warn"
+    assert (
+        found["C++ compiler"].fix
+        == "Install one (`apt-get install g++`, `xcode-select --install`) or point CXX at one."
+    )
+    assert (found["ninja"].status, found["ninja"].detail) == (
+        "warn",
+        "building the kernels needs ninja, which is not installed in this environment",
+    )

@@ -6,6 +6,14 @@ import inspect as _pyinspect
 import sys
 from typing import Any
 
+from attnlab_launch import end_guard as _end_guard
+from attnlab_launch import guard_start as _guard_start
+from attnlab_launch import running_module as _running_module
+
+# `python -m attnlab...` imports this first: a signal in its seconds of imports is one line, not a traceback;
+# the guard is ended by attnlab/__main__.py, or at the end of this file for `python -m attnlab.<module>`
+_start_guard = _guard_start() if sys.argv[:1] == ["-m"] else {}
+
 from .runtime.torch_version import check_torch_version
 
 check_torch_version()  # before anything that needs a recent torch: one sentence, not a traceback from deep inside
@@ -79,3 +87,6 @@ def swap(model: Any, **kwargs: Any) -> SwapReport:
 
 
 swap.__signature__ = _pyinspect.signature(_swap_modules)  # type: ignore[attr-defined]
+
+if _start_guard and _running_module() != "attnlab":  # `python -m attnlab.quant` and the like: their own handlers
+    _end_guard(_start_guard)

@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +55,7 @@ __all__ = [
     "join",
     "local_job",
     "mark_left",
+    "watch_joining",
 ]
 
 # Seconds. Survivors then exit within a minute even on a loaded machine (measured: 50.5 s after a SIGSTOP);
@@ -195,6 +199,75 @@ def _left(ranks: list[int]) -> set[int]:
         return {r for r in ranks if store.check([f"attnlab/left/{r}"])}
     except Exception:
         return set()
+
+
+_JOIN_POLL_S = 0.2  # how often a joining rank looks at its peers in /proc
+_UNSEEN_S = 2.0  # a peer torchrun started on this host but never seen in /proc for this long has ended
+
+
+def _joining_failure(rank: int, world: int, seen: dict[int, int], missing: dict[int, float]) -> RankFailure | None:
+    """The peers of this host that ended while the group formed: one seen and now gone (or a zombie), or one never
+    seen for :data:`_UNSEEN_S` where torchrun started every rank here (``LOCAL_WORLD_SIZE == WORLD_SIZE``)."""
+    now = time.monotonic()
+    dead = [r for r, pid in seen.items() if _state(pid) in ("", "Z", "X", "x")]
+    dead += [r for r, since in missing.items() if r not in seen and now - since >= _UNSEEN_S]
+    if not dead:
+        return None
+    dead.sort()
+    r = dead[0]
+    pid = f"pid {seen[r]}" if r in seen else "pid unknown: it ended before this rank could see it"
+    what = (
+        f"rank {r} ({pid}) died while the ranks were still joining, before the process group formed (kill -9, a "
+        "crash or the out-of-memory killer)"
+    )
+    if len(dead) > 1:
+        what += f"; also lost: rank{'s' if len(dead) > 2 else ''} {_ranks(dead[1:])}"
+    return RankFailure(dead, what, [], world)
+
+
+@contextmanager
+def watch_joining(timeout_s: float, lost: Callable[[Job, RankFailure], None]) -> Iterator[None]:
+    """While the block joins the process group, watch this host's other ranks; call ``lost(job, failure)`` (from
+    a thread: it must end the process) when one dies before the group forms.
+
+    Until every rank has joined, no collective exists to fail: ``init_process_group`` waits in C++ for the
+    missing rank (up to ``--rank-timeout``, where Python's signal handlers cannot run), and torchrun's agent
+    SIGKILLs the waiting ranks 30 s after its SIGTERM, so that the user saw only torchrun's ``ChildFailedError``.
+    The peers are the processes torchrun started for the same rendezvous (:func:`local_job`).
+    """
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun's agent starts every rank of a host as siblings: one never seen, where all are here, has ended (another
+    # launcher may start them apart, where only a rank seen and gone counts)
+    all_here = "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get(
+        "WORLD_SIZE"
+    )
+    done = threading.Event()
+    seen: dict[int, int] = {}
+    missing: dict[int, float] = {}
+
+    def watch() -> None:
+        while not done.wait(_JOIN_POLL_S):
+            job = local_job(timeout_s)
+            now = time.monotonic()
+            for r, (_, pid) in enumerate(job.peers):
+                if r == rank:
+                    continue
+                if pid:
+                    seen.setdefault(r, pid)
+                elif all_here:
+                    missing.setdefault(r, now)
+            failure = _joining_failure(rank, world, seen, missing)
+            if failure is not None and not done.is_set():
+                job.peers = [(h, seen.get(r, pid)) for r, (h, pid) in enumerate(job.peers)]
+                lost(job, failure)
+                return
+
+    thread = threading.Thread(target=watch, name="attnlab-join-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _timed_out(err: BaseException) -> bool:

@@ -4,7 +4,9 @@ Memory (per process): the weights, their gradients and AdamW's two moments (16 b
 weight); the activations autograd keeps for the backward pass; the logits; and, where SDPA cannot
 use its fused kernel (attention dropout > 0 falls back to the math path), the ``(B, H, T, T)``
 scores of every layer. Disk (rank 0): the checkpoint twice (the atomic save holds the old and the
-new until the rename), ``model/``, ``metrics.jsonl`` and the small files. Both are estimates,
+new until the rename), ``model/``, ``metrics.jsonl`` and the small files; its largest file against
+``ulimit -f``. Memory is checked after importing what the run's last writes need
+(:func:`attnlab.lab.train.import_writers`), so that ``ulimit -v`` is measured against it too. Both are estimates,
 counted from formulas rather than by building the model: a model built on the meta device
 took 45 ms (2.4 s on first use) on a 2-core CPU, the formulas about 30 us.
 
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 
 from ..models.gpt import GPTConfig
-from ..runtime import check_fits, check_free_space, nbytes
+from ..runtime import LimitError, check_fits, check_free_space, nbytes
+from ..runtime.disk import file_size_limit
 from ..weight_files.file_checks import gpt_weight_count
 from .config import ModelConfig, TrainConfig
 from .data import length_flag
@@ -74,6 +77,7 @@ class TrainFootprint:
     weights: int
     memory: dict[str, int]
     disk: dict[str, int]
+    largest_file: tuple[str, int] = ("", 0)  # the biggest single file written, by name: what `ulimit -f` must allow
 
 
 def train_footprint(
@@ -105,7 +109,9 @@ def train_footprint(
         "metrics.jsonl": cfg.steps * METRICS_LINE + evals * heads,
         "curve.png and the small files": SMALL_FILES,
     }
-    return TrainFootprint(P, memory, disk)
+    files = {"checkpoint.safetensors": checkpoint, "model/model.safetensors": 4 * P if m.kind == "gpt" else 0}
+    files["metrics.jsonl"] = disk["metrics.jsonl"]
+    return TrainFootprint(P, memory, disk, max(files.items(), key=lambda item: item[1]))
 
 
 def _largest(fits: Any, low: int, high: int) -> int:
@@ -185,6 +191,14 @@ def check_train_fits(
     )
     if write:
         check_free_space(cfg.out_dir, fp.disk)
+        limit = file_size_limit()
+        name, size = fp.largest_file
+        if limit is not None and size > limit:
+            raise LimitError(
+                f"`ulimit -f` allows files of {nbytes(limit)} (RLIMIT_FSIZE) but this run writes {name} of about "
+                f"{nbytes(size)} to {str(cfg.out_dir)!r}; raise the limit (`ulimit -f unlimited`) in the shell that "
+                f"runs attnlab, or shrink the model (--model.embed-dim, --model.num-layers)."
+            )
     return fp
 
 

@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
+import atexit
 import io
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+
+def _quiet_config_dir() -> None:
+    """Give matplotlib a private config folder when HOME's cannot be written (a read-only HOME): it would make
+    one itself, but with a warning on the user's screen at every run."""
+    if os.environ.get("MPLCONFIGDIR"):
+        return
+    home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "matplotlib"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "matplotlib"
+    try:
+        for folder in (home, cache):
+            folder.mkdir(parents=True, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise PermissionError(folder)
+        return
+    except OSError:
+        pass
+    private = tempfile.mkdtemp(prefix="attnlab-matplotlib-")
+    atexit.register(shutil.rmtree, private, True)
+    os.environ["MPLCONFIGDIR"] = private
+
+
+_quiet_config_dir()
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only: no display on a server or in CI
-import matplotlib.pyplot as plt
-import numpy as np
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
-from ..runtime import atomic_write_bytes
+from ..runtime import atomic_write_bytes  # noqa: E402
 
 __all__ = ["plot_run", "plot_ablation", "plot_head_scores"]
 

@@ -31,13 +31,16 @@ are the single-process run's on the same data.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 import hashlib
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,6 +51,7 @@ from torch import Tensor, nn
 
 from ..distributed.failures import (
     DEFAULT_RANK_TIMEOUT,
+    LOST_EXIT,
     Job,
     RankFailure,
     RankLost,
@@ -56,8 +60,11 @@ from ..distributed.failures import (
     join,
     local_job,
     mark_left,
+    watch_joining,
 )
-from ..runtime import DiskFullError, UsageError, append_whole, atomic_write_text
+from ..runtime import DiskFullError, LimitError, UsageError, append_whole, atomic_write_text, nbytes
+from ..runtime.disk import is_disk_full
+from ..runtime.streams import stdout_target
 from .config import OptimConfig, TrainConfig, config_from_dict, config_to_dict, save_config
 from .data import IGNORE, build_task
 from .footprint import check_train_fits
@@ -66,11 +73,21 @@ from .models import build_model
 from .parallel import ProcessLayout, check_context_parallel, cp_loss, make_context_parallel, shard_batch
 from .progress import Reporter
 from .run_dir import RunClaim, claim_out_dir, free_sibling, read_metrics, resume_metrics, train_command_line
-from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_signal, signal_slots
+from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted, first_signal, print_line, signal_slots
 from .train_state import CKPT_NAME, load_train_state, read_meta, save_train_state
 from .validation import validate_train
 
-__all__ = ["RunResult", "train", "lr_at", "read_metrics", "TrainingInterrupted", "TrainingDiverged"]
+__all__ = [
+    "ReaderGone",
+    "RunFolderGone",
+    "RunResult",
+    "RunStopped",
+    "train",
+    "lr_at",
+    "read_metrics",
+    "TrainingInterrupted",
+    "TrainingDiverged",
+]
 
 
 @dataclass
@@ -82,6 +99,59 @@ class RunResult:
     task: Any  # the data source: ``task.tokenizer`` turns its ids into text
     final: dict[str, Any]  # eval_loss, eval_acc, steps, wall_s, seconds_to_target, ...
     history: list[dict[str, Any]] = field(repr=False)  # one record per step (and step 0's evaluation)
+
+
+class RunStopped(OSError):
+    """The run's surroundings stopped it (its folder removed, its stdout's reader gone); ``str`` is the line to
+    print (what was saved, and the command that resumes), ``exit_code`` the process's."""
+
+    code = errno.EIO
+    exit_code = 1
+
+    def __init__(self, line: str) -> None:
+        super().__init__(self.code, line)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+class RunFolderGone(RunStopped):
+    """The run folder was removed while the run wrote to it."""
+
+    code = errno.ENOENT
+
+
+class ReaderGone(RunStopped):
+    """stdout is a pipe whose reader went away (``attnlab train | head``): exit 141, as a tool killed by SIGPIPE."""
+
+    code = errno.EPIPE
+    exit_code = 141
+
+
+def import_writers() -> None:
+    """Import what a run's writes need later (safetensors for its checkpoints, matplotlib for curve.png), before
+    its memory is checked: under ``ulimit -v`` a failure then comes first, named, instead of at the first save.
+
+    Raises:
+        LimitError: an import ran out of the address space ``ulimit -v`` (RLIMIT_AS) allows.
+    """
+    try:
+        import safetensors.torch  # noqa: F401
+
+        from . import plots  # noqa: F401
+    except (ImportError, MemoryError, OSError) as err:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise LimitError(
+            f"`ulimit -v` allows this process {nbytes(soft)} of address space (RLIMIT_AS), too little to load "
+            f"safetensors and matplotlib, which a run writes its checkpoints and curve with ({first}); raise the "
+            f"limit (`ulimit -v unlimited`) in the shell that runs attnlab."
+        ) from None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -237,7 +307,8 @@ def train(
         job: Job | None = None
         lost = False
         try:
-            rank, device, job = _setup_distributed(device, world, claim.refusal, cfg.rank_timeout)
+            with watch_joining(cfg.rank_timeout, partial(_lost_while_joining, cfg)):
+                rank, device, job = _setup_distributed(device, world, claim.refusal, cfg.rank_timeout)
             layout = ProcessLayout(world, rank, cfg.context_parallel)
             try:
                 result = _train(cfg, layout, device, write=write and rank == 0, quiet=quiet or rank != 0, stop=signals)
@@ -268,6 +339,14 @@ def train(
             gc.collect()
             if dist.is_initialized() and not lost:
                 dist.destroy_process_group()
+
+
+def _lost_while_joining(cfg: TrainConfig, job: Job, failure: RankFailure) -> None:
+    """A rank died before the group formed (:func:`watch_joining`'s thread): the line (one rank prints it), then
+    this process ends at once, as a lost rank does after the group formed (``cli.py``): no group exists to leave."""
+    if job.rank == failure.reporter:
+        print_line(_lost_line(cfg, job, failure))
+    os._exit(LOST_EXIT)
 
 
 def _lost_line(cfg: TrainConfig, job: Job, failure: RankFailure) -> str:
@@ -324,6 +403,8 @@ def _train(
     task = build_task(cfg.data)
     resuming = cfg.resume and (Path(cfg.out_dir) / CKPT_NAME).exists()
     vocab, block = task.vocab_size, task.block_size
+    if write:
+        import_writers()  # now, so that the memory check below counts them (issue 53: `ulimit -v` at the first save)
     check_train_fits(  # memory (every rank) and rank 0's disk, before the model exists
         cfg, vocab, block, device, replicas=layout.data, context=layout.context, resuming=resuming, write=write
     )
@@ -352,14 +433,14 @@ def _train(
         start = last_ckpt = load_train_state(ckpt_path, raw, optimizer)  # every rank loads: same weights, same RNG
     model = nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
 
-    def out_of_space(err: DiskFullError, step: int) -> DiskFullError:
+    def out_of_space(err: DiskFullError, step: int, room: str = "free space there") -> DiskFullError:
         """``err`` saying what a run stopped by a full disk kept, what it lost, and how to go on."""
         if last_ckpt is None:
             lost = f", so its {step} step{'s are' if step != 1 else ' is'} lost" if step else ""
             again = free_sibling(out_dir) if step else out_dir  # a run that failed before step 1 leaves no files
             return err.refix(
-                f"the run stopped at step {step} of {cfg.steps}, before its first checkpoint{lost}; free space "
-                f"there, then start it again with `{train_command_line(cfg, again)}`"
+                f"the run stopped at step {step} of {cfg.steps}, before its first checkpoint{lost}; {room}, "
+                f"then start it again with `{train_command_line(cfg, again)}`"
             )
         since = {0: "no step since it is lost", 1: f"step {step} since it is lost"}.get(
             step - last_ckpt, f"steps {last_ckpt + 1}-{step} since it are lost"
@@ -367,8 +448,8 @@ def _train(
         if last_ckpt == step and step == cfg.steps:
             since = "training is complete (resuming writes the files still missing)"
         return err.refix(
-            f"the checkpoint of step {last_ckpt} of {cfg.steps}, {ckpt_path}, is intact and {since}; free space "
-            f"there, then resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+            f"the checkpoint of step {last_ckpt} of {cfg.steps}, {ckpt_path}, is intact and {since}; {room}, "
+            f"then resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
         )
 
     history: list[dict[str, Any]] = []
@@ -383,6 +464,26 @@ def _train(
         except DiskFullError as err:
             raise out_of_space(err, start) from None
 
+    def folder_gone(step: int) -> RunFolderGone:
+        """The run folder was removed under the run: made again, with the state of ``step`` saved there."""
+        resume = f"resume with `{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(dataclasses.replace(cfg, resume=False), out_dir / "config.json")
+            metrics_path.write_text("")
+            checkpoint(step)
+        except OSError as err:
+            return RunFolderGone(
+                f"attnlab: the run folder {str(out_dir)!r} was removed while the run wrote to it (at step {step} of "
+                f"{cfg.steps}), and it could not be made again ({err.strerror or err}), so no checkpoint was kept; "
+                f"start it again with `{train_command_line(cfg, free_sibling(out_dir))}`"
+            )
+        return RunFolderGone(
+            f"attnlab: the run folder {str(out_dir)!r} was removed while the run wrote to it (at step {step} of "
+            f"{cfg.steps}); attnlab made it again and saved the checkpoint of step {step} there, {ckpt_path} (the "
+            f"metrics of earlier steps went with the folder); {resume}"
+        )
+
     def log(rec: dict[str, Any]) -> None:
         history.append(rec)
         if write:
@@ -390,6 +491,30 @@ def _train(
                 append_whole(metrics_path, (json.dumps(rec) + "\n").encode())
             except DiskFullError as err:
                 raise out_of_space(err, rec["step"]) from None
+            except FileNotFoundError:
+                raise folder_gone(rec["step"]) from None
+
+    def show(update: Callable[[], None], step: int) -> None:
+        """A progress line; a stdout that refuses it (``> /dev/full``) stops the run with the step under way saved."""
+        try:
+            update()
+        except BrokenPipeError:  # `| head`: the reader has what it wanted; the run's steps are kept all the same
+            if last_ckpt != step:
+                checkpoint(step)
+            raise ReaderGone(
+                f"attnlab: stdout's reader went away (a closed pipe, `| head`): stopped after step {step} of "
+                f"{cfg.steps}, checkpoint saved to {ckpt_path}; resume with "
+                f"`{train_command_line(cfg, out_dir, resume=True, keep=False)}`"
+            ) from None
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            if last_ckpt != step:
+                checkpoint(step)
+            refused = DiskFullError(
+                err.errno or errno.ENOSPC, "stdout", "its progress lines", None, "", f"stdout ({stdout_target()})"
+            )
+            raise out_of_space(refused, step, "send stdout to a file on a disk with room (`> log.txt`)") from None
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
@@ -428,7 +553,7 @@ def _train(
 
     reporter = Reporter(cfg.steps, start, enabled=not quiet, log_every=cfg.log_every, use_bar=cfg.progress)
     if start:
-        reporter.print(f"resumed {ckpt_path} at step {start}")
+        show(lambda: reporter.print(f"resumed {ckpt_path} at step {start}"), start)
     scorer = HeadScorer(task, device) if cfg.log_head_scores else None
 
     def evaluation() -> dict[str, Any]:
@@ -509,7 +634,7 @@ def _train(
                 if seconds_to_target is None and rec["eval_acc"] >= target:
                     seconds_to_target = rec["wall_s"]
             log(rec)
-            reporter.update(rec)
+            show(lambda: reporter.update(rec), step)  # noqa: B023  # called at once
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
                 checkpoint(step)
             if cfg.stop_at_acc is not None and rec.get("eval_acc", -1.0) >= cfg.stop_at_acc:
@@ -580,11 +705,12 @@ def _train(
             atomic_write_text(out_dir / "summary.json", json.dumps(final, indent=2) + "\n")
         except DiskFullError as err:
             raise out_of_space(err, step) from None
-    reporter.print(
+    done = (
         f"done: {step} steps in {wall:.1f}s, held-out loss {final['eval_loss']:.4f}, "
         f"acc {final['eval_acc']:.3f} (chance {task.chance_acc:.3f})"
         + (f", {target:.0%} reached after {seconds_to_target:.1f}s" if seconds_to_target is not None else "")
     )
+    show(lambda: reporter.print(done), step)
     if not identical:
         raise RuntimeError(
             f"ranks ended with different weights (sha256 {[d.hex()[:12] for d in digests]}); "

@@ -8,11 +8,14 @@ happens only when either changes: ``make test`` / ``make demo`` build it during 
 one build serves any x86-64: AVX-512 VNNI, else AVX2, else plain C++ for the int8 tiles (the route
 quantized models take), and AVX-512, AVX2 or plain C++ for the float32 rows.
 
-When it cannot be had (no compiler, a failed build, or ``ATTNLAB_QUANT_KERNELS=0``), every
+When it cannot be had (no compiler, a full disk, a failed build, or ``ATTNLAB_QUANT_KERNELS=0``), every
 quantized layer runs :func:`~attnlab.quant.formats.dequantize_blocks` then ``F.linear``: the same
-numbers, much slower; :func:`kernel_status` says which, and why.
+numbers, much slower; :func:`kernel_status` says which, and why (:mod:`.kernel_build` reads the cause).
+One process builds at a time, under a lock the OS releases when its holder dies.
 
-Env: ``ATTNLAB_QUANT_KERNELS=0`` (never build or load them), ``ATTNLAB_KERNEL_DIR`` (where to build).
+Env: ``ATTNLAB_QUANT_KERNELS=0`` (never build or load them), ``ATTNLAB_KERNEL_DIR`` (where to build; else
+``$XDG_CACHE_HOME/attnlab``, else ``~/.cache/attnlab``), ``ATTNLAB_KERNEL_BUILD_WAIT`` (seconds to wait for
+another process's build, default 600).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hashlib
 import os
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .formats import BlockFormat, dequantize_blocks
+from .kernel_build import build_lock, explain, preflight
 
 __all__ = [
     "KernelStatus",
@@ -55,6 +60,7 @@ class KernelStatus:
     reason: str  # why they are not available; "" when they are
     build_dir: str
     tiles_isa: str = "none"  # the int8 tiled kernel's (llama.cpp's route): "AVX-512 VNNI", "AVX2", "plain C++"
+    fix: str = ""  # the one fix when they are not available (the end of ``reason``)
 
     @property
     def vnni(self) -> bool:
@@ -82,25 +88,34 @@ def _build_dir() -> Path:
     return base / "kernels" / tag
 
 
+def _note(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed or full: the build goes on without its note
+        pass
+
+
 def _compile(build_dir: Path, quiet: bool) -> None:
+    """Build (if needed) and load the library, under the build lock (:mod:`.kernel_build`: a killed build
+    wedges nothing, a failure is said by its cause)."""
     from torch.utils import cpp_extension
 
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / "attnlab_quant.so").exists() and not quiet:
-        print(
-            f"attnlab: compiling its quantized-matmul kernels into {build_dir} (once per torch version, ~15 s) ...",
-            file=sys.stderr,
-            flush=True,
+    building = not (build_dir / "attnlab_quant.so").exists()
+    preflight(build_dir, building=building)
+    with build_lock(build_dir, _note):
+        if not (build_dir / "attnlab_quant.so").exists() and not quiet:
+            _note(
+                f"attnlab: compiling its quantized-matmul kernels into {build_dir} (once per torch version, ~15 s) ..."
+            )
+        cpp_extension.load(
+            "attnlab_quant",
+            [str(SOURCE)],
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
         )
-    cpp_extension.load(
-        "attnlab_quant",
-        [str(SOURCE)],
-        extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
 
 
 def _register_python_parts() -> None:
@@ -157,7 +172,11 @@ def build_kernels(quiet: bool = False) -> KernelStatus:
         build_dir = _build_dir()
         if os.environ.get("ATTNLAB_QUANT_KERNELS", "1").strip().lower() in _OFF:
             _status = KernelStatus(
-                False, "none", "ATTNLAB_QUANT_KERNELS=0 is set; unset it to build and use them", str(build_dir)
+                False,
+                "none",
+                "ATTNLAB_QUANT_KERNELS=0 is set; unset it to build and use them",
+                str(build_dir),
+                fix="unset it to build and use them",
             )
             return _status
         try:
@@ -167,16 +186,11 @@ def build_kernels(quiet: bool = False) -> KernelStatus:
             isa = ISA_NAMES.get(int(ops.cpu_isa()), "plain C++")
             tiles = TILE_ISA_NAMES.get(int(ops.cpu_tile_isa()), "plain C++")
             _status = KernelStatus(True, isa, "", str(build_dir), tiles)
-        except Exception as err:  # no compiler, no ninja, a compile error: the fallback runs, and says why
-            lines = [line for line in str(err).splitlines() if line.strip()]
-            detail = lines[0][:300] if lines else type(err).__name__
-            _status = KernelStatus(
-                False,
-                "none",
-                f"building them failed ({type(err).__name__}: {detail}); they need a C++17 compiler (g++ or clang++) "
-                f"and the ninja package (`pip install ninja`); quantized layers run the slower pure-PyTorch path",
-                str(build_dir),
-            )
+        except Exception as err:  # a full disk, no compiler, a compile error...: the fallback runs, and says why
+            if os.environ.get("ATTNLAB_DEBUG"):  # the whole error (torch's build log) for a bug report
+                traceback.print_exc()
+            why = explain(err, build_dir)
+            _status = KernelStatus(False, "none", str(why), str(build_dir), fix=why.fix)
         return _status
 
 

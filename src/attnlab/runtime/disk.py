@@ -28,8 +28,12 @@ __all__ = [
     "append_whole",
     "check_free_space",
     "disk_full_line",
+    "file_size_limit",
     "free_bytes",
+    "inodes_free",
+    "is_disk_full",
     "nbytes",
+    "refusal_cause",
     "writing",
 ]
 
@@ -61,6 +65,43 @@ def free_bytes(path: str | os.PathLike[str]) -> int | None:
         return None
 
 
+def inodes_free(path: str | os.PathLike[str]) -> int | None:
+    """Inodes (files) this user can still create on the file system holding ``path``; None where it has no count."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_favail if st.f_files else None  # f_files 0: no fixed inode table (btrfs)
+
+
+def file_size_limit() -> int | None:
+    """``ulimit -f`` (RLIMIT_FSIZE) in bytes, or None when there is none."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def refusal_cause(code: int, folder: str | os.PathLike[str]) -> tuple[str, str | None]:
+    """``(what ran out, the fix it needs or None for the usual one)`` for a write refused with ``code`` in
+    ``folder``: the inodes rather than the blocks when none are left, ``ulimit -f`` when it is set."""
+    if code == errno.ENOSPC and inodes_free(folder) == 0:
+        return "no free inodes left on that file system (statvfs f_favail 0)", "delete files there, or write elsewhere"
+    limit = file_size_limit()
+    if code == errno.EFBIG and limit is not None:
+        return (
+            f"the file grew past `ulimit -f` ({nbytes(limit)})",
+            "raise the limit (`ulimit -f unlimited`) in the shell that runs attnlab",
+        )
+    return _CAUSE.get(code, os.strerror(code)), None
+
+
 class DiskFullError(OSError):
     """A write the file system refused for want of space (ENOSPC), quota (EDQUOT) or file size (EFBIG).
 
@@ -69,24 +110,28 @@ class DiskFullError(OSError):
     run says which checkpoint is intact and how to resume).
     """
 
-    def __init__(self, code: int, path: str | os.PathLike[str], what: str, size: int | None, fix: str) -> None:
-        self.free = free_bytes(Path(path).parent)
+    def __init__(
+        self, code: int, path: str | os.PathLike[str], what: str, size: int | None, fix: str, where: str | None = None
+    ) -> None:
+        self.free = free_bytes(Path(path).parent) if where is None else None
         free = "" if self.free is None else f", {nbytes(self.free)} free"
         super().__init__(code, f"{os.strerror(code)}{free}", str(path))
-        self.path, self.what, self.size, self.fix = Path(path), what, size, fix
+        self.path, self.what, self.size, self.fix, self.where = Path(path), what, size, fix, where
 
     def refix(self, fix: str) -> DiskFullError:
         """The same failure with another fix."""
-        return DiskFullError(self.errno or errno.ENOSPC, self.path, self.what, self.size, fix)
+        return DiskFullError(self.errno or errno.ENOSPC, self.path, self.what, self.size, fix, self.where)
 
     def __str__(self) -> str:
         size = "" if self.size is None else f" ({nbytes(self.size)})"
         free = "" if self.free is None else f": {nbytes(self.free)} free there (shutil.disk_usage)"
-        cause = _CAUSE.get(self.errno or 0, self.strerror or "the write failed")
-        return f"{cause} while writing {self.what}{size} to {str(self.path.parent)!r}{free}; {self.fix}"
+        cause, fix = refusal_cause(self.errno or errno.ENOSPC, self.path.parent)
+        fix = self.fix if fix is None or self.fix != DEFAULT_FIX else fix
+        where = self.where or repr(str(self.path.parent))
+        return f"{cause} while writing {self.what}{size} to {where}{free}; {fix}"
 
     def __reduce__(self) -> tuple[Any, ...]:  # OSError's own pickles its args, not these
-        return (DiskFullError, (self.errno or errno.ENOSPC, self.path, self.what, self.size, self.fix))
+        return (DiskFullError, (self.errno or errno.ENOSPC, self.path, self.what, self.size, self.fix, self.where))
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -162,6 +207,8 @@ def disk_full_line(err: BaseException) -> str | None:
         return None
     assert isinstance(err, OSError)
     where = "" if err.filename is None else f" {str(err.filename)!r}"
-    free = None if err.filename is None else free_bytes(Path(str(err.filename)).parent)
+    folder = None if err.filename is None else Path(str(err.filename)).parent
+    free = None if folder is None else free_bytes(folder)
     left = "" if free is None else f": {nbytes(free)} free there (shutil.disk_usage)"
-    return f"{_CAUSE[err.errno or errno.ENOSPC]} while writing{where}{left}; {DEFAULT_FIX}"
+    cause, fix = refusal_cause(err.errno or errno.ENOSPC, folder or ".")
+    return f"{cause} while writing{where}{left}; {fix or DEFAULT_FIX}"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
 
-from .disk import DISK_ERRNOS, free_bytes, nbytes, writing
+from .disk import DISK_ERRNOS, free_bytes, nbytes, refusal_cause, writing
 from .errors import UsageError
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "PROBE_BYTES"]
@@ -20,6 +21,14 @@ def check_writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
     """Create ``path`` if needed and prove it writable by writing :data:`PROBE_BYTES` there (then removing them),
     so that a command fails in its first second rather than after minutes of work."""
     p = Path(path)
+    try:
+        p.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # `mkdir` would say "File exists" of it
+            raise UsageError(
+                f"{flag} {str(p)!r} is a symbolic link loop (ELOOP: {_link_chain(p)}); point the link at a real "
+                f"directory, or pass another {flag}."
+            ) from None
     if p.exists() and not p.is_dir():
         raise UsageError(f"{flag} {str(p)!r} is a file, expected a directory; pass a directory path.")
     probe = p / f".attnlab-write-probe-{uuid.uuid4().hex}"
@@ -33,10 +42,11 @@ def check_writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
     except OSError as err:
         if err.errno in DISK_ERRNOS:
             free = free_bytes(p)
+            cause, fix = refusal_cause(err.errno, p)  # the inodes or `ulimit -f`, when they are what ran out
             raise UsageError(
-                f"{flag} {str(p)!r} cannot be written ({err.strerror}"
+                f"{flag} {str(p)!r} cannot be written ({cause if fix else err.strerror}"
                 + ("" if free is None else f", {nbytes(free)} free there")
-                + f"); free space there, or pass another {flag}."
+                + f"); {fix or 'free space there'}, or pass another {flag}."
             ) from None
         raise UsageError(
             f"{flag} {str(p)!r} cannot be written ({err.strerror or err}); pass a directory you can write to."
@@ -47,6 +57,19 @@ def check_writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
         except OSError:  # a directory we could not write into cannot hold the probe either
             pass
     return p
+
+
+def _link_chain(p: Path, hops: int = 4) -> str:
+    """``'a' -> 'b' -> 'a' ...``: the first links of a loop, for the message."""
+    chain, seen = [str(p)], p
+    for _ in range(hops):
+        try:
+            target = os.readlink(seen)
+        except OSError:
+            break
+        seen = seen.parent / target
+        chain.append(target)
+    return " -> ".join(chain) + " ..."
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, what: str | None = None) -> None:

@@ -164,8 +164,18 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> RunLock:
+        if not self.try_acquire():
+            raise self._refusal()
+        return self
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free; False (nothing taken) while another process holds it.
+
+        Raises:
+            UsageError: the lock file cannot be created (the folder is not writable).
+        """
         if self._fd is not None:
-            return self
+            return True
         while True:
             fd = self._open()
             try:
@@ -174,7 +184,7 @@ class RunLock:
                 os.close(fd)
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise self._unwritable(err) from None
-                raise self._refusal() from None
+                return False
             try:  # the file we locked may have been deleted by its holder's release in between: lock the new one
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
             except FileNotFoundError:
@@ -188,7 +198,19 @@ class RunLock:
         except BaseException:
             self.release()
             raise
-        return self
+        return True
+
+    def holder(self) -> Holder | None:
+        """Who holds the lock now, as its file names them (None: no file, or a holder still writing its name)."""
+        deadline = time.monotonic() + _HOLDER_WAIT_S
+        while True:  # the holder writes its name just after flock
+            try:
+                holder = Holder.parse(self.path.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                return None
+            if holder is not None or time.monotonic() >= deadline:
+                return holder
+            time.sleep(0.01)
 
     def release(self) -> None:
         """Delete the lock file (while still holding it: see the module docstring), then unlock."""
@@ -228,15 +250,7 @@ class RunLock:
         )
 
     def _refusal(self) -> UsageError:
-        holder = None
-        deadline = time.monotonic() + _HOLDER_WAIT_S
-        while holder is None and time.monotonic() < deadline:  # the holder writes its name just after flock
-            try:
-                holder = Holder.parse(self.path.read_text(encoding="utf-8", errors="replace"))
-            except OSError:
-                break
-            if holder is None:
-                time.sleep(0.01)
+        holder = self.holder()
         who = holder.describe() if holder is not None else "a process that has not written its name into it"
         return UsageError(
             f"{self.flag} {str(self.directory)!r} is in use by another attnlab process, {who}, and one folder "

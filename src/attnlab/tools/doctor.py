@@ -249,7 +249,17 @@ def iter_findings(
         )
 
     from ..quant import kernel_status
+    from ..quant.kernel_build import checks
+    from ..quant.kernels import _build_dir
+    from ..weight_files.precision import GGUF_SPEEDUP
 
+    for topic, seen, problem in checks(_build_dir()):  # what a build of the kernels needs, each named
+        yield Finding(
+            topic,
+            "ok" if problem is None else "warn",
+            seen if problem is None else problem.cause,
+            "" if problem is None else problem.fix[0].upper() + problem.fix[1:] + ".",
+        )
     status = kernel_status()  # builds them if this environment has not yet (about 20 s, said on stderr)
     yield Finding(
         "quantized kernels",
@@ -259,7 +269,7 @@ def iter_findings(
         .removeprefix("attnlab's quantized kernels are not in use: "),
         ""
         if status.available
-        else "dtype='gguf' models run the slower pure-PyTorch path; " + status.reason.split("; ")[-1] + ".",
+        else f"dtype='gguf' models run the slower pure-PyTorch path (about {GGUF_SPEEDUP:.0f}x slower); {status.fix}.",
     )
 
     ok, why = try_attnlab()
