@@ -446,6 +446,10 @@ class ProbedAdapter(AttentionAdapter):
             self.always_causal = self.probe_causal()
             self.qkv_order = None if self.use_reading else self.probe_qkv_order()
             self.masks = self.probe_masks()
+            if mask_convention is None and self.convention == "keep" and self.masks.bool_reading == "block":
+                if not self._compares_mask():  # masked_fill(mask, -inf): True = blocked is its own convention
+                    self.convention = "block"
+                    self.bool_mask_convention = self.convention
         else:
             self.form, self.masks = _forms.form, _forms.masks
             self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
@@ -597,10 +601,9 @@ class ProbedAdapter(AttentionAdapter):
             mask = mask.long() if mf.use == "int" else mask.to(query.dtype)
         return _first(self._invoke(query, query, query, {arg: mask}))
 
-    def _converts_bool_mask(self, query: Tensor, mask: Tensor) -> bool:
-        """Whether the module is written for bool masks: it fills, selects or converts with the mask it is handed
-        (``masked_fill``, ``where``, ``~mask``, ``mask.float()``). A module that only adds what it is handed to
-        the scores takes additive float masks by design, and a bool mask is no input of its."""
+    def _mask_uses(self, query: Tensor, mask: Tensor) -> list[str] | None:
+        """The ops that consume a bool ``mask`` handed to the module (after its reshapes): ``masked_fill``,
+        ``eq``, ``add`` ...; None when the call raises."""
         arg = self.form.mask_arg
         assert arg is not None
         derived = {id(mask)}
@@ -637,8 +640,24 @@ class ProbedAdapter(AttentionAdapter):
             with torch.no_grad(), _Watch():
                 self._invoke(query, query, query, {arg: mask})
         except Exception:
-            return False
-        return any(u not in ("add", "radd", "iadd", "sub", "rsub", "isub") for u in uses)
+            return None
+        return uses
+
+    def _converts_bool_mask(self, query: Tensor, mask: Tensor) -> bool:
+        """Whether the module is written for bool masks: it fills, selects or converts with the mask it is handed
+        (``masked_fill``, ``where``, ``~mask``, ``mask.float()``). A module that only adds what it is handed to
+        the scores takes additive float masks by design, and a bool mask is no input of its."""
+        uses = self._mask_uses(query, mask)
+        return uses is not None and any(u not in ("add", "radd", "iadd", "sub", "rsub", "isub") for u in uses)
+
+    def _compares_mask(self) -> bool:
+        """Whether the module compares its mask with numbers (``mask == 0``, ``mask == 1``): it takes 0/1 data,
+        whose convention (the seeds', the Annotated Transformer's, d2l's) is 1 = may attend. A module that
+        fills where its bool mask is True, with no comparison, says by that that True = blocked."""
+        T = 5
+        x = torch.randn(2, T, self.embed_dim, generator=torch.Generator().manual_seed(5)).to(self.projections().q_weight)
+        uses = self._mask_uses(x, ~torch.eye(T, dtype=torch.bool))
+        return uses is not None and any(u in ("eq", "ne", "lt", "le", "gt", "ge") for u in uses)
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
         return self._sibling(copy.deepcopy(self.module).to(dtype))

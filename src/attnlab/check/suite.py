@@ -743,10 +743,17 @@ def check_attention_weights(ctx: Context) -> CheckResult:
             got = a.attention_weights(x, x, x, **kw)
         except Unsupported as e:
             return _skip(str(e))
-        want = ctx.stages(x, x, x, **kw)["weights"]  # (B, H, T, T)
-        if got.dim() == 3:  # averaged over heads, as nn.MultiheadAttention returns by default
-            want = want.mean(dim=1)
-        shape = "(B, T_q, T_k), averaged over heads" if got.dim() == 3 else "(B, H, T_q, T_k)"
+        heads = ctx.stages(x, x, x, **kw)["weights"]  # (B, H, T, T)
+        want = heads
+        shape = "(B, H, T_q, T_k)"
+        if got.dim() == 3:  # averaged over heads, as nn.MultiheadAttention returns by default ...
+            want, shape = heads.mean(dim=1), "(B, T_q, T_k), averaged over heads"
+            if got.shape == want.shape and _rel(got, want) > ctx.tol(PARITY_TOL):
+                # ... or one head's own, as OpenNMT returns the first head's ("top_attn")
+                errs = [_rel(got, heads[:, h]) for h in range(heads.size(1))]
+                h = min(range(len(errs)), key=errs.__getitem__)
+                if errs[h] <= ctx.tol(PARITY_TOL):
+                    want, shape = heads[:, h], f"(B, T_q, T_k), head {h}'s own"
         if got.shape != want.shape:
             return _row(
                 False, "shape", str(list(want.shape)), f"{name}: weights {list(got.shape)}, want {list(want.shape)}"
