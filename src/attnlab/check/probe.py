@@ -236,6 +236,31 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
 
 
 @torch.no_grad()
+def _with_context(module: nn.Module, form: CallForm, E: int, dtype: torch.dtype) -> CallForm:
+    """``form`` taking a context for K and V in its second argument when that argument, optional, is one by
+    experiment (Whisper's ``forward(x, xa=None)``): a context of another length gives a ``(B, T_q, E)`` output
+    that depends on it."""
+    names, params = _param_names(module.forward)
+    names = [n for n in names if n not in _CAUSAL_ARGS + _WEIGHTS_ARGS]
+    if form.inputs != 1 or len(names) < 2 or params[names[1]].default is not None:
+        return form
+    g = torch.Generator().manual_seed(98)
+    x, c = torch.randn(2, 5, E, generator=g).to(dtype), torch.randn(2, 3, E, generator=g).to(dtype)
+    try:
+        plain = _first(module(x))
+        one, two = _first(module(x, c)), _first(module(x, c + 1.0))
+    except Exception:
+        return form
+    if not all(isinstance(t, Tensor) and t.shape == x.shape for t in (plain, one, two)):
+        return form
+    depends = float((one - two).abs().max()) > 1e-6 * float(one.abs().max().clamp_min(1e-12))
+    named = any(w in name_key(names[1]) for w in ("xa", "context", "memory", "encoder", "kv", "src", "source", "cross"))
+    if not depends and not named:  # a context that changes nothing, under a name that says nothing: not one
+        return form
+    return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True)
+
+
+@torch.no_grad()
 def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
     """``form`` with ``time_first`` set by experiment: a batch-first module's output for sequence 1 ignores
     sequence 0's input; a time-first one (read (B, T, E) as (T, B, E)) mixes them, and its output at position 1
@@ -264,7 +289,7 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
                 continue
             size = float(base.abs().max().clamp_min(1e-12))
             if float(diff[1:].max()) <= 1e-6 * size:
-                return form  # batch-first
+                return _with_context(module, form, E, dtype)  # batch-first
             moved = x.clone()
             moved[:, 0] += 1.0
             try:
@@ -655,7 +680,9 @@ class ProbedAdapter(AttentionAdapter):
         whose convention (the seeds', the Annotated Transformer's, d2l's) is 1 = may attend. A module that
         fills where its bool mask is True, with no comparison, says by that that True = blocked."""
         T = 5
-        x = torch.randn(2, T, self.embed_dim, generator=torch.Generator().manual_seed(5)).to(self.projections().q_weight)
+        x = torch.randn(2, T, self.embed_dim, generator=torch.Generator().manual_seed(5)).to(
+            self.projections().q_weight
+        )
         uses = self._mask_uses(x, ~torch.eye(T, dtype=torch.bool))
         return uses is not None and any(u in ("eq", "ne", "lt", "le", "gt", "ge") for u in uses)
 
