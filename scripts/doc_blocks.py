@@ -176,7 +176,7 @@ class PageSession:
             code = compile(block.body, f"{block.page} (python block at line {block.line})", "exec")
             with contextlib.redirect_stdout(printed):
                 exec(code, self.namespace)
-        except BaseException:  # noqa: BLE001  # a block's failure is reported, whatever it raised
+        except Exception:  # a block's failure is reported, whatever it raised
             error = traceback.format_exc(limit=-3)
         finally:
             os.chdir(cwd)

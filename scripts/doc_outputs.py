@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, Block, blocks, english_twin, pages  # noqa: E402
+from doc_blocks import ROOT, Block, blocks, english_twin, pages
 
 CORPUS = ROOT / "tests" / "mistake_corpus"
 
@@ -52,18 +52,27 @@ def cpu_name() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def run(argv: list[str], *, columns: int = 80, files: dict[str, str] | None = None) -> tuple[int, str]:
+def run(
+    argv: list[str], *, columns: int = 80, files: dict[str, str] | None = None, before: list[list[str]] = ()
+) -> tuple[int, str]:
     """``argv`` (a shell command as written, ``attnlab ...``) run from a clean temporary folder holding
-    ``files``; ``(exit code, stdout and stderr interleaved as a terminal shows them)``, lines right-stripped."""
+    ``files``, after the commands ``before`` (their output dropped); ``(exit code, stdout and stderr
+    interleaved as a terminal shows them)``, lines right-stripped."""
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
-    command = [sys.executable, "-m", "attnlab", *argv[1:]] if argv[0] == "attnlab" else argv
     with tempfile.TemporaryDirectory(prefix="doc-output-") as folder:
         for name, text in (files or {}).items():
             (Path(folder) / name).parent.mkdir(parents=True, exist_ok=True)
             (Path(folder) / name).write_text(text)
-        done = subprocess.run(
-            command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900
-        )
+        for command in [*before, argv]:
+            done = subprocess.run(
+                [sys.executable, "-m", "attnlab", *command[1:]] if command[0] == "attnlab" else command,
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=900,
+            )
     return done.returncode, "\n".join(line.rstrip() for line in done.stdout.splitlines())
 
 
@@ -129,14 +138,52 @@ def demo() -> str:
     return _from(out, "=== 3.")
 
 
+# step 3 of `attnlab demo` alone (its training run, into runs/demo): the demo's other steps take minutes
+DEMO_TRAINING = (
+    "from pathlib import Path; from attnlab.lab.train import train; from attnlab.tools.demo import _demo_run; "
+)
+DEMO_TRAINING += "train(_demo_run(Path('runs/demo'), 0), overwrite=True)"
+INSPECT_DEMO = "attnlab inspect --checkpoint runs/demo --out-dir runs/inspect-demo"
+
+
+def inspect_demo() -> str:
+    _, out = run(shlex.split(INSPECT_DEMO), before=[[sys.executable, "-c", DEMO_TRAINING]])
+    return f"$ {INSPECT_DEMO}\n{_from(out, 'demo (lab run)', 'wrote ')}\n..."
+
+
 def doctor() -> str:
     _, out = run(["attnlab", "doctor", "--recheck-compile"], columns=80)
     return f"$ attnlab doctor\n{out}"
 
 
+@functools.cache  # the README's chat, and its first line on the weights page
 def readme_chat() -> str:
     _, out = run(shlex.split(CHAT), columns=10_000)
     return f"$ {CHAT}\n{out}"
+
+
+def weights_lines() -> str:
+    """The line on stderr that says which weights ran: generate's (from the README's chat) and inspect's."""
+    import torch
+
+    from attnlab.weight_files.precision import choose_weights
+    from attnlab.weight_files.pretrained import smollm2_path
+
+    generate = next(line for line in readme_chat().splitlines() if line.startswith("attnlab: weights"))
+    inspect = choose_weights(task="inspect", source=smollm2_path(), device=torch.device("cpu")).line()
+    return f"{generate}\n{inspect}"
+
+
+def bench_window_goals() -> str:
+    """The two lines under the window benchmark's goals, recomputed from docs/bench_window.json."""
+    import json
+
+    from attnlab.bench.window import WindowResult, WindowRow, window_goals
+
+    data = json.loads((ROOT / "docs" / "bench_window.json").read_text(encoding="utf-8"))
+    data.pop("goals")
+    result = WindowResult(**{**data, "rows": [WindowRow(**row) for row in data["rows"]]})
+    return "\n".join(line for line in window_goals(result).splitlines() if line.startswith("  "))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,14 +202,20 @@ OUTPUTS: dict[str, Output] = {
     "check_torch": Output(check_torch, slow=True),
     "check_torch_peer": Output(check_torch_peer, slow=True),
     "demo": Output(demo, slow=True, varies=True, free=(r"(?!attnlab: |\$ |===).*",)),
-    "doctor": Output(doctor, slow=True, varies=True, free=(r"\[ *\w+\] quantized kernels .*", r" {7}\S.*")),
+    # the quantized kernels' row names this CPU's instructions and its cache folder, wrapped under the row
+    "doctor": Output(doctor, slow=True, varies=True, free=(r"\[[ a-z.]+\] quantized kernels .*", r" {30,}\S.*")),
     "readme_chat": Output(readme_chat, slow=True, varies=True, free=(r"(?!attnlab: |\$ ).*",)),
+    "inspect_demo": Output(inspect_demo, slow=True, varies=True),
+    "weights_lines": Output(weights_lines, slow=True, varies=True),
+    "bench_window_goals": Output(bench_window_goals),
 }
 
 
 # ---- comparing and rewriting ------------------------------------------------------------------------
 
 SCI = r"[-+]?\d(?:\.\d+)?e[-+]\d+"
+# in an output that varies by machine, words that name the machine's kernels: any words may stand there
+MACHINE_WORDS = re.compile(r"(?<=int8 tiles on )[^);]+")
 NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]\d+)?"
 
 
@@ -175,7 +228,8 @@ def form(text: str, output: Output) -> re.Pattern[str]:
         if any(re.fullmatch(free, line) for free in output.free):
             parts.append(r"(?:[^\n]*(?:\n|$))*?")  # any lines, as few as fit
             continue
-        pattern = re.sub(rf"({NUMBER if output.varies else SCI})|(\s+)|(.)", _token, line)
+        pieces = MACHINE_WORDS.split(line) if output.varies else [line]
+        pattern = "[^);]+".join(re.sub(rf"({NUMBER if output.varies else SCI})|(\s+)|(.)", _token, p) for p in pieces)
         parts.append(pattern + r"\s*")
     return re.compile("".join(parts) + r"\Z")
 

@@ -12,11 +12,10 @@ tests/test_readme_zh.py check that), so they are not run twice. What counts as a
   exit N;
 * each inline code span of the prose that is an ``attnlab`` command with at least one flag and no
   placeholder (``--checkpoint DIR`` is syntax, not an example);
-* each ```` ```python ```` block, run with :data:`STAND_INS` for the names it uses without defining
-  them (``torch_mha``, ``hf_model``, ``x``, ...).
-
-A docs page's ```` ```python exec="on" ```` blocks are not run here: the site's strict build runs
-them and shows their output (tests/test_docs_site.py), so a failing one fails the suite there.
+The ```` ```python ```` blocks are run by tests/test_doc_blocks.py, as written (each page's in one
+namespace, no name supplied from outside); a docs page's ```` ```python exec="on" ```` blocks by the
+site's strict build (tests/test_docs_site.py). A quoted output under ``<!-- output: NAME -->`` is
+compared with a fresh run by tests/test_doc_blocks.py; here its command's exit code is checked.
 
 The commands run in reading order (README first) in one scratch directory, as a reader pasting them would (the
 generate example reads the demo's ``runs/demo/model``), through ``attnlab.cli.main`` in-process;
@@ -243,31 +242,6 @@ FILES = {
 }
 
 
-def _stand_ins() -> dict[str, object]:
-    """Names the README's Python blocks use without defining them, bound to small real objects."""
-    from torch import nn
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    import attnlab
-    from attnlab import MultiHeadAttention
-
-    ns: dict[str, object] = {"torch": torch, "nn": nn, **{n: getattr(attnlab, n) for n in attnlab.__all__}}
-    ns["torch_mha"] = nn.MultiheadAttention(64, 8)  # torch's default: sequence-first
-    ns["mha"] = ns["model"] = MultiHeadAttention(64, 8)
-    ns["x"] = torch.randn(2, 10, 64)  # (B, T, E)
-    ns["query"] = ns["key"] = ns["value"] = torch.randn(10, 2, 64)  # (T, B, E), torch's layout
-    ns["pad"] = torch.zeros(2, 10, dtype=torch.bool)  # (B, S), True = padding
-    ns["prompt"], ns["next_tok"] = torch.randn(1, 6, 64), torch.randn(1, 1, 64)  # (B, T, E)
-    ns["hf_model"] = GPT2LMHeadModel(
-        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=128, bos_token_id=None, eos_token_id=None)
-    ).eval()
-    ns["idx"] = torch.randint(0, 64, (1, 5))  # (B, T) token ids of hf_model's vocabulary
-    return ns
-
-
-STAND_INS = sorted(set(_stand_ins()) - {"torch", "nn"})  # documented in the module docstring
-
-
 def _collect() -> tuple[list[Example], list[tuple[str, int, str]]]:
     """Every file's examples in reading order; a command already run by an earlier file is not rerun."""
     commands: list[Example] = []
@@ -428,13 +402,3 @@ def test_readme_command_runs(session, capsys, index):
         assert rc == example.expected_code, (
             f"{where} exited {rc}, not {example.expected_code}\n{errors}\n--- stdout (end)\n{out[-1500:]}\n--- stderr (end)\n{err[-1500:]}"
         )
-
-
-@pytest.mark.parametrize("source, line, code", PYTHON_BLOCKS, ids=[f"{_short(s)}:L{n}" for s, n, _ in PYTHON_BLOCKS])
-def test_readme_python_block_runs(one_smollm2, source, line, code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # what a block writes (runs/inspect-python, ...) stays out of the repository
-    namespace = _stand_ins()
-    try:
-        exec(compile(code, f"{source} (python block at line {line})", "exec"), namespace)
-    except NameError as e:
-        pytest.fail(f"{source} python block at line {line}: {e}; add a stand-in to STAND_INS or define it in the block")

@@ -79,7 +79,7 @@ def layer_count(model: str) -> int | None:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
         count = raw.get("num_hidden_layers", raw.get("n_layer")) if raw.get("model_type") in ("llama", "gpt2") else None
         return count if isinstance(count, int) and count > 0 else None
-    except Exception:  # noqa: BLE001  # only a shortcut: from_pretrained reports every problem with the model
+    except Exception:  # only a shortcut: from_pretrained reports every problem with the model
         return None
 
 
