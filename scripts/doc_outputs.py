@@ -59,6 +59,8 @@ def run(
     ``files``, after the commands ``before`` (their output dropped); ``(exit code, stdout and stderr
     interleaved as a terminal shows them)``, lines right-stripped."""
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+    # as in an activated virtual environment: its tools (ninja, which builds the quantized kernels) on PATH
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     with tempfile.TemporaryDirectory(prefix="doc-output-") as folder:
         for name, text in (files or {}).items():
             (Path(folder) / name).parent.mkdir(parents=True, exist_ok=True)

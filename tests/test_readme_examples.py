@@ -84,6 +84,7 @@ class Example:
     argv: tuple[str, ...]  # the command as written
     expected_error: str | None = None  # documented `attnlab: error: ...` output, if any
     expected_code: int = 0  # the exit status the page states: 2 with an error, else "Exit code N." or 0
+    expected_output: str | None = None  # the stdout the page quotes under a `$ command` line, whole, if any
     source: str = "README.md"  # the file, relative to the repository
 
     @property
@@ -133,6 +134,9 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
                 ln = ln.removeprefix("$ ")
                 commands += [Example(start + k + 1, tuple(c)) for c in _commands(ln)]
         else:
+            # a quoted output under `<!-- output: NAME -->` is compared by tests/test_doc_blocks.py with a fresh
+            # run at the page's width; one cut with `...` is not whole
+            generated = i > 0 and lines[i - 1].lstrip().startswith("<!-- output:")
             for k, ln in enumerate(body):
                 if ln.startswith("$ "):
                     after = []
@@ -142,7 +146,9 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
                         after.append(nxt)
                     error = "\n".join(after) if after and after[0].startswith("attnlab: error:") else None
                     code = 2 if error is not None else 0
-                    commands += [Example(start + k + 1, tuple(c), error, code) for c in _commands(ln[2:])]
+                    whole = after and error is None and not generated and "..." not in after
+                    output = "\n".join(after) if whole else None
+                    commands += [Example(start + k + 1, tuple(c), error, code, output) for c in _commands(ln[2:])]
         after_block = next((ln for ln in lines[end + 1 :] if ln.strip()), "")
         stated = re.fullmatch(r"Exit code (\d+)\.", after_block.strip())
         if stated and not lang == "python":
@@ -384,10 +390,19 @@ def test_the_parser_reads_every_form():
         (8, ("attnlab", "generate", "--checkpoint", "nowhere"), "attnlab: error: no such thing", 2),
         (22, ("attnlab", "check", "--target", "m.py:MHA"), None, 1),
     ]  # the second `attnlab trace` is the first one again; `FILE:Name` is syntax
+    assert [e.expected_output for e in commands] == [None, None, None, None, None, "FAILED: 1 passed, 1 failed"]
     assert python == [(13, "print(1)"), (30, "print(2)")]  # the exec block is the site build's; a diff is not code
 
 
-@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[e.id for e in COMMANDS])
+def _slow(argv: tuple[str, ...]) -> bool:
+    """A command that takes minutes even with :data:`SMALL`'s flags: among the slow tests (``make test-all``)."""
+    return argv[1:4] == ("bench", "--variant", "window")  # compiles flex kernels at each length
+
+
+@pytest.mark.parametrize(
+    "index",
+    [pytest.param(i, marks=[pytest.mark.slow] if _slow(e.argv) else [], id=e.id) for i, e in enumerate(COMMANDS)],
+)
 def test_readme_command_runs(session, capsys, index):
     example = COMMANDS[index]
     reason = _skip_reason(example.argv)
@@ -402,3 +417,5 @@ def test_readme_command_runs(session, capsys, index):
         assert rc == example.expected_code, (
             f"{where} exited {rc}, not {example.expected_code}\n{errors}\n--- stdout (end)\n{out[-1500:]}\n--- stderr (end)\n{err[-1500:]}"
         )
+        if example.expected_output is not None and example.argv[1] not in SMALL:  # SMALL's flags change the output
+            assert out.rstrip("\n") == example.expected_output, f"{where} printed\n{out}\nnot what the page shows"
