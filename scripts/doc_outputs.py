@@ -155,7 +155,7 @@ def inspect_demo() -> str:
 
 def doctor() -> str:
     _, out = run(["attnlab", "doctor", "--recheck-compile"], columns=80)
-    return f"$ attnlab doctor\n{out}"
+    return f"$ attnlab doctor --recheck-compile\n{out}"
 
 
 @functools.cache  # the README's chat, and its first line on the weights page
