@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the two scripts import each other a
 import doc_blocks  # noqa: E402
 import doc_outputs  # noqa: E402
 
+from test_readme_examples import one_smollm2  # noqa: E402, F401  (a fixture: from_pretrained("smollm2") loaded once)
+
 INVENTORY = doc_blocks.inventory()
 PYTHON = [b for b, kind in INVENTORY if kind == "python"]
 OUTPUT_NAMES = sorted({(b.marker("output") or "").split(";")[0].strip() for b, kind in INVENTORY if kind == "output"})
@@ -92,28 +94,14 @@ def sessions(tmp_path_factory):
     return session
 
 
-@pytest.fixture(scope="module")
-def one_smollm2():
-    """``from_pretrained("smollm2")`` in float32 served from one loaded copy (tests/test_readme_examples.py)."""
-    import attnlab
-    from attnlab.weight_files import pretrained
-    from test_readme_examples import _one_smollm2
-
-    served = _one_smollm2(pretrained.from_pretrained)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(pretrained, "from_pretrained", served)
-    patch.setattr(attnlab, "from_pretrained", served)
-    yield
-    patch.undo()
-
-
 def _param(block):
     marks = [pytest.mark.slow] if block.marker("slow") is not None else []
     return pytest.param(block, marks=marks, id=block.id)
 
 
+@pytest.mark.usefixtures("one_smollm2")
 @pytest.mark.parametrize("block", [_param(b) for b in PYTHON])
-def test_python_block_runs_as_written(block, sessions, one_smollm2):
+def test_python_block_runs_as_written(block, sessions):
     session = sessions(block.page)
     for earlier in PYTHON:  # the blocks above it on its page first, as a reader runs them
         if earlier.page == block.page and earlier.line < block.line:
