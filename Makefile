@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 # two pytest workers, one per core, each on one thread (tests/conftest.py); a test file stays on one worker.
 # `make test` leaves out the tests marked slow (multi-process training runs, whole-model comparisons, the site's
-# build in a browser: minutes each), so that the suite stays under ~13 minutes on 2 cores; `make test-all` runs
-# every test, as before a release.
+# build in a browser, the docs' quoted outputs rerun: minutes each), so that it stays the quick command;
+# `make test-all` runs every test, as CI does (.ci/run).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 

@@ -232,6 +232,22 @@ def test_layer_out_of_range_names_the_valid_range(command, cli, capsys):
 
 
 @pytest.mark.parametrize("command", ["trace", "check"])
+def test_layer_out_of_range_is_refused_before_the_weights_load(command, capsys, monkeypatch, tmp_path):
+    """The count comes from the GGUF header or config.json alone: no 25 s load before the one-line error."""
+    require_smollm2()
+
+    def no_load(source, **kwargs):
+        raise AssertionError(f"from_pretrained({source!r}) ran: the layer should have been refused first")
+
+    monkeypatch.setattr(pretrained, "from_pretrained", no_load)
+    assert main([command, "--model", "smollm2", "--layer", "30"]) == 2
+    assert "--layer 30 is out of range: --model 'smollm2' has 30 attention layers, 0 .. 29" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))  # weights not needed
+    assert main([command, "--model", str(tmp_path), "--layer", "2"]) == 2
+    assert f"--model '{tmp_path}' has 2 attention layers, 0 .. 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["trace", "check"])
 def test_layer_without_model_and_a_conflicting_width_are_errors(command, cli, capsys):
     assert main([command, "--layer", "3"]) == 2
     assert capsys.readouterr().err == (

@@ -12,11 +12,10 @@ tests/test_readme_zh.py check that), so they are not run twice. What counts as a
   exit N;
 * each inline code span of the prose that is an ``attnlab`` command with at least one flag and no
   placeholder (``--checkpoint DIR`` is syntax, not an example);
-* each ```` ```python ```` block, run with :data:`STAND_INS` for the names it uses without defining
-  them (``torch_mha``, ``hf_model``, ``x``, ...).
-
-A docs page's ```` ```python exec="on" ```` blocks are not run here: the site's strict build runs
-them and shows their output (tests/test_docs_site.py), so a failing one fails the suite there.
+The ```` ```python ```` blocks are run by tests/test_doc_blocks.py, as written (each page's in one
+namespace, no name supplied from outside); a docs page's ```` ```python exec="on" ```` blocks by the
+site's strict build (tests/test_docs_site.py). A quoted output under ``<!-- output: NAME -->`` is
+compared with a fresh run by tests/test_doc_blocks.py; here its command's exit code is checked.
 
 The commands run in reading order (README first) in one scratch directory, as a reader pasting them would (the
 generate example reads the demo's ``runs/demo/model``), through ``attnlab.cli.main`` in-process;
@@ -85,6 +84,7 @@ class Example:
     argv: tuple[str, ...]  # the command as written
     expected_error: str | None = None  # documented `attnlab: error: ...` output, if any
     expected_code: int = 0  # the exit status the page states: 2 with an error, else "Exit code N." or 0
+    expected_output: str | None = None  # the stdout the page quotes under a `$ command` line, whole, if any
     source: str = "README.md"  # the file, relative to the repository
 
     @property
@@ -134,6 +134,9 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
                 ln = ln.removeprefix("$ ")
                 commands += [Example(start + k + 1, tuple(c)) for c in _commands(ln)]
         else:
+            # a quoted output under `<!-- output: NAME -->` is compared by tests/test_doc_blocks.py with a fresh
+            # run at the page's width; one cut with `...` is not whole
+            generated = i > 0 and lines[i - 1].lstrip().startswith("<!-- output:")
             for k, ln in enumerate(body):
                 if ln.startswith("$ "):
                     after = []
@@ -143,7 +146,9 @@ def parse_readme(text: str) -> tuple[list[Example], list[tuple[int, str]]]:
                         after.append(nxt)
                     error = "\n".join(after) if after and after[0].startswith("attnlab: error:") else None
                     code = 2 if error is not None else 0
-                    commands += [Example(start + k + 1, tuple(c), error, code) for c in _commands(ln[2:])]
+                    whole = after and error is None and not generated and "..." not in after
+                    output = "\n".join(after) if whole else None
+                    commands += [Example(start + k + 1, tuple(c), error, code, output) for c in _commands(ln[2:])]
         after_block = next((ln for ln in lines[end + 1 :] if ln.strip()), "")
         stated = re.fullmatch(r"Exit code (\d+)\.", after_block.strip())
         if stated and not lang == "python":
@@ -241,31 +246,6 @@ FILES = {
         "    return MultiHeadAttention(embed_dim, num_heads, dropout=dropout)\n"
     ),
 }
-
-
-def _stand_ins() -> dict[str, object]:
-    """Names the README's Python blocks use without defining them, bound to small real objects."""
-    from torch import nn
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    import attnlab
-    from attnlab import MultiHeadAttention
-
-    ns: dict[str, object] = {"torch": torch, "nn": nn, **{n: getattr(attnlab, n) for n in attnlab.__all__}}
-    ns["torch_mha"] = nn.MultiheadAttention(64, 8)  # torch's default: sequence-first
-    ns["mha"] = ns["model"] = MultiHeadAttention(64, 8)
-    ns["x"] = torch.randn(2, 10, 64)  # (B, T, E)
-    ns["query"] = ns["key"] = ns["value"] = torch.randn(10, 2, 64)  # (T, B, E), torch's layout
-    ns["pad"] = torch.zeros(2, 10, dtype=torch.bool)  # (B, S), True = padding
-    ns["prompt"], ns["next_tok"] = torch.randn(1, 6, 64), torch.randn(1, 1, 64)  # (B, T, E)
-    ns["hf_model"] = GPT2LMHeadModel(
-        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=128, bos_token_id=None, eos_token_id=None)
-    ).eval()
-    ns["idx"] = torch.randint(0, 64, (1, 5))  # (B, T) token ids of hf_model's vocabulary
-    return ns
-
-
-STAND_INS = sorted(set(_stand_ins()) - {"torch", "nn"})  # documented in the module docstring
 
 
 def _collect() -> tuple[list[Example], list[tuple[str, int, str]]]:
@@ -410,10 +390,19 @@ def test_the_parser_reads_every_form():
         (8, ("attnlab", "generate", "--checkpoint", "nowhere"), "attnlab: error: no such thing", 2),
         (22, ("attnlab", "check", "--target", "m.py:MHA"), None, 1),
     ]  # the second `attnlab trace` is the first one again; `FILE:Name` is syntax
+    assert [e.expected_output for e in commands] == [None, None, None, None, None, "FAILED: 1 passed, 1 failed"]
     assert python == [(13, "print(1)"), (30, "print(2)")]  # the exec block is the site build's; a diff is not code
 
 
-@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[e.id for e in COMMANDS])
+def _slow(argv: tuple[str, ...]) -> bool:
+    """A command that takes minutes even with :data:`SMALL`'s flags: among the slow tests (``make test-all``)."""
+    return argv[1:4] == ("bench", "--variant", "window")  # compiles flex kernels at each length
+
+
+@pytest.mark.parametrize(
+    "index",
+    [pytest.param(i, marks=[pytest.mark.slow] if _slow(e.argv) else [], id=e.id) for i, e in enumerate(COMMANDS)],
+)
 def test_readme_command_runs(session, capsys, index):
     example = COMMANDS[index]
     reason = _skip_reason(example.argv)
@@ -428,13 +417,5 @@ def test_readme_command_runs(session, capsys, index):
         assert rc == example.expected_code, (
             f"{where} exited {rc}, not {example.expected_code}\n{errors}\n--- stdout (end)\n{out[-1500:]}\n--- stderr (end)\n{err[-1500:]}"
         )
-
-
-@pytest.mark.parametrize("source, line, code", PYTHON_BLOCKS, ids=[f"{_short(s)}:L{n}" for s, n, _ in PYTHON_BLOCKS])
-def test_readme_python_block_runs(one_smollm2, source, line, code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # what a block writes (runs/inspect-python, ...) stays out of the repository
-    namespace = _stand_ins()
-    try:
-        exec(compile(code, f"{source} (python block at line {line})", "exec"), namespace)
-    except NameError as e:
-        pytest.fail(f"{source} python block at line {line}: {e}; add a stand-in to STAND_INS or define it in the block")
+        if example.expected_output is not None and example.argv[1] not in SMALL:  # SMALL's flags change the output
+            assert out.rstrip("\n") == example.expected_output, f"{where} printed\n{out}\nnot what the page shows"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import sys
 import time
@@ -21,7 +22,7 @@ from torch import nn
 
 from ..core.attention import Backend, MultiHeadAttention
 from ..runtime import INTERRUPTS, UsageError, check_range, interrupt_exit, keep
-from ..weight_files import pretrained
+from ..weight_files import gguf, pretrained
 from ..weight_files.precision import is_gguf_source
 from .adapters import TorchMHAAdapter
 from .device import place, resolve_device, resolve_dtype
@@ -44,7 +45,10 @@ SLOW_ON_MODELS = "gradcheck[plain]"  # one forward per input element: 2304 of th
 def model_layer(command: str, model: str, layer: int) -> tuple[nn.Module, str, MultiHeadAttention]:
     """``(the model, the layer's name, its attention)``: the ``layer``-th :class:`MultiHeadAttention` of
     ``from_pretrained(model)`` in float32 (see :func:`say_layer_weights`); a :class:`UsageError` naming the valid
-    range when there is none."""
+    range when there is none, before the weights load when the model's config tells the count."""
+    count = layer_count(model)
+    if count is not None:
+        _check_layer(command, model, layer, count)  # at once, not after a load of seconds
     lm, _ = pretrained.from_pretrained(model, dtype=torch.float32)  # UsageError naming what is wrong with it
     layers = [(name, m) for name, m in lm.named_modules() if isinstance(m, MultiHeadAttention)]
     if not layers:
@@ -52,13 +56,32 @@ def model_layer(command: str, model: str, layer: int) -> tuple[nn.Module, str, M
             f"--model {model!r} holds no attnlab MultiHeadAttention to {command}; pass a model that "
             f"from_pretrained builds with attnlab attention, e.g. --model smollm2."
         )
-    if not 0 <= layer < len(layers):
-        raise UsageError(
-            f"--layer {layer} is out of range: --model {model!r} has {len(layers)} attention layers, "
-            f"0 .. {len(layers) - 1}; pass one of them, e.g. attnlab {command} --model {model} --layer {len(layers) - 1}"
-        )
+    _check_layer(command, model, layer, len(layers))
     name, attn = layers[layer]
     return lm, name, attn
+
+
+def _check_layer(command: str, model: str, layer: int, count: int) -> None:
+    if not 0 <= layer < count:
+        raise UsageError(
+            f"--layer {layer} is out of range: --model {model!r} has {count} attention layers, "
+            f"0 .. {count - 1}; pass one of them, e.g. attnlab {command} --model {model} --layer {count - 1}"
+        )
+
+
+def layer_count(model: str) -> int | None:
+    """How many attention layers ``from_pretrained(model)`` will hold, read from the model's config alone (a
+    GGUF header's ``llama.block_count``, a Hugging Face ``config.json``); None when that cannot be told without
+    loading it (an attnlab checkpoint, a damaged file: the load then says what is wrong)."""
+    try:
+        path = pretrained.locate(model)
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return gguf.llama_config_from_gguf(gguf.open_gguf(path)).n_layer
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        count = raw.get("num_hidden_layers", raw.get("n_layer")) if raw.get("model_type") in ("llama", "gpt2") else None
+        return count if isinstance(count, int) and count > 0 else None
+    except Exception:  # only a shortcut: from_pretrained reports every problem with the model
+        return None
 
 
 def say_layer_weights(command: str, model: str) -> None:
