@@ -42,7 +42,7 @@ FENCE = re.compile(r"^(?P<fence>`{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*$")
 EXPLICIT_ID = re.compile(r"\s*\{[^}]*#([\w-]+)[^}]*\}\s*$")
 COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
-CODE_SPAN = re.compile(r"`+[^`\n]*`+")
+CODE_SPAN = re.compile(r"`+[^`]*`+")  # a code span may run over a line break
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 # a number then a unit: the unit list is what the English pages measure in (s, min and h after a space:
 # "0s and 1s" are zeros and ones)
