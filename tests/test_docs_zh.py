@@ -197,6 +197,29 @@ def test_the_chinese_navigation_is_chinese() -> None:
     assert not english_marked, f"the Chinese nav still marks sections as English: {english_marked}"
 
 
+def test_no_chinese_page_calls_a_linked_page_english() -> None:
+    """Every page has a twin now, so a link the site resolves to the Chinese page is never marked (英文)."""
+    marked = [p.relative_to(REPO).as_posix() for p in TWINS if "（英文" in p.read_text("utf-8")]
+    assert not marked, f"pages that still mark a link as English: {marked}"
+
+
+def test_the_chinese_home_page_says_how_to_get_a_cjk_font() -> None:
+    home = (DOCS / "index.zh.md").read_text("utf-8")
+    note = home[: home.index("\n## ")]  # before the first section: a reader who sees boxes reads no further
+    assert "fonts-noto-cjk" in note and "Chinese characters show as boxes" in note
+
+
+def test_the_site_names_a_cjk_font_after_the_latin_ones() -> None:
+    """Material's font stack (theme.font: false) is Latin only; docs/stylesheets/cjk.css extends it."""
+    config = yaml.load((REPO / "mkdocs.yml").read_text("utf-8"), Loader=yaml.BaseLoader)
+    assert "stylesheets/cjk.css" in config.get("extra_css", []), "mkdocs.yml does not load stylesheets/cjk.css"
+    css = (DOCS / "stylesheets" / "cjk.css").read_text("utf-8")
+    stack = re.search(r"--md-text-font-family:([^;]+);", css).group(1)
+    fonts = [f.strip().strip('"') for f in stack.split(",")]
+    assert fonts.index("Arial") < fonts.index("PingFang SC") < fonts.index("sans-serif")
+    assert {"Microsoft YaHei", "Noto Sans CJK SC"} <= set(fonts)
+
+
 def test_the_stray_space_rule_finds_breaks() -> None:
     text = "第一行在这里\n接着写。\n\n中文 `code`\nand English\n\n```\n中\n文\n```\n- 列表\n- 第二项，\n  接着"
     assert stray_spaces(text) == [1, 12]
