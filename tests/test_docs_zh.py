@@ -24,6 +24,7 @@ same number (only when both have the same number of blocks; the prose is for a p
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import unicodedata
@@ -142,7 +143,7 @@ def stray_spaces(text: str) -> list[int]:
     """
     lines = _prose_lines(text)
     bad = []
-    for (number, line), (next_number, following) in zip(lines, lines[1:]):
+    for (number, line), (next_number, following) in itertools.pairwise(lines):
         if next_number != number + 1 or not line.strip() or not following.strip() or BLOCK_START.match(following):
             continue
         if HEADING.match(line) or line.lstrip().startswith(("|", "<!--")):
@@ -214,8 +215,9 @@ def test_the_site_names_a_cjk_font_after_the_latin_ones() -> None:
     config = yaml.load((REPO / "mkdocs.yml").read_text("utf-8"), Loader=yaml.BaseLoader)
     assert "stylesheets/cjk.css" in config.get("extra_css", []), "mkdocs.yml does not load stylesheets/cjk.css"
     css = (DOCS / "stylesheets" / "cjk.css").read_text("utf-8")
-    stack = re.search(r"--md-text-font-family:([^;]+);", css).group(1)
-    fonts = [f.strip().strip('"') for f in stack.split(",")]
+    stack = re.search(r"--md-text-font-family:([^;]+);", css)
+    assert stack, "docs/stylesheets/cjk.css sets no --md-text-font-family"
+    fonts = [f.strip().strip('"') for f in stack.group(1).split(",")]
     assert fonts.index("Arial") < fonts.index("PingFang SC") < fonts.index("sans-serif")
     assert {"Microsoft YaHei", "Noto Sans CJK SC"} <= set(fonts)
 
@@ -227,7 +229,11 @@ def test_the_stray_space_rule_finds_breaks() -> None:
 
 def test_the_figures_rule_reads_units() -> None:
     assert figures("took 3.2 ms, 1.50x faster, 93% of 24 GiB in 2 s, `12 ms` in code, 0s and 1s") == {
-        "3.2ms", "1.50x", "93%", "24GiB", "2s"
+        "3.2ms",
+        "1.50x",
+        "93%",
+        "24GiB",
+        "2s",
     }
     assert figures("用了 3.2 毫秒，快 1.50 倍") == {"3.2ms", "1.50x"}
 
