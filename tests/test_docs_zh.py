@@ -127,6 +127,10 @@ def figures(text: str) -> set[str]:
     return out
 
 
+CJK = "[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]"
+CJK_PUNCTUATION = "[\u3000-\u303f\uff00-\uffef]"
+
+
 def _is_cjk(char: str) -> bool:
     return bool(re.match(r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]", char))
 
@@ -179,6 +183,39 @@ def test_chinese_paragraphs_have_no_hard_line_breaks(page: Path) -> None:
     assert not bad, f"{page.relative_to(REPO)}: a line break inside Chinese text (a stray space) after lines {bad}"
 
 
+def stray_literal_spaces(text: str) -> list[str]:
+    """Spaces the reader sees inside Chinese text, and bold that CommonMark would not close.
+
+    Markup is what the reader does not see: a space between ``见`` and ``[注意力变体](...)`` still shows
+    between two characters. After Chinese punctuation no space is wanted at all, and ``**结论。**接着``
+    is not bold on GitHub (a closing ``**`` after punctuation needs a space or punctuation after it), so
+    the pages write ``**结论**。接着``.
+    """
+    found = []
+    for _, line in _prose_lines(text):
+        if HEADING.match(line):
+            continue
+        shown = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", CODE_SPAN.sub("`x`", line))
+        found += re.findall(f"{CJK}(?:\\*\\*?)? +(?:\\*\\*?)?{CJK}", shown)
+        found += re.findall(f"{CJK_PUNCTUATION}(?:\\*\\*?)? +\\S", shown)
+        closers = [m for k, m in enumerate(re.finditer(r"\*\*", shown)) if k % 2]
+        found += [shown[m.start() - 1 : m.end() + 1] for m in closers if _closes_after_punctuation(shown, m)]
+    return found
+
+
+def _closes_after_punctuation(shown: str, closer: re.Match[str]) -> bool:
+    before, after = shown[closer.start() - 1 : closer.start()], shown[closer.end() : closer.end() + 1]
+    return _is_cjk_punctuation(before) and bool(after) and not after.isspace() and not _is_cjk_punctuation(after)
+
+
+@pytest.mark.parametrize("page", [*TWINS, REPO / "README.zh-CN.md"], ids=lambda p: p.name)
+def test_chinese_text_has_no_stray_spaces(page: Path) -> None:
+    bad = stray_literal_spaces(page.read_text("utf-8"))
+    assert not bad, (
+        f"{page.relative_to(REPO)}: spaces inside Chinese text (or bold closed after punctuation): {bad[:5]}"
+    )
+
+
 @pytest.mark.parametrize("page", [*TWINS, REPO / "README.zh-CN.md"], ids=lambda p: p.name)
 def test_the_posts_are_called_posts_not_seeds(page: Path) -> None:
     """``seed 000`` is the first blog post; 种子 reads as a random seed, so the Chinese pages say 博文."""
@@ -225,6 +262,11 @@ def test_the_site_names_a_cjk_font_after_the_latin_ones() -> None:
 def test_the_stray_space_rule_finds_breaks() -> None:
     text = "第一行在这里\n接着写。\n\n中文 `code`\nand English\n\n```\n中\n文\n```\n- 列表\n- 第二项，\n  接着"
     assert stray_spaces(text) == [1, 12]
+
+
+def test_the_literal_space_rule_finds_spaces() -> None:
+    text = "见 [注意力变体](variants.md)。\n\n**结论。**接着，\n\n**结论**。接着 `code` 中文\n\n句号。 Ctrl-C"
+    assert stray_literal_spaces(text) == ["见 注", "。**接", "。 C"]
 
 
 def test_the_figures_rule_reads_units() -> None:
