@@ -54,7 +54,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, SupportsInt, cast
+from typing import Any, Literal, Protocol, SupportsInt, cast
 
 import torch
 from torch import Tensor, nn
@@ -91,6 +91,9 @@ class Projections:
     k_bias: Tensor | None = None  # (G*D,)
     v_bias: Tensor | None = None  # (G*D,)
     out_bias: Tensor | None = None  # (E,)
+    # a position map the module applies to Q and K after the projection (rotary), found by
+    # attnlab.check.dataflow: the reference applies the same one (an object with apply(x (..., T, D)))
+    rotary: Any = None
 
     def to(self, dtype: torch.dtype) -> Projections:
         """Detached copies in ``dtype``: the reference must not feed gradients into the target."""
@@ -98,7 +101,12 @@ class Projections:
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(dtype)
 
-        return Projections(*(cast(getattr(self, f)) for f in self.__dataclass_fields__))  # type: ignore[arg-type]
+        weights = (cast(getattr(self, f)) for f in self.__dataclass_fields__ if f != "rotary")
+        return Projections(*weights, rotary=self.rotary)  # type: ignore[arg-type]
+
+    def rotate(self, x: Tensor) -> Tensor:
+        """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is)."""
+        return x if self.rotary is None else self.rotary.apply(x)
 
 
 def call_factory(factory: Callable[..., object], **kwargs: object) -> object:

@@ -51,6 +51,12 @@ def _fname(func: object) -> str:
     return name.strip("_")  # __matmul__ -> matmul, __getitem__ -> getitem
 
 
+def _in_place(func: object) -> bool:
+    """``q *= s``, ``scores.masked_fill_(...)``: an op that rewrites its first argument and returns it."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name.endswith("__"))
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, inputs: dict[str, Tensor], names: dict[int, str], tuples: bool = False) -> None:
         super().__init__()
@@ -112,8 +118,10 @@ class _Mode(TorchFunctionMode):
         tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
         split = self.tuples and isinstance(out, tuple | list) and len(out) > 0
         parts = list(out) if split else [out]
-        if not tracked or not all(isinstance(o, Tensor) for o in parts) or any(out is t for t in tracked):
-            return out  # off the data path, not one tensor, or a no-op such as .to(its own dtype)
+        if not tracked or not all(isinstance(o, Tensor) for o in parts):
+            return out  # off the data path, or not one tensor
+        if any(out is t for t in tracked) and not _in_place(func):
+            return out  # a no-op such as .to(its own dtype)
         src = tracked[0]
         args_text, kwargs_text = [self._arg(a) for a in args], {k: str(self._arg(v)) for k, v in kwargs.items()}
         for i, part in enumerate(parts):
@@ -129,7 +137,7 @@ class _Mode(TorchFunctionMode):
                     shape=list(part.shape),
                     dtype=part.dtype,
                     memory="view" if shares else "new",
-                    out=part.detach(),
+                    out=part.detach().clone(),  # its value now: a later in-place op must not rewrite it
                     input_dtypes=[t.dtype for t in tracked],
                 )
             )

@@ -39,6 +39,7 @@ S_MASK = "seed 002, section 2.4"
 S_GRAD = "seed 002, section 3.3"
 S_ERRORS = "seed 002, section 4.1"
 S_WALK = "seed 000, sections 2 and 4"
+S_ROPE = "beyond the seeds: rotary position embeddings (RoFormer, Su et al. 2021, section 3.4)"
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,20 @@ MISTAKES: tuple[Mistake, ...] = (
         "scale the scores: softmax(q @ k.transpose(-2, -1) / math.sqrt(head_dim), dim=-1)",
         S_SCALE, "every output row", _R(scale_after_softmax=True),
     ),
+    Mistake(
+        "scale_k_only", "recipe",
+        "only K is scaled, by head_dim^-1/4 = {D}^-0.25: the scale is split between Q and K and Q's half is missing, "
+        "so the scores carry head_dim^-1/4, not 1/sqrt(head_dim) = {rD:.4g}",
+        "scale both: q = q * head_dim**-0.25 and k = k * head_dim**-0.25 (or the scores once by 1/sqrt(head_dim))",
+        S_SCALE, "every output row", _R(scale="quarter"),
+    ),
+    Mistake(
+        "scale_by_length", "recipe",
+        "scores are scaled by 1/sqrt(sequence length), not 1/sqrt(head_dim) = {rD:.4g}: the wrong size was "
+        "taken (x.size(1) or T in place of head_dim), so the scale changes with the input's length",
+        "divide by math.sqrt(head_dim), the last dim of q (q.size(-1)), not the length",
+        S_SCALE, "every output row", _R(scale="length"),
+    ),
     # -- softmax --
     Mistake(
         "softmax_query_axis", "recipe",
@@ -119,6 +134,13 @@ MISTAKES: tuple[Mistake, ...] = (
         "the mask is applied after softmax: blocked keys are zeroed but still took their share of each row",
         "mask the scores before softmax: scores.masked_fill(~keep, float('-inf')), then softmax",
         S_MASK, "masked parity, no causal leak, padding invariance", _R(mask_stage="after"),
+    ),
+    Mistake(
+        "masked_fill_zero", "recipe",
+        "masked scores are filled with 0, not -inf: a blocked key keeps exp(0) of the softmax, as much as a key "
+        "scoring 0, so the mask only dents the weights",
+        "scores.masked_fill(~keep, float('-inf')) (or torch.finfo(scores.dtype).min), never 0",
+        S_MASK, "every masked row, no causal leak, padding invariance", _R(fill="zero"),
     ),
     Mistake(
         "bool_mask_added", "recipe",
@@ -224,6 +246,12 @@ MISTAKES: tuple[Mistake, ...] = (
         S_PROJ, "every output row (and dropout_rate, whose contexts are V)", _R(v_from=("k", "value")),
     ),
     Mistake(
+        "v_uses_q_proj", "recipe",
+        "V is computed with the query projection: v = q_proj(value)",
+        "v = self.v_proj(value)",
+        S_PROJ, "every output row", _R(v_from=("q", "value")),
+    ),
+    Mistake(
         "k_uses_q_proj", "recipe",
         "K is computed with q_proj: k = q_proj(key)",
         "k = self.k_proj(key)",
@@ -259,6 +287,20 @@ MISTAKES: tuple[Mistake, ...] = (
         "V is computed from the key input: v = v_proj(key) instead of v_proj(value)",
         "v = self.v_proj(value)",
         S_PROJ, "parity_cross", _R(v_from=("v", "key")),
+    ),
+    Mistake(
+        "rotary_on_values", "recipe",
+        "the rotary position map is applied to V as well as Q and K: values turn with their position, so the "
+        "output depends on absolute positions",
+        "rotate q and k only: q, k = apply_rotary(q, k, ...); leave v as projected",
+        S_ROPE, "every output row", _R(rotary="qkv"),
+    ),
+    Mistake(
+        "rotary_q_only", "recipe",
+        "the rotary position map turns Q but not K: the scores then depend on the query's absolute position, "
+        "not on the distance between query and key",
+        "apply the same rotation to k: q, k = apply_rotary(q, k, freqs)",
+        S_ROPE, "every output row", _R(rotary="q"),
     ),
     Mistake(
         "out_proj_missing", "recipe",

@@ -32,7 +32,7 @@ from .projections import NotAttention
 from .report import print_tables, to_json
 from .result import CheckError, CheckResult, Report
 from .runner import diagnosed, run_checks
-from .suite import CHECKS, raised_in_target
+from .suite import CHECKS, SEQ_LEN, raised_in_target
 from .target import TargetError, build_target, random_biases
 
 # Where to report a failure of check's own code (exit code 3).
@@ -317,7 +317,7 @@ def check(
     dropout: float = 0.1,
     need_weights: bool = True,
     batch_size: int = 2,
-    seq_len: int = 8,
+    seq_len: int = SEQ_LEN,
     seed: int = 0,
     checks: tuple[str, ...] = (),
     model: str | None = None,

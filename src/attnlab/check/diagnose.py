@@ -41,7 +41,7 @@ from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
 from .recipe import Proj, Recipe, recipe_attention
 from .result import Cause, CheckResult, Report
-from .suite import CHECKS, HALF, Context, placed, their_line
+from .suite import CHECKS, HALF, SEQ_LEN, Context, placed, their_line
 
 __all__ = ["diagnose"]
 
@@ -725,7 +725,7 @@ def diagnose(
     *,
     seed: int = 0,
     batch: int = 2,
-    seq_len: int = 8,
+    seq_len: int = SEQ_LEN,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
 ) -> list[Cause]:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .mla import Layout, MLAAdapter, MLARecipe
 from .result import Cause, CheckResult, Report
+from .suite import SEQ_LEN
 
 __all__ = ["MLA_CHECKS", "MLA_MISTAKES", "MLAMistake", "run_mla"]
 
@@ -200,7 +201,7 @@ def run_mla(
     *,
     seed: int = 0,
     batch: int = 2,
-    seq_len: int = 8,
+    seq_len: int = SEQ_LEN,
     strict: bool = False,
     on_check: Callable[[str], None] = lambda name: None,
 ) -> Report:

@@ -58,7 +58,8 @@ from .adapters import (
     _wrap,
     mha_projections,
 )
-from .projections import NotAttention, find_projections, linear_in, linear_weights, name_key
+from .dataflow import Reading, RowSource, name_hint, read_dataflow
+from .projections import NotAttention, _Found, find_projections, linear_in, linear_weights, name_key
 
 __all__ = [
     "CallForm",
@@ -148,11 +149,14 @@ class CallForm:
     required_none: tuple[str, ...] = ()
     # The three inputs go by keyword: their names say which is which, in another order than (query, key, value).
     by_name: bool = False
+    # (T, B, E) inputs and output (fairseq, labml, nn.MultiheadAttention's default), found by experiment
+    time_first: bool = False
 
     def describe(self) -> str:
         sig = ", ".join(self.input_names)
         extras = [a for a in (self.mask_arg, self.padding_arg, self.causal_arg, self.weights_arg) if a]
-        return f"forward({sig}{''.join(', ' + e for e in extras)})"
+        layout = " with (T, B, E) inputs" if self.time_first else ""
+        return f"forward({sig}{''.join(', ' + e for e in extras)}){layout}"
 
 
 def _roles(names: list[str]) -> list[str] | None:
@@ -202,11 +206,56 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
     """``module`` called in ``form`` with ``qkv`` (the first ``form.inputs`` of them) and ``kwargs``; a mask
     argument without a default gets None when ``kwargs`` has none."""
     kwargs = {**{n: None for n in form.required_none}, **kwargs}
+    if form.time_first:  # (B, T, E) -> (T, B, E) in, and the output back
+        out = _call(module, replace(form, time_first=False), tuple(t.transpose(0, 1) for t in qkv), kwargs)
+        if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
+            return (out[0].transpose(0, 1), *out[1:])
+        return out.transpose(0, 1) if isinstance(out, Tensor) else out
     if form.by_name:  # forward(v, k, q): each by its own name
         roles = _roles(list(form.input_names))
         assert roles is not None  # read_call_form saw them
         return module(**{n: qkv[("query", "key", "value").index(r)] for n, r in zip(form.input_names, roles, strict=True)}, **kwargs)  # fmt: skip
     return module(*qkv[: form.inputs], **kwargs)
+
+
+@torch.no_grad()
+def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` with ``time_first`` set by experiment: a batch-first module's output for sequence 1 ignores
+    sequence 0's input; a time-first one (read (B, T, E) as (T, B, E)) mixes them, and its output at position 1
+    ignores position 0's input instead."""
+    widths = [embed_dim] if embed_dim else []
+    widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
+    g = torch.Generator().manual_seed(99)
+    training = module.training
+    module.eval()
+    try:
+        for E in dict.fromkeys(w for w in widths if w):
+            try:
+                dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+                x = torch.randn(3, 5, E, generator=g).to(dtype)
+                base = _first(_call(module, form, (x, x, x), {}))
+                if not isinstance(base, Tensor) or base.shape != x.shape:
+                    continue
+                moved = x.clone()
+                moved[0] += 1.0
+                diff = (_first(_call(module, form, (moved, moved, moved), {})) - base).abs()
+            except Exception:
+                continue
+            size = float(base.abs().max().clamp_min(1e-12))
+            if float(diff[1:].max()) <= 1e-6 * size:
+                return form  # batch-first
+            moved = x.clone()
+            moved[:, 0] += 1.0
+            try:
+                diff = (_first(_call(module, form, (moved, moved, moved), {})) - base).abs()
+            except Exception:
+                return form
+            if float(diff[:, 1:].max()) <= 1e-6 * size:
+                return replace(form, time_first=True)
+            return form
+    finally:
+        module.train(training)
+    return form
 
 
 _Layout = Literal["b1qk", "bhqk", "bqk", "per_sequence", "b11k", "b1k", "bk", "lens", "lens_q"]
@@ -270,6 +319,7 @@ class _Probed:
     masks: MaskForm
     always_causal: bool
     qkv_order: tuple[str, ...] | None
+    reading: Reading | None = None  # the data flow, at this size (another size reads it again)
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -321,9 +371,23 @@ class ProbedAdapter(AttentionAdapter):
                     f"can create them"
                 )
             materialise(module, embed_dim)
-        self.found = find_projections(module)
+        form = _forms.form if _forms is not None else with_layout(module, read_call_form(module), embed_dim)
+        try:
+            found: _Found | None = find_projections(module)
+            names_error: NotAttention | None = None
+        except NotAttention as e:
+            found, names_error = None, e
+        self.reading = _forms.reading if _forms is not None else None
+        if _forms is None or _forms.reading is None:
+            self.reading = _read(module, form, found, embed_dim)
+        self.found, self.use_reading = _choose(module, found, self.reading)
+        if self.found is None and not self.use_reading:
+            assert names_error is not None
+            raise names_error
         mha = self._mha()
         heads = mha.num_heads if mha is not None else None
+        if heads is None and self.use_reading and self.reading is not None:
+            heads = self.reading.num_heads  # what it computes: the softmax's head count
         if heads is None:
             heads = next((getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
         heads = heads if heads is not None else num_heads
@@ -355,12 +419,11 @@ class ProbedAdapter(AttentionAdapter):
         else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
             self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
         if _forms is None:
-            form = read_call_form(module)
             self.form = form
             self.convention: Literal["keep", "block"] = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
             self.always_causal = self.probe_causal()
-            self.qkv_order = self.probe_qkv_order()
+            self.qkv_order = None if self.use_reading else self.probe_qkv_order()
             self.masks = self.probe_masks()
         else:
             self.form, self.masks = _forms.form, _forms.masks
@@ -373,14 +436,16 @@ class ProbedAdapter(AttentionAdapter):
     def _default_convention(self) -> Literal["keep", "block"]:
         """What a bool mask should mean to it: torch's True = blocked for nn.MultiheadAttention's call form or a
         wrapper of one (its masks pass through), else SDPA's True = may attend."""
-        return "block" if self.form.torch_form or self.found.mha is not None else "keep"
+        return "block" if self.form.torch_form or self._mha() is not None else "keep"
 
     def _mha(self) -> nn.MultiheadAttention | None:
+        if self.found is None or self.use_reading:
+            return None
         found = self.found.mha
         return None if found is None else self.module.get_submodule(found)  # type: ignore[return-value]
 
     def _probed(self) -> _Probed:
-        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order)
+        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order, self.reading)
 
     def describe(self) -> str:
         """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
@@ -393,7 +458,7 @@ class ProbedAdapter(AttentionAdapter):
         mask = "no mask argument" if f.mask_arg is None else f"{f.mask_arg}: {self.masks.describe()}"
         via = f"; {' and '.join(folded)} through {f.mask_arg}" if folded and f.mask_arg else ""
         causal = "; always causal" if self.always_causal else ""
-        return f"called as {f.describe()}; {mask}{via}{causal}; weights from {self.found.describe()}"
+        return f"called as {f.describe()}; {mask}{via}{causal}; {self.describe_weights()}"
 
     def describe_call(self) -> str | None:
         """One line: the call form, the mask convention found, causality, and where the weights came from."""
@@ -413,7 +478,10 @@ class ProbedAdapter(AttentionAdapter):
 
     def describe_weights(self) -> str:
         """Where the q, k, v and out weights were found (and any redrawn, see ``distinct_copies``)."""
+        if self.use_reading and self.reading is not None:
+            return self.reading.describe()
         found = self.found
+        assert found is not None
         if found.mha is not None:
             mha = self._mha()
             assert mha is not None
@@ -441,6 +509,16 @@ class ProbedAdapter(AttentionAdapter):
 
     def projections(self) -> Projections:
         f, m = self.found, self.module
+        if self.use_reading and self.reading is not None:
+            return _read_projections(m, self.reading, f)
+        named = self._named_projections()
+        if self.reading is not None and self.reading.rotary is not None:
+            return replace(named, rotary=self.reading.rotary)  # the position map it applies, found by data flow
+        return named
+
+    def _named_projections(self) -> Projections:
+        f, m = self.found, self.module
+        assert f is not None
         mha = self._mha()
         if mha is not None:
             return mha_projections(mha)
@@ -483,6 +561,10 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name}.forward takes no attention mask")
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
+        if mf.use == "float" and mf.bool_reading is None:
+            raise Unsupported(
+                f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes"
+            )
         if mf.use == "float" and name_key(arg) == "attentionmask":
             raise Unsupported(
                 f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "
@@ -518,7 +600,7 @@ class ProbedAdapter(AttentionAdapter):
         made = self._build(embed_dim, num_heads, num_kv_heads)
         if not isinstance(made, nn.Module):
             return _same_size(_wrap(made), embed_dim, num_heads, num_kv_heads)
-        # the same code at another size: its call form and mask reading are the same
+        # the same code at another size: its call form and mask reading are the same; its data flow is read again
         built = ProbedAdapter(
             made,
             num_heads=num_heads,
@@ -529,7 +611,7 @@ class ProbedAdapter(AttentionAdapter):
             dropout=self.dropout_p,
             embed_dim=embed_dim,
             materialised=self.lazy,
-            _forms=self._probed(),
+            _forms=replace(self._probed(), reading=None),
         )
         return _same_size(built, embed_dim, num_heads, num_kv_heads)
 
@@ -999,3 +1081,84 @@ def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapte
     if isinstance(target, nn.Module):
         return ProbedAdapter(target, scale=scale)
     return _wrap(target)
+
+
+def _read(module: nn.Module, form: CallForm, found: _Found | None, embed_dim: int | None) -> Reading | None:
+    """The module's data flow (:mod:`attnlab.check.dataflow`) at its input width, or None where it cannot
+    be read (then the names decide)."""
+    widths = [embed_dim] if embed_dim is not None else []
+    widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
+    for E in dict.fromkeys(widths):
+        if E is None or E < 2 or E > 4096:
+            continue
+        reading = read_dataflow(module, lambda m, x: _call(m, form, (x, x, x), {}), int(E))
+        if reading is not None:
+            return reading
+    return None
+
+
+def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) -> tuple[_Found | None, bool]:
+    """(the names' reading, whether the data flow's is used instead). The names stand where they name every
+    role and the data flow uses no weight they do not name: then a swap or a reuse shows against them.
+    Elsewhere (no names, names taken in declaration order, a fused or packed layout, weights nobody named)
+    the data flow decides."""
+    if reading is None:
+        return found, False
+    if found is None or found.weak:
+        return found, True
+    used = {
+        p.rsplit(".", 1)[0]
+        for src in (reading.q, reading.k, reading.v, reading.out)
+        if src is not None
+        for p, _, _ in src.parts
+    }
+    if found.mha is not None:
+        return found, False  # nn.MultiheadAttention inside: its own projections, read as torch lays them out
+    if found.qkv is not None:
+        # a fused projection cut in thirds reads by names (its order of use probed: a wrong order is a finding);
+        # a packed layout that is no thirds ((B, T, H, 3, D), per head) by the rows each role uses
+        thirds = all(
+            len(src.parts) == 1 and src.parts[0][2] == tuple(range(src.parts[0][2][0], src.parts[0][2][-1] + 1))
+            for src in (reading.q, reading.k, reading.v)
+        )
+        return found, not thirds
+    named = found.paths()
+    return found, not all(any(u == n or u.startswith(n + ".") for n in named) for u in used)
+
+
+def _read_projections(module: nn.Module, r: Reading, found: _Found | None) -> Projections:
+    """The weights as the data flow reads them; a role made with another role's weights while a weight of
+    that shape goes unused takes the unused one (the module's mistake then shows against it)."""
+    roles = {"q": r.q, "k": r.k, "v": r.v}
+    params = dict(module.named_parameters())
+    spare = [n for n in r.unused if params[n].dim() == 2]
+    for role, src in roles.items():
+        others = [o for o, s in roles.items() if o != role and s.parts == src.parts]
+        if not others or not spare:
+            continue
+        hint = name_hint(src.parts[0][0])
+        if hint == role:
+            continue  # its own weight: the other role borrowed it
+        fits = [n for n in spare if params[n].shape[0] == src.rows and name_hint(n) in (role, None)]
+        pick = next((n for n in fits if name_hint(n) == role), fits[0] if fits else None)
+        if pick is not None:
+            owner = pick.rsplit(".", 1)[0] if "." in pick else ""
+            bias = f"{owner}.bias" if owner else "bias"
+            has_bias = bias in params and params[bias].dim() == 1
+            roles[role] = RowSource(
+                ((pick, False, tuple(range(src.rows))),),
+                ((bias, tuple(range(src.rows))),) if has_bias else None,
+                1.0,
+            )
+            spare.remove(pick)
+    wq, wk, wv = (roles[x].weight(module) for x in ("q", "k", "v"))
+    bq, bk, bv = (roles[x].bias_of(module) for x in ("q", "k", "v"))
+    if r.out is not None:
+        wo, bo = r.out.weight(module).t(), r.out.bias_of(module)  # rows were columns: (E, H*D)
+    elif found is not None and found.out is not None:
+        lin = linear_in(module.get_submodule(found.out))
+        assert lin is not None
+        wo, bo = linear_weights(lin)
+    else:  # nothing projects the merged heads: the identity, so the reference returns them as they are
+        wo, bo = torch.eye(r.embed_dim, dtype=wq.dtype, device=wq.device), None
+    return Projections(wq, wk, wv, wo, bq, bk, bv, bo, rotary=r.rotary)

@@ -85,6 +85,11 @@ class _Found:
     qkv: str | None = None
     mha: str | None = None
     listed: str | None = None  # the ModuleList they were taken from, in order q, k, v, out
+    weak: bool = False  # taken in declaration order, no name telling: the data flow decides instead
+
+    def paths(self) -> set[str]:
+        """The parameter-owning module paths named here."""
+        return {p for p in (self.q, self.k, self.v, self.out, self.qkv) if p is not None}
 
     def describe(self) -> str:
         if self.mha is not None:
@@ -130,7 +135,7 @@ def find_projections(module: nn.Module) -> _Found:
                 return _Found(lins[0], lins[1], lins[2], by_role["out"], listed=name)
     if len(children) == 4 and not by_role.keys() & {"q", "k", "v"}:
         q, k, v, out = children  # four Linears with names of their own: taken in declaration order
-        return _Found(q, k, v, out)
+        return _Found(q, k, v, out, weak=True)
     nested = _nested_roles(module)
     if nested is not None:
         return nested

@@ -43,13 +43,14 @@ class Recipe:
     v_from: tuple[Proj, Source] = ("v", "value")  # V = v_proj(value)
     split: Literal["heads", "no_transpose", "interleaved"] = "heads"  # view(B, T, H, D).transpose(1, 2)
     kv_repeat: Literal["interleave", "tile"] = "interleave"  # GQA: K/V head g serves queries g*H/G ..
-    scale: Literal["expected", "embed_dim", "none", "head_dim", "multiplied"] = "expected"
+    scale: Literal["expected", "embed_dim", "none", "head_dim", "multiplied", "quarter", "length"] = "expected"
     scale_after_softmax: bool = False  # the factor applied to the weights instead of the scores
     softmax_dim: int = -1  # over keys
     mask_stage: Literal["before", "after"] = "before"  # masked scores -inf before softmax
     # "finite": masked scores at -1e9 (the Annotated Transformer's fill): a softmax slice with every entry
     # blocked is then uniform rather than zero (with softmax_dim=-2, a padded key's column)
-    fill: Literal["-inf", "finite"] = "-inf"
+    # "zero": masked scores set to 0, a score like any other (softmax still gives blocked keys exp(0) each)
+    fill: Literal["-inf", "finite", "zero"] = "-inf"
     bool_mask_added: bool = False  # the keep mask added to the scores as 0/1 floats instead of masking
     mask_ignored: bool = False  # no mask of any kind reaches the scores ...
     # ... but these, which reach the module through arguments of their own: "key_padding_mask" (a separate
@@ -67,6 +68,8 @@ class Recipe:
     batch_first: bool = True
     merge: Literal["transpose", "no_transpose", "interleaved"] = "transpose"
     out_proj: bool = True
+    # which of Q, K, V the module's position map (rotary) turns: "qk" as it should, "q" alone, or V as well
+    rotary: Literal["qk", "q", "qkv"] = "qk"
 
     def changes(self) -> dict[str, object]:
         """The fields that differ from the textbook recipe."""
@@ -92,13 +95,15 @@ STAGES = (
 )
 
 
-def _scale(recipe: Recipe, expected: float, E: int, D: int) -> float:
+def _scale(recipe: Recipe, expected: float, E: int, D: int, T_k: int) -> float:
     return {
         "expected": expected,
         "embed_dim": 1.0 / math.sqrt(E),
         "none": 1.0,
         "head_dim": 1.0 / D,
         "multiplied": math.sqrt(D),
+        "quarter": D**-0.25,  # Whisper's d^-1/4 on K alone: half the scale
+        "length": 1.0 / math.sqrt(T_k),  # the sequence length taken for the head dim
     }[recipe.scale]
 
 
@@ -199,6 +204,10 @@ def recipe_attention(
     s["q_heads"] = _split(s["q"], H, recipe.split)  # (B, H, T_q, D)
     s["k_heads"] = _split(s["k"], G, recipe.split)  # (B, G, T_k, D)
     s["v_heads"] = _split(s["v"], G, recipe.split)  # (B, G, T_k, D)
+    if w.rotary is not None:  # the module's own position map on Q and K (rotary), or a mistaken use of it
+        rotated = {"qk": ("q", "k"), "q": ("q",), "qkv": ("q", "k", "v")}[recipe.rotary]
+        for name in rotated:
+            s[f"{name}_heads"] = w.rotate(s[f"{name}_heads"])
     k, v = s["k_heads"], s["v_heads"]
     if G != H:  # GQA: each K/V head serves H/G query heads
         if recipe.kv_repeat == "tile":
@@ -206,7 +215,7 @@ def recipe_attention(
         else:
             k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # g0 g0 g1 g1 ...
     s["scores"] = s["q_heads"] @ k.transpose(-2, -1)  # (B, H, T_q, T_k)
-    factor = _scale(recipe, scale, p.out_weight.size(0), D)
+    factor = _scale(recipe, scale, p.out_weight.size(0), D, T_k)
     s["scaled"] = s["scores"] if recipe.scale_after_softmax else s["scores"] * factor
 
     keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=query.device)  # True = may attend
@@ -244,7 +253,11 @@ def recipe_attention(
         added = added.expand(B, 1, T_q, T_k)[rows.to(added.device), 0]  # (B, H, T_q, T_k)
     scores = s["scaled"] + added  # (B, H, T_q, T_k)
     unseen = ~keep.any(dim=2)[..., None]  # (B, 1 or H, T_k, 1): keys no query may see
-    if recipe.mask_stage == "before" and recipe.fill == "finite":
+    if recipe.mask_stage == "before" and recipe.fill == "zero":
+        s["masked"] = scores.masked_fill(~keep, 0.0)
+        weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)
+        unseen = torch.zeros_like(unseen)  # blocked keys keep a share: their values reach the output
+    elif recipe.mask_stage == "before" and recipe.fill == "finite":
         s["masked"] = scores.masked_fill(~keep, -1e9)
         weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)  # a fully blocked slice: uniform
         unseen = torch.zeros_like(unseen)  # their values reach the output through those uniform weights

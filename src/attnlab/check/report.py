@@ -154,12 +154,9 @@ def _print_diagnosis(console: object, report: Report) -> None:
         for line in textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    notes = {r.name for r in report.notes}
-    # a hardening cause is a note when every row it explains is one (strict: none is)
-    is_note = lambda c: c.hardening and not report.strict and set(c.explains) <= notes
     sections = (
-        ("Likely cause", [c for c in report.diagnosis if not is_note(c)]),
-        ("Hardening notes", [c for c in report.diagnosis if is_note(c)]),
+        ("Likely cause", [c for c in report.diagnosis if not report.is_note(c)]),
+        ("Hardening notes", [c for c in report.diagnosis if report.is_note(c)]),
     )
     for title, causes in sections:
         if not causes:

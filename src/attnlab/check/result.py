@@ -94,6 +94,16 @@ class Report:
             for r in self.results
         ]
 
+    def is_note(self, cause: Cause) -> bool:
+        """Whether ``cause`` is a hardening note: hardening, and every row it explains a note (strict: never)."""
+        notes = {r.name for r in self.notes}
+        return cause.hardening and not self.strict and set(cause.explains) <= notes
+
+    @property
+    def causes_then_notes(self) -> list[Cause]:
+        """The diagnosis as it is printed: the likely causes, most likely first, then the hardening notes."""
+        return [c for c in self.diagnosis if not self.is_note(c)] + [c for c in self.diagnosis if self.is_note(c)]
+
     def __getitem__(self, name: str) -> CheckResult:
         for r in self.results:
             if r.name == name:
@@ -114,7 +124,7 @@ class Report:
             "notes": [r.name for r in self.notes],
             "config": self.config,
             "results": rows,
-            "diagnosis": [asdict(c) for c in self.diagnosis],
+            "diagnosis": [asdict(c) for c in self.causes_then_notes],  # the printed order: causes, then notes
             "partial": self.partial,
         }
 

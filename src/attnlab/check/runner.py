@@ -9,7 +9,7 @@ import torch
 from .adapters import AttentionAdapter
 from .diagnose import diagnose as find_causes
 from .result import Cause, CheckError, Report
-from .suite import raised_at, raised_in_target, run_rows
+from .suite import SEQ_LEN, raised_at, raised_in_target, run_rows
 
 __all__ = ["diagnosed", "run_checks"]
 
@@ -20,7 +20,7 @@ def run_checks(
     checks: Iterable[str] | None = None,
     seed: int = 0,
     batch: int = 2,
-    seq_len: int = 8,
+    seq_len: int = SEQ_LEN,
     scale: float | None = None,
     diagnose: bool = True,
     device: str | torch.device | None = None,

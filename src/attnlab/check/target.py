@@ -27,6 +27,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import os
 import re
@@ -291,10 +292,12 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
     if _shares_dropout(obj, param.name):
         p = 0.0  # nanoGPT's config.dropout also drops the output: the rate checks would see both; off
     default = param.default if param.default is not inspect.Parameter.empty else None
-    config = copy.copy(default) if default is not None else SimpleNamespace()
+    config = copy.copy(default) if default is not None else _annotated_default(obj, param) or SimpleNamespace()
     unknown = []
     for field in read:
         value = _CONFIG_VALUES.get(field, _MISSING)
+        if value is _MISSING and not hasattr(config, field) and field not in optional:
+            value = _guess(field, E, H, G)  # a field no list names: a first guess, kept only if the module runs
         if value is _MISSING:
             if field not in optional and not hasattr(config, field):
                 unknown.append(field)
@@ -315,6 +318,94 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
 
 
 _MISSING = object()
+
+
+def _annotated_default(obj: Callable, param: inspect.Parameter) -> object | None:
+    """An instance of the config class ``param`` is annotated with, built from its own defaults (Mistral's
+    ``args: ModelArgs``); None when there is no such class or it needs arguments."""
+    ann = param.annotation
+    if isinstance(ann, str):  # from __future__ import annotations: look the name up where obj lives
+        ann = getattr(inspect.getmodule(obj), ann.split("[")[0].strip(), None)
+    if not inspect.isclass(ann) or ann in (int, float, str, bool, dict, object):
+        return None
+    try:
+        return ann()
+    except Exception:
+        return None
+
+
+def _guess(name: str, E: int, H: int, G: int) -> object:
+    """A value for a size no list names, from what its name suggests: tried, and kept only when the module
+    then runs as attention (see :func:`_constructor_kwargs`); ``_MISSING`` when nothing is suggested."""
+    key = name.lower()
+    words = set(re.split(r"[_\d]+", key))
+    if ("head" in key and words & {"size", "dim", "d", "channels", "width"}) or key in (
+        "d_k",
+        "d_v",
+        "dk",
+        "dim_head",
+        "d_head",
+    ):
+        return E // H
+    if "kv" in key or "group" in key:
+        return G
+    if "head" in key or key in ("h", "nh"):
+        return H
+    if words & {"window", "len", "length", "ctx", "max", "block", "positions", "pos", "context"}:
+        return 1024
+    if words & {
+        "dim",
+        "size",
+        "state",
+        "feat",
+        "feats",
+        "width",
+        "channels",
+        "hidden",
+        "embd",
+        "embed",
+        "model",
+        "features",
+        "units",
+    }:
+        return E
+    if words & {"theta", "base"}:
+        return 10000.0
+    if words & {"eps", "epsilon"}:
+        return 1e-5
+    if words & {"drop", "dropout", "p", "pdrop", "rate"}:
+        return 0.0
+    if words & {"bias", "causal", "flash"}:
+        return key.endswith("bias")
+    return _MISSING
+
+
+def _candidates(name: str, E: int, H: int, G: int) -> list[object]:
+    """Values to try for a required argument no list names, the suggested one first."""
+    first = _guess(name, E, H, G)
+    values: list[object] = [] if first is _MISSING else [first]
+    return list(dict.fromkeys([*values, E, H, E // H, G, 1024]))
+
+
+def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
+    """Whether ``obj(**kwargs)`` builds a module whose self-attention of ``(2, 7, E)`` returns ``(2, 7, E)``,
+    finite, and whose data flow has H heads where it can be read."""
+    from .probe import _call, read_call_form
+
+    try:
+        with torch.random.fork_rng():
+            made = obj(**kwargs)
+            if not isinstance(made, nn.Module):
+                return True
+            made.eval()
+            form = read_call_form(made)
+            x = torch.randn(2, 7, E)
+            with torch.no_grad():
+                out = _call(made, form, (x, x, x), {})
+    except Exception:
+        return False
+    y = out[0] if isinstance(out, tuple | list) else out
+    return isinstance(y, torch.Tensor) and tuple(y.shape) == (2, 7, E) and bool(torch.isfinite(y).all())
 
 
 def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> dict[str, object]:
@@ -350,6 +441,13 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
         if n in params and n not in kwargs and params[n].kind != inspect.Parameter.VAR_KEYWORD:
             kwargs[n] = _make_config(spec, obj, params[n], wanted)
     unguessable = [n for n in params if n in required and n not in kwargs]
+    if unguessable and len(unguessable) <= 3:  # sizes under names no list has: tried, kept where it runs
+        E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
+        G = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H)
+        for combo in itertools.islice(itertools.product(*(_candidates(n, E, H, G) for n in unguessable)), 64):
+            trial = {**kwargs, **dict(zip(unguessable, combo, strict=True))}
+            if _runs(obj, trial, E, H):
+                return trial
     if unguessable:
         what = getattr(obj, "__name__", "it")
         raise TargetError(

@@ -1,0 +1,659 @@
+"""Read an attention module by what it computes: which weights make Q, K and V, and what reaches the output.
+
+Notation: B batch, T positions, E the input width, H query heads, G key/value heads, D head dim.
+
+Names are hints at best: a module may keep its projections in a packed ``in_proj_weight``, in a
+``ModuleList`` of per-head modules, in a fused ``qkv`` laid out ``(B, T, H, 3, D)``, or under names
+nobody listed. So :func:`read_dataflow` runs the module once on probe inputs under a
+``TorchFunctionMode`` (the ops recorded by :mod:`attnlab.check.capture`, each value copied when it is
+produced, so a later in-place change cannot spoil it) and reads the data flow:
+
+1. **The softmax** (``softmax``, or ``exp`` of a manual one, or inside ``scaled_dot_product_attention``).
+2. **The score product** that feeds it, walking back through the scaling and masking: its two operands
+   are Q and K, laid out by the product itself (``matmul``/``bmm``: ``(..., T, D)`` against
+   ``(..., D, T)``; ``einsum``: by its equation).
+3. **The product that consumes the weights**: its other operand is V, its result the context.
+4. **Which parameter rows make each of Q, K and V.** The probe batch holds one-hot inputs at position 0
+   (sequence ``i`` carries ``e_i``, the last one zeros), so each feature of Q at position 0 is ``c * W[r, i] +
+   c * b[r]`` for some parameter row ``r`` and factor ``c`` (a scale folded into q, as fairseq's ``q *=
+   scaling`` or Whisper's ``d^-1/4``). Each feature's column over the probe is matched with every row (and
+   column, for weights stored transposed) of every 2-D parameter, so packed and per-head layouts read alike.
+5. **The output projection**, by least squares of the output on the contexts, matched the same way.
+
+A role's weight is then the rows it uses, **in the parameter's own order** (head ``h`` = rows ``h*D ..``):
+a module that groups them into heads another way makes a mistake the checks name (heads interleaved),
+while a fused layout that is another checkpoint's convention reads as it is. A position map applied to Q
+and K after the projection (rotary) shows as features that are the projection's at position 0 only; it is
+fitted per position and, when it is a rotation of feature pairs by angles linear in the position, kept as
+a :class:`Rotary` that the float64 reference applies too.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .capture import Op, capture_until_error
+
+__all__ = ["Reading", "Rotary", "RowSource", "read_dataflow"]
+
+_SOFTMAX = ("softmax", "_softmax", "softmax_")
+_PRODUCTS = ("matmul", "bmm", "einsum", "baddbmm", "rmatmul")
+_FUSED = ("scaled_dot_product_attention",)
+MATCH = 1e-6  # float64 probe: a row that is the parameter's matches to ~1e-15; anything else is far off
+PROBE_T = 5
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A rotation of head-feature pairs by ``position * omega``: ``(x_i, x_j) -> (x_i cos - x_j sin, x_i sin +
+    x_j cos)`` for each pair ``(i, j)`` in ``pairs`` ``(P, 2)`` with its angle per position ``omega`` ``(P,)``."""
+
+    pairs: tuple[tuple[int, int], ...]
+    omega: tuple[float, ...]
+
+    def apply(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """``x`` ``(..., T, D)`` rotated at positions ``0 .. T-1`` (or ``positions`` ``(T,)``)."""
+        T = x.size(-2)
+        pos = torch.arange(T, device=x.device, dtype=torch.float64) if positions is None else positions.double()
+        i = torch.tensor([p[0] for p in self.pairs], device=x.device)
+        j = torch.tensor([p[1] for p in self.pairs], device=x.device)
+        angle = pos[:, None] * torch.tensor(self.omega, dtype=torch.float64, device=x.device)  # (T, P)
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        xi, xj = x[..., i], x[..., j]  # (..., T, P)
+        out = x.clone()
+        out[..., i] = xi * cos - xj * sin
+        out[..., j] = xi * sin + xj * cos
+        return out
+
+    def describe(self) -> str:
+        split = all(j - i == len(self.pairs) for i, j in self.pairs)
+        how = (
+            "halves (i, i + D/2)"
+            if split
+            else "adjacent pairs (2i, 2i+1)"
+            if all(j == i + 1 for i, j in self.pairs)
+            else "pairs"
+        )
+        return f"rotary on {2 * len(self.pairs)} dims, {how}, base angle {max(self.omega):.3g} rad/position"
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Rows of parameters that make one role, in the parameters' own order: ``(path, transposed, rows)``."""
+
+    parts: tuple[tuple[str, bool, tuple[int, ...]], ...]
+    bias: tuple[tuple[str, tuple[int, ...]], ...] | None
+    factor: float  # the scale folded into the role (q *= scaling): 1 when none
+
+    def weight(self, module: nn.Module) -> Tensor:
+        """``(rows, in)`` in ``nn.Linear``'s layout, live: gradients and in-place changes reach the parameters."""
+        pieces = []
+        for path, transposed, rows in self.parts:
+            p = module.get_parameter(path)
+            w = p.t() if transposed else p
+            pieces.append(w[torch.tensor(rows, device=p.device)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def bias_of(self, module: nn.Module) -> Tensor | None:
+        if self.bias is None:
+            return None
+        pieces = []
+        for path, rows in self.bias:
+            p = module.get_parameter(path)
+            pieces.append(p[torch.tensor(rows, device=p.device)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for _, _, r in self.parts)
+
+    def describe(self) -> str:
+        def span(rows: tuple[int, ...]) -> str:
+            if rows == tuple(range(rows[0], rows[-1] + 1)):
+                return f"{rows[0]}:{rows[-1] + 1}"
+            return f"{len(rows)} rows from {rows[0]} to {rows[-1]}"
+
+        paths = [f"{p}{'.T' if t else ''}[{span(r)}]" for p, t, r in self.parts]
+        if len(paths) > 3:
+            paths = [paths[0], "...", paths[-1]]
+        scaled = f" (x {self.factor:.4g} folded in)" if abs(self.factor - 1.0) > 1e-9 else ""
+        return " + ".join(paths) + scaled
+
+
+@dataclass
+class Reading:
+    """What the module computes, read off its data flow."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q: RowSource
+    k: RowSource
+    v: RowSource
+    out: RowSource | None  # None: nothing after the context is a projection of the parameters
+    rotary: Rotary | None = None
+    rotary_roles: tuple[str, ...] = ()  # which of q, k, v carry a position map
+    notes: list[str] = field(default_factory=list)
+    unused: tuple[str, ...] = ()  # 2-D parameters that no role uses
+
+    def describe(self) -> str:
+        parts = [f"q {self.q.describe()}", f"k {self.k.describe()}", f"v {self.v.describe()}"]
+        parts.append(f"out {self.out.describe()}" if self.out is not None else "no output projection")
+        text = "weights read by data flow: " + "; ".join(parts)
+        if self.rotary is not None:
+            text += f"; {self.rotary.describe()} on {', '.join(self.rotary_roles)}"
+        return text
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def _probe_input(E: int, dtype: torch.dtype, seed: int) -> Tensor:
+    """``(E + 1, PROBE_T, E)``: sequence ``i < E`` is ``e_i`` at position 0, the last is zero there."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(E + 1, PROBE_T, E, generator=g, dtype=torch.float64)
+    x[:, 0] = 0.0
+    x[torch.arange(E), 0, torch.arange(E)] = 1.0
+    return x.to(dtype)
+
+
+def _tensor(ops: list[Op], ref: int | str, inputs: list[Tensor]) -> Tensor | None:
+    if isinstance(ref, int):
+        return ops[ref].out if ref >= 0 else inputs[-1 - ref]
+    return None
+
+
+def _tracked(op: Op) -> list[int]:
+    return [a for a in op.args if isinstance(a, int)]
+
+
+def _einsum_letters(op: Op) -> tuple[list[str], str] | None:
+    eq = next((a for a in op.args if isinstance(a, str) and "->" in a), None)
+    if eq is None:
+        return None
+    eq = eq.strip("'\"").replace(" ", "")
+    lhs, rhs = eq.split("->")
+    return lhs.split(","), rhs
+
+
+def _operands(op: Op, ops: list[Op], inputs: list[Tensor]) -> list[Tensor]:
+    """The tensor operands of a product, tracked or not, in order."""
+    out = []
+    for a in op.args:
+        if isinstance(a, int):
+            t = _tensor(ops, a, inputs)
+            if t is not None:
+                out.append(t)
+    return out
+
+
+def _as_rows(x: Tensor, letters: str, keep: tuple[str, str], group: str) -> Tensor:
+    """``x`` whose dims are named by ``letters``, permuted to ``(group..., keep[0], keep[1])``."""
+    order = [letters.index(c) for c in group] + [letters.index(keep[0]), letters.index(keep[1])]
+    return x.permute(order)
+
+
+def _product_sides(
+    op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For Q K^T (``first_is_weights`` False): ``(Q (L, T_q, D), K (L, T_k, D), scores)``; for P V:
+    ``(P (L, T_q, T_k), V (L, T_k, D), context (L, T_q, D))``, the group dims flattened to L."""
+    tensors = _operands(op, ops, inputs)
+    if op.func == "baddbmm":
+        tensors = tensors[1:]
+    if len(tensors) != 2:
+        raise _Unreadable(f"{op.func} with {len(tensors)} tensor operands")
+    a, b = tensors
+    res = op.out
+    if op.func == "einsum":
+        parsed = _einsum_letters(op)
+        if parsed is None or len(parsed[0]) != 2:
+            raise _Unreadable("einsum equation not read")
+        (la, lb), lo = parsed
+        contracted = [c for c in la if c in lb and c not in lo]
+        if len(contracted) != 1:
+            raise _Unreadable("einsum contracts more than one index")
+        c = contracted[0]
+        ta = next((x for x in la if x in lo and x not in lb), None)
+        tb = next((x for x in lb if x in lo and x not in la), None)
+        if ta is None or tb is None:
+            raise _Unreadable("einsum without two free position indices")
+        group = "".join(x for x in lo if x not in (ta, tb))
+        if any(x not in la or x not in lb for x in group):
+            raise _Unreadable("einsum broadcasts a group index")
+        A = _as_rows(a, la, (ta, c), group)
+        Bm = _as_rows(b, lb, (tb, c), group)
+        R = _as_rows(res, lo, (ta, tb), group)
+    else:
+        if a.dim() < 2 or b.dim() < 2:
+            raise _Unreadable("a product of vectors")
+        A, Bm, R = a, b.transpose(-2, -1), res  # A (..., T_q, C), Bm (..., T_k, C)
+        lead = torch.broadcast_shapes(A.shape[:-2], Bm.shape[:-2])
+        A = A.expand(*lead, *A.shape[-2:])
+        Bm = Bm.expand(*lead, *Bm.shape[-2:])
+    L = int(math.prod(A.shape[:-2]))
+    A = A.reshape(L, *A.shape[-2:])
+    Bm = Bm.reshape(L, *Bm.shape[-2:])
+    R = R.reshape(L, *R.shape[-2:])
+    if first_is_weights:  # P (L, T_q, T_k) @ V: Bm is V^T read back, (L, D, T_k) -> (L, T_k, D)
+        return A, Bm.transpose(-2, -1), R
+    return A, Bm, R
+
+
+def _descendants(ops: list[Op], start: int) -> set[int]:
+    seen = {start}
+    for i in range(start + 1, len(ops)):
+        if any(a in seen for a in _tracked(ops[i])):
+            seen.add(i)
+    return seen
+
+
+def _score_product(ops: list[Op], s: int) -> int:
+    """The product whose result flows, through elementwise steps, into the softmax at ``s``."""
+    i = s
+    for _ in range(40):
+        args = [a for a in _tracked(ops[i]) if a >= 0]
+        if not args:
+            break
+        i = args[0]
+        if ops[i].func in _PRODUCTS and len([a for a in _tracked(ops[i])]) >= 2:
+            return i
+    raise _Unreadable("no product of two computed tensors feeds the softmax")
+
+
+@dataclass
+class _Site:
+    """One attention computation: Q (L, T, D), K (L, T, D), V (L, T, Dv), context (L, T, Dv)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    context: Tensor
+
+
+def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
+    sites: list[_Site] = []
+    for n, op in enumerate(ops):
+        if op.func in _FUSED:
+            q, k, v = (_tensor(ops, a, inputs) for a in op.args[:3])
+            if q is None or k is None or v is None:
+                raise _Unreadable("a fused attention call on a tensor not computed from the input")
+            L = int(math.prod(q.shape[:-2]))
+            kk = k.expand(*q.shape[:-2], *k.shape[-2:]) if k.dim() == q.dim() else k
+            vv = v.expand(*q.shape[:-2], *v.shape[-2:]) if v.dim() == q.dim() else v
+            sites.append(
+                _Site(
+                    q.reshape(L, *q.shape[-2:]),
+                    kk.reshape(L, *kk.shape[-2:]),
+                    vv.reshape(L, *vv.shape[-2:]),
+                    op.out.reshape(L, *op.out.shape[-2:]),
+                )
+            )
+        elif op.func in _SOFTMAX or op.func == "exp":
+            if op.func == "exp" and (not sites or True):
+                # a manual softmax: exp of the scores minus their max, then divided by the sum
+                if not any(o.func in ("sum",) for o in ops[n + 1 : n + 4]):
+                    continue
+            sp = _score_product(ops, n)
+            q, k, _ = _product_sides(ops[sp], ops, inputs, first_is_weights=False)
+            below = _descendants(ops, n)
+            pv = next(
+                (
+                    i
+                    for i in sorted(below)
+                    if i > n and ops[i].func in _PRODUCTS and any(a not in below for a in _tracked(ops[i]))
+                ),
+                None,
+            )
+            if pv is None:
+                raise _Unreadable("nothing multiplies the attention weights")
+            _, v, ctx = _product_sides(ops[pv], ops, inputs, first_is_weights=True)
+            sites.append(_Site(q, k, v, ctx))
+    return sites
+
+
+def _batch_rows(first: Tensor, moved: Tensor, B: int) -> Tensor | None:
+    """Which sequence each of the ``L`` groups belongs to, ``(L,)``: from the groups that change when
+    sequence 0's input does (``moved``), contiguous (batch-major) or strided (heads-major)."""
+    L = first.size(0)
+    if L % B:
+        return None
+    changed = ((first - moved).abs().flatten(1).amax(1) > 1e-9 * first.abs().max().clamp_min(1e-12)).nonzero().flatten()
+    n = L // B
+    if changed.tolist() == list(range(n)):
+        return torch.arange(L) // n
+    if changed.tolist() == list(range(0, L, B)):
+        return torch.arange(L) % B
+    return None
+
+
+class _Bank:
+    """Every row and column of the module's 2-D parameters, unit-normalised, for matching by direction."""
+
+    def __init__(self, module: nn.Module, width: int, along: str) -> None:
+        self.entries: list[tuple[str, bool, int]] = []
+        vecs = []
+        for path, p in module.named_parameters():
+            if p.dim() != 2 or not p.is_floating_point():
+                continue
+            w = p.detach().double()
+            if along == "rows" and w.size(1) == width:  # nn.Linear (out, in): rows are input weights
+                vecs.append(w)
+                self.entries += [(path, False, r) for r in range(w.size(0))]
+            if along == "rows" and w.size(0) == width:  # stored (in, out): GPT-2's Conv1D
+                vecs.append(w.t())
+                self.entries += [(path, True, r) for r in range(w.size(1))]
+            # the output projection (E, H*D): its columns, kept as rows of W^T (so ``transposed``)
+            if along == "cols" and w.size(0) == width:
+                vecs.append(w.t())
+                self.entries += [(path, True, c) for c in range(w.size(1))]
+            if along == "cols" and w.size(1) == width:  # stored (H*D, E): GPT-2's Conv1D
+                vecs.append(w)
+                self.entries += [(path, False, c) for c in range(w.size(0))]
+        self.raw = torch.cat(vecs) if vecs else torch.zeros(0, width, dtype=torch.float64)
+        self.unit = self.raw / self.raw.norm(dim=1, keepdim=True).clamp_min(1e-300)
+
+    def match(self, w: Tensor, tol: float) -> tuple[tuple[str, bool, int], float] | None:
+        """The entry along which ``w`` lies, and the factor: ``w = factor * entry``."""
+        if not len(self.entries):
+            return None
+        norm = w.norm()
+        if float(norm) == 0.0:
+            return None
+        cos = self.unit @ (w / norm)
+        i = int(cos.abs().argmax())
+        if float(1.0 - cos[i].abs()) > tol:
+            return None
+        factor = float((w @ self.raw[i]) / (self.raw[i] @ self.raw[i]))
+        return self.entries[i], factor
+
+
+def _bias_source(
+    module: nn.Module, matched: list[tuple[str, bool, int]], factor: float, eff: Tensor, tol: float
+) -> tuple[tuple[tuple[str, tuple[int, ...]], ...] | None, bool]:
+    """The 1-D parameter entries equal to ``eff / factor`` at the matched rows' indices: ``(source, ok)``;
+    ``(None, True)`` when the effective bias is zero and no bias is found."""
+    want = eff / factor
+    size = want.abs().max()
+    by_path: dict[str, list[int]] = {}
+    for path, _, r in matched:
+        by_path.setdefault(path, []).append(r)
+    found: list[tuple[str, tuple[int, ...]]] = []
+    pos = 0
+    params = dict(module.named_parameters())
+    for path, rows in by_path.items():
+        part = want[pos : pos + len(rows)]
+        pos += len(rows)
+        owner = path.rsplit(".", 1)[0] if "." in path else ""
+        cands = [
+            n
+            for n, p in params.items()
+            if p.dim() == 1 and p.numel() > max(rows) and (n.rsplit(".", 1)[0] if "." in n else "") == owner
+        ] + [n for n, p in params.items() if p.dim() == 1 and p.numel() > max(rows)]
+        hit = None
+        for n in dict.fromkeys(cands):
+            vals = params[n].detach().double()[torch.tensor(rows)]
+            if float((vals - part).abs().max()) <= tol * max(float(size), 1e-12) * 10:
+                hit = n
+                break
+        if hit is None:
+            if float(part.abs().max()) <= 1e-9 * max(1.0, float(eff.abs().max())):
+                continue
+            return None, False
+        found.append((hit, tuple(rows)))
+    if not found:
+        return None, float(eff.abs().max()) <= 1e-9
+    return tuple(found), True
+
+
+def _role_rows(
+    module: nn.Module, feats: list[Tensor], bank: _Bank, tol: float
+) -> tuple[RowSource, list[tuple[str, bool, int]]]:
+    """``feats``: per head, ``(E + 1, D)`` position-0 features over the probe batch. The parameter rows
+    they come from (in the module's own per-head order) and the role's source in parameter order."""
+    matched: list[tuple[str, bool, int]] = []
+    factors: list[float] = []
+    effs: list[Tensor] = []
+    for f in feats:
+        W = (f[:-1] - f[-1]).t()  # (D, E): row d = the weights of feature d
+        for d in range(W.size(0)):
+            hit = bank.match(W[d], tol)
+            if hit is None:
+                raise _Unreadable("a feature is not any parameter's row")
+            matched.append(hit[0])
+            factors.append(hit[1])
+        effs.append(f[-1])
+    fac = factors[0]
+    if any(abs(x - fac) > 1e-6 * abs(fac) for x in factors):
+        raise _Unreadable("features scaled unevenly")
+    eff_bias = torch.cat(effs)  # in matched order
+    unique = list(dict.fromkeys(matched))
+    bias_by = {m: float(b) for m, b in zip(matched, eff_bias.tolist(), strict=True)}
+    order = {p: n for n, (p, _) in enumerate(module.named_parameters())}
+    unique.sort(key=lambda e: (order.get(e[0], 0), e[1], e[2]))
+    parts: list[tuple[str, bool, tuple[int, ...]]] = []
+    for path, tr, r in unique:
+        if parts and parts[-1][0] == path and parts[-1][1] == tr:
+            parts[-1] = (path, tr, parts[-1][2] + (r,))
+        else:
+            parts.append((path, tr, (r,)))
+    eff_sorted = torch.tensor([bias_by[e] for e in unique], dtype=torch.float64)
+    bias, ok = _bias_source(module, unique, fac, eff_sorted, max(tol, 1e-9))
+    if not ok:
+        raise _Unreadable("a bias that is no parameter's")
+    return RowSource(tuple(parts), bias, fac), matched
+
+
+def _fit_rotary(actual: list[Tensor], predicted: list[Tensor], tol: float) -> Rotary | None:
+    """A rotation of feature pairs by angles linear in the position that maps ``predicted`` to ``actual``
+    (per head ``(E + 1, T, D)``); None when the two are equal, raises when no such rotation fits."""
+    P = torch.cat(predicted).detach()  # (N, T, D)
+    A = torch.cat(actual).detach()
+    size = P.abs().max().clamp_min(1e-12)
+    if float((A - P).abs().max() / size) <= tol * 100:
+        return None
+    T, D = P.size(1), P.size(2)
+    if T < 3:
+        raise _Unreadable("too few positions to read a position map")
+    R1 = torch.linalg.lstsq(P[:, 1], A[:, 1]).solution.t()  # (D, D): A_1 = P_1 @ R1^T
+    pairs: list[tuple[int, int]] = []
+    omega: list[float] = []
+    used: set[int] = set()
+    for i in range(D):
+        if i in used:
+            continue
+        off = R1[:, i].clone()
+        off[i] = 0.0
+        j = int(off.abs().argmax())
+        if float(off.abs().max()) < 1e-9:
+            if abs(float(R1[i, i]) - 1.0) > 1e-6:
+                raise _Unreadable("a position map that is not a rotation")
+            used.add(i)
+            continue
+        pairs.append((i, j))
+        omega.append(math.atan2(float(R1[j, i]), float(R1[i, i])))
+        used |= {i, j}
+    if not pairs:
+        raise _Unreadable("a position map that is not a rotation")
+    rot = Rotary(tuple(pairs), tuple(omega))
+    if float((rot.apply(P) - A).abs().max() / size) > 1e-6:
+        raise _Unreadable("a position map other than a rotation linear in the position")
+    return rot
+
+
+def read_dataflow(
+    module: nn.Module, call: Callable[[nn.Module, Tensor], object], embed_dim: int, *, seed: int = 0
+) -> Reading | None:
+    """Read ``module``'s projections, heads and position map off what it computes (see the module docstring).
+
+    Args:
+        module: the attention module (not changed: a float64 copy runs).
+        call: ``call(module, x)`` runs self-attention of ``x`` ``(B, T, E)`` and returns the output (or a tuple
+            whose first element is it), in whatever call form and layout the module takes.
+        embed_dim: E.
+
+    Returns:
+        The reading, or None when the data flow cannot be read that way (no softmax reached, a feature that
+        is no parameter's row ...): the caller falls back on names.
+    """
+    try:
+        return _read(module, call, embed_dim, seed)
+    except (_Unreadable, RuntimeError, IndexError, ValueError, TypeError):
+        return None
+
+
+def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int, seed: int) -> Reading:
+    probe = copy.deepcopy(module).eval()
+    try:
+        probe = probe.double()
+        dtype, tol = torch.float64, MATCH
+    except Exception:
+        dtype, tol = torch.float32, 1e-4
+    x = _probe_input(E, dtype, seed)
+    moved = x.clone()
+    moved[0, 1:] += 1.0  # sequence 0 changes away from position 0
+    moved[0, 0, 0] += 0.5
+    results = []
+    for inp in (x, moved):
+        with torch.no_grad():  # read only: no graph (an in-place op on a split's view is then allowed, as in eval)
+            ops, err = capture_until_error(lambda inp=inp: call(probe, inp), {"x": inp}, probe)
+        if err is not None:
+            raise _Unreadable(f"the probe call raised {type(err).__name__}: {err}")
+        results.append((ops, _sites(ops, [inp])))
+    (ops, sites), (_, sites2) = results
+    if not sites or len(sites) != len(sites2):
+        raise _Unreadable("no attention weights found")
+    with torch.no_grad():
+        out = call(probe, x)
+    y = out[0] if isinstance(out, tuple | list) else out
+    if not isinstance(y, Tensor) or y.shape != x.shape:
+        raise _Unreadable("the output is not (B, T, E)")
+    B = E + 1
+    feats: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}  # per head: (B, T, D)
+    contexts: list[Tensor] = []  # per head: (B, T, Dv)
+    for site, site2 in zip(sites, sites2, strict=True):
+        for role, t, t2 in (("q", site.q, site2.q), ("k", site.k, site2.k), ("v", site.v, site2.v)):
+            rows = _batch_rows(t, t2, B)
+            if rows is None:
+                raise _Unreadable(f"the {role} groups are not read as (batch, heads)")
+            n = t.size(0) // B
+            per_b = t[torch.argsort(rows, stable=True)].reshape(B, n, *t.shape[1:])  # (B, n, T, D)
+            feats[role] += [per_b[:, h] for h in range(n)]
+        rows = _batch_rows(site.context, site2.context, B)
+        if rows is None:
+            raise _Unreadable("the context groups are not read as (batch, heads)")
+        n = site.context.size(0) // B
+        per_b = site.context[torch.argsort(rows, stable=True)].reshape(B, n, *site.context.shape[1:])
+        contexts += [per_b[:, h] for h in range(n)]
+    H = len(feats["q"])
+    D = feats["q"][0].size(-1)
+    bank = _Bank(probe, E, "rows")
+    sources: dict[str, RowSource] = {}
+    matched: dict[str, list[tuple[str, bool, int]]] = {}
+    for role in ("q", "k", "v"):
+        sources[role], matched[role] = _role_rows(probe, [f[:, 0].double() for f in feats[role]], bank, tol)
+    Dk = sources["k"].rows
+    if sources["q"].rows != H * D or Dk % D:
+        raise _Unreadable("head widths do not add up")
+    G = Dk // D
+    # the position map: each role's features at every position, against its rows applied there
+    params = dict(probe.named_parameters())
+
+    def predicted(role: str) -> list[Tensor]:
+        src = sources[role]
+        rows = matched[role]
+        W = torch.stack([(params[p].t() if tr else params[p])[r].double() for p, tr, r in rows])  # (H*D, E)
+        bias = torch.zeros(W.size(0), dtype=torch.float64)
+        if src.bias is not None:
+            bmap = {(p.rsplit(".", 1)[0], r): 0 for p, _, r in rows}
+            del bmap
+            eff = torch.cat([f[-1, 0].double() for f in feats[role]]) / src.factor
+            bias = eff
+        proj = (x.double() @ W.t() + bias) * src.factor  # (B, T, H*D)
+        n = len(feats[role])
+        d = W.size(0) // n
+        return [proj[..., h * d : (h + 1) * d] for h in range(n)]
+
+    rotaries: dict[str, Rotary | None] = {}
+    for role in ("q", "k", "v"):
+        rotaries[role] = _fit_rotary([f.double() for f in feats[role]], predicted(role), tol)
+    carried = tuple(r for r in ("q", "k", "v") if rotaries[r] is not None)
+    rotary = rotaries["q"] or rotaries["k"]
+    notes: list[str] = []
+    if rotaries["v"] is not None and rotary is None:
+        rotary = rotaries["v"]
+    # the output projection: the output, by least squares on the contexts (all heads) and a constant
+    C = torch.cat([c.double() for c in contexts], dim=-1)  # (B, T, H*Dv)
+    feats_c = torch.cat([C.reshape(-1, C.size(-1)), torch.ones(C.size(0) * C.size(1), 1, dtype=torch.float64)], 1)
+    sol = torch.linalg.lstsq(feats_c, y.double().reshape(-1, E)).solution  # (H*Dv + 1, E)
+    resid = feats_c @ sol - y.double().reshape(-1, E)
+    out_src: RowSource | None = None
+    if float(resid.abs().max()) <= 1e-6 * float(y.abs().max().clamp_min(1e-12)):
+        Wo = sol[:-1].t()  # (E, H*Dv): column c = the weights of context feature c
+        cbank = _Bank(probe, E, "cols")
+        hits = [cbank.match(Wo[:, c], 1e-6) for c in range(Wo.size(1))]
+        if all(h is not None for h in hits):
+            entries = [h[0] for h in hits if h is not None]
+            facs = [h[1] for h in hits if h is not None]
+            if all(abs(f - 1.0) < 1e-6 for f in facs):
+                order = {p: n for n, (p, _) in enumerate(probe.named_parameters())}
+                uniq = sorted(dict.fromkeys(entries), key=lambda e: (order.get(e[0], 0), e[1], e[2]))
+                parts: list[tuple[str, bool, tuple[int, ...]]] = []
+                for path, tr, c in uniq:
+                    if parts and parts[-1][0] == path and parts[-1][1] == tr:
+                        parts[-1] = (path, tr, parts[-1][2] + (c,))
+                    else:
+                        parts.append((path, tr, (c,)))
+                bias_vec = sol[-1]
+                bias_src = None
+                for n, p in probe.named_parameters():
+                    if (
+                        p.dim() == 1
+                        and p.numel() == E
+                        and float((p.detach().double() - bias_vec).abs().max())
+                        <= 1e-6 * max(1.0, float(bias_vec.abs().max()))
+                    ):
+                        bias_src = ((n, tuple(range(E))),)
+                        break
+                if bias_src is not None or float(bias_vec.abs().max()) <= 1e-9:
+                    out_src = RowSource(tuple(parts), bias_src, 1.0)
+    used = {p for src in (*sources.values(), out_src) if src is not None for p, _, _ in src.parts}
+    unused = tuple(n for n, p in probe.named_parameters() if p.dim() == 2 and n not in used)
+    return Reading(
+        embed_dim=E,
+        num_heads=H,
+        num_kv_heads=G,
+        head_dim=D,
+        q=sources["q"],
+        k=sources["k"],
+        v=sources["v"],
+        out=out_src,
+        rotary=rotary,
+        rotary_roles=carried,
+        notes=notes,
+        unused=unused,
+    )
+
+
+def name_hint(path: str) -> str | None:
+    """The role a parameter's path suggests (``linear_values.weight`` -> ``v``), or None."""
+    last = re.sub(r"\.(weight|bias)$", "", path).rsplit(".", 1)[-1].lower()
+    for role, words in (
+        ("q", ("query", "q")),
+        ("k", ("key", "k")),
+        ("v", ("value", "v")),
+        ("out", ("out", "o", "proj", "dense")),
+    ):
+        tokens = re.split(r"[_\d]+", last)
+        if any(t in words or t.rstrip("s") in words for t in tokens if t):
+            return role
+    return None
