@@ -15,7 +15,14 @@ line, but it must not drift from its English page. What "in step" means here:
   Chinese units count as their English ones (``3 秒`` is ``3 s``, ``1.5 倍`` is ``1.5x``);
 * **no stray spaces**: a browser turns a line break inside a paragraph into a space, which between two
   Chinese characters (or next to Chinese punctuation) reads as a gap. A Chinese paragraph or list item
-  is written on one line.
+  is written on one line (mkdocs and pymdownx have no extension that joins CJK lines; a source rule is
+  simpler and also holds on GitHub), and no literal space stands between two Chinese characters once
+  the markup is gone (``见[注意力变体](...)``, ``**结论**。接着``);
+* **the words of the posts**: the two blog posts are 博文 000 and 博文 002, never 种子 (a random seed).
+
+Also checked: the Chinese navigation has a title for every section, the home page and README.zh-CN.md
+say first how to get a CJK font (in English too: a reader who sees boxes cannot read the Chinese), and
+the site's CSS names a CJK font after Material's Latin ones.
 
 A twin that falls behind its English page after the English code changes can be brought back with
 ``python tests/test_docs_zh.py --sync-code``: it copies each English block over the twin's block of the
@@ -295,26 +302,42 @@ def _nav_titles(nav: object) -> list[str]:
     return []
 
 
-def sync_code() -> None:
-    """Copy each English page's code blocks over its twin's, block by block (same count only)."""
-    for page in ENGLISH:
+def sync_code(pages: list[Path] = ENGLISH) -> list[str]:
+    """Copy each English page's code blocks over its twin's, block by block; what was done, one line a page.
+
+    Only where both have the same number of blocks: a block added or removed needs its prose too.
+    """
+    done = []
+    for page in pages:
         twin = twin_of(page)
         if not twin.is_file():
             continue
         en = list(FENCE.finditer(page.read_text("utf-8")))
-        text = twin.read_text("utf-8")
+        text = old = twin.read_text("utf-8")
         zh = list(FENCE.finditer(text))
         if len(en) != len(zh):
-            print(f"{twin.relative_to(REPO)}: {len(zh)} blocks, English {len(en)}: update it by hand")
+            done.append(f"{twin.name}: {len(zh)} code blocks, {page.name} has {len(en)}: update it by hand")
             continue
         for en_block, zh_block in reversed(list(zip(en, zh, strict=True))):
             text = text[: zh_block.start()] + en_block.group(0) + text[zh_block.end() :]
-        if text != twin.read_text("utf-8"):
+        if text != old:
             twin.write_text(text, "utf-8")
-            print(f"{twin.relative_to(REPO)}: code blocks copied from {page.name}")
+            done.append(f"{twin.name}: code blocks copied from {page.name}")
+    return done
+
+
+def test_sync_code_copies_the_english_blocks_and_leaves_the_prose(tmp_path: Path) -> None:
+    english, twin = tmp_path / "page.md", tmp_path / "page.zh.md"
+    english.write_text("Run it:\n\n```bash\nattnlab demo --new\n```\n\nThen:\n\n```\nout 2\n```\n", "utf-8")
+    twin.write_text("运行：\n\n```bash\nattnlab demo\n```\n\n然后：\n\n```\nout 1\n```\n", "utf-8")
+    assert sync_code([english]) == ["page.zh.md: code blocks copied from page.md"]
+    assert twin.read_text("utf-8") == "运行：\n\n```bash\nattnlab demo --new\n```\n\n然后：\n\n```\nout 2\n```\n"
+    assert code_blocks(twin) == code_blocks(english) and sync_code([english]) == []
+    english.write_text("```\none block\n```\n", "utf-8")
+    assert sync_code([english]) == ["page.zh.md: 2 code blocks, page.md has 1: update it by hand"]
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--sync-code"]:
         sys.exit("usage: python tests/test_docs_zh.py --sync-code")
-    sync_code()
+    print("\n".join(sync_code()) or "every twin's code blocks already match")
