@@ -177,7 +177,8 @@ def test_chinese_twin_shows_the_same_outputs(built: tuple[Path, str], name: str)
 def test_chinese_twin_shows_the_same_code(name: str) -> None:
     english = _code_blocks(SOURCES / f"{name}.md")
     chinese = _code_blocks(SOURCES / f"{name}.zh.md")
-    assert english, f"docs/{name}.md has no code block"
+    # every page has a twin now, some with no code at all (tables, generated docstrings): a Learn page has code
+    assert english or not name.startswith("learn/"), f"docs/{name}.md has no code block"
     assert len(chinese) == len(english), f"{len(english)} code blocks in English, {len(chinese)} in Chinese"
     for number, (en, zh) in enumerate(zip(english, chinese, strict=True), 1):
         assert zh == en, f"code block {number} differs between {name}.md and {name}.zh.md"

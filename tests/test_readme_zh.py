@@ -54,3 +54,10 @@ def test_the_twins_quote_the_same_figures():
     en = _marked_figures("README.md")
     assert en and any("150.2" in figures for _, figures in en)
     assert _marked_figures("README.zh-CN.md") == en
+
+
+def test_the_chinese_readme_says_how_to_get_a_cjk_font():
+    """Without a CJK font every character is a box: the note comes first, and says it in English too."""
+    zh = _read("README.zh-CN.md")
+    note = zh[: zh.index("\n## ")]
+    assert "fonts-noto-cjk" in note and "Chinese characters show as boxes" in note
