@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -553,8 +554,10 @@ def read_dataflow(
         is no parameter's row ...): the caller falls back on names.
     """
     try:
-        return _read(module, call, embed_dim, seed)
-    except (_Unreadable, RuntimeError, IndexError, ValueError, TypeError):
+        with warnings.catch_warnings():  # the module's own warnings (a complex cast ...) are no reason to fail here
+            warnings.simplefilter("ignore")
+            return _read(module, call, embed_dim, seed)
+    except (_Unreadable, RuntimeError, IndexError, ValueError, TypeError, UserWarning):
         return None
 
 
