@@ -159,10 +159,10 @@ class _Unreadable(Exception):
     pass
 
 
-def _probe_input(E: int, dtype: torch.dtype, seed: int) -> Tensor:
-    """``(PROBE_B, PROBE_T, E)`` random inputs."""
+def _probe_input(E: int, dtype: torch.dtype, seed: int, batch: int) -> Tensor:
+    """``(batch, PROBE_T, E)`` random inputs."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(PROBE_B, PROBE_T, E, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(batch, PROBE_T, E, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _tensor(ops: list[Op], ref: int | str, inputs: list[Tensor]) -> Tensor | None:
@@ -561,14 +561,16 @@ def read_dataflow(
         return None
 
 
-def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int, seed: int) -> Reading:
+def _read(
+    module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int, seed: int, batch: int = PROBE_B
+) -> Reading:
     probe = copy.deepcopy(module).eval()
     try:
         probe = probe.double()
         dtype, tol = torch.float64, MATCH
     except Exception:
         dtype, tol = torch.float32, 1e-4
-    x = _probe_input(E, dtype, seed)
+    x = _probe_input(E, dtype, seed, batch)
     moved = x.clone()
     moved[0, 1:] += 1.0  # sequence 0 changes away from position 0
     moved[0, 0, 0] += 0.5
@@ -603,6 +605,8 @@ def _read(module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int
             feats[role] += [per_b[:, h].double() for h in range(n)]
     H = len(feats["q"])
     D = feats["q"][0].size(-1)
+    if H * B < D + 2 and batch == PROBE_B:  # a position map is fitted over the probe's sequences and heads
+        return _read(module, call, E, seed, batch=-(-(D + 2) // H) + 1)
     x0 = x[:, 0].double()  # (B, E)
     bank = _Bank(probe, E, "rows")
     sources: dict[str, RowSource] = {}
