@@ -141,6 +141,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "scoring 0, so the mask only dents the weights",
         "scores.masked_fill(~keep, float('-inf')) (or torch.finfo(scores.dtype).min), never 0",
         S_MASK, "every masked row, no causal leak, padding invariance", _R(fill="zero"),
+        also=(_R(fill="zero_dropped"),),  # and the blocked weights zeroed after softmax (ESPnet's second fill)
     ),
     Mistake(
         "bool_mask_added", "recipe",

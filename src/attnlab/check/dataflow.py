@@ -473,12 +473,13 @@ def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: 
     ones = {n: p for n, p in module.named_parameters() if p.dim() == 1}
     for i in sorted(below):
         m = ops[i].out
-        if not m.is_floating_point() or m.dim() != 3 or m.size(-1) == 0:
+        if not m.is_floating_point() or m.dim() not in (2, 3) or m.size(-1) == 0 or m.numel() % (B * T):
             continue
         N = m.size(-1)
-        for merged in (m, m.transpose(0, 1)):
-            if merged.shape[:2] != (B, T):
-                continue
+        if m.numel() != B * T * N:
+            continue
+        # (B, T, N), (T, B, N), or either flattened to 2-D (F.multi_head_attention_forward's (T*B, E))
+        for merged in (m.reshape(B, T, N), m.reshape(T, B, N).transpose(0, 1)):
             M = merged.double().reshape(-1, N)
             for path, P in params:
                 for tr, W in ((True, P), (False, P.t())):  # W (E, N): nn.Linear's (out, in), or stored (in, out)

@@ -366,6 +366,7 @@ class _Probed:
     always_causal: bool
     qkv_order: tuple[str, ...] | None
     reading: Reading | None = None  # the data flow, at this size (another size reads it again)
+    padding_keeps: bool = False  # its key padding mask reads True = a real token (flash-attn's, HF's)
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -464,6 +465,7 @@ class ProbedAdapter(AttentionAdapter):
             self.dropout_p = float(dropout)
         else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
             self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
+        self.padding_keeps = False  # until probed
         if _forms is None:
             self.form = form
             self.convention: Literal["keep", "block"] = mask_convention or self._default_convention()
@@ -471,12 +473,14 @@ class ProbedAdapter(AttentionAdapter):
             self.always_causal = self.probe_causal()
             self.qkv_order = None if self.use_reading else self.probe_qkv_order()
             self.masks = self.probe_masks()
+            self.padding_keeps = self.probe_padding()
             if mask_convention is None and self.convention == "keep" and self.masks.bool_reading == "block":
                 if not self._compares_mask():  # masked_fill(mask, -inf): True = blocked is its own convention
                     self.convention = "block"
                     self.bool_mask_convention = self.convention
         else:
             self.form, self.masks = _forms.form, _forms.masks
+            self.padding_keeps = _forms.padding_keeps
             self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
             self.convention = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
@@ -495,7 +499,7 @@ class ProbedAdapter(AttentionAdapter):
         return None if found is None else self.module.get_submodule(found)  # type: ignore[return-value]
 
     def _probed(self) -> _Probed:
-        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order, self.reading)
+        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps)
 
     def describe(self) -> str:
         """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
@@ -758,8 +762,8 @@ class ProbedAdapter(AttentionAdapter):
                 kwargs[form.average_arg] = False  # per-head weights
         keep: Tensor | None = keep_mask  # (T_q, T_k) or (B, T_q, T_k), True = may attend
         if key_padding_mask is not None:
-            if form.padding_arg is not None:
-                kwargs[form.padding_arg] = key_padding_mask
+            if form.padding_arg is not None:  # in its own polarity: True = padding, or True = a real token
+                kwargs[form.padding_arg] = ~key_padding_mask if self.padding_keeps else key_padding_mask
             else:
                 pad_keep = (~key_padding_mask)[:, None, :].expand(B, T_q, T_k)  # (B, T_q, T_k)
                 keep = pad_keep if keep is None else keep & pad_keep
@@ -857,6 +861,36 @@ class ProbedAdapter(AttentionAdapter):
     def _plain(self, x: Tensor) -> Tensor:
         """Self-attention of ``x`` with no mask at all."""
         return _first(self._invoke(x, x, x, {}))
+
+    @torch.no_grad()
+    def probe_padding(self) -> bool:
+        """Whether its key padding argument reads True = a real token: a mask True at key 0 only hides that key
+        (changing token 0 then leaves the later outputs alone) in the module's reading of True = padding; else,
+        when the complement hides it, True = keep."""
+        arg = self.form.padding_arg
+        if arg is None or self.form.torch_form:
+            return False
+        g = torch.Generator().manual_seed(4322)
+        w = self.projections().q_weight
+        x = torch.randn(2, 6, self.embed_dim, generator=g).to(w)  # (B, T, E)
+        moved = x.clone()
+        moved[:, 0] += 2.0
+        first = torch.zeros(2, 6, dtype=torch.bool, device=x.device)
+        first[:, 0] = True
+        training = self.module.training
+        self.module.eval()
+        try:
+
+            def hides(m: Tensor) -> bool:
+                a = _first(self._invoke(x, x, x, {arg: m}))
+                b = _first(self._invoke(moved, moved, moved, {arg: m}))
+                return float((a - b)[:, 1:].abs().max()) <= EXACT * float(a.abs().max().clamp_min(1e-12))
+
+            return not hides(first) and hides(~first)
+        except Exception:
+            return False
+        finally:
+            self.module.train(training)
 
     @torch.no_grad()
     def probe_causal(self) -> bool:

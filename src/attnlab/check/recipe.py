@@ -50,7 +50,7 @@ class Recipe:
     # "finite": masked scores at -1e9 (the Annotated Transformer's fill): a softmax slice with every entry
     # blocked is then uniform rather than zero (with softmax_dim=-2, a padded key's column)
     # "zero": masked scores set to 0, a score like any other (softmax still gives blocked keys exp(0) each)
-    fill: Literal["-inf", "finite", "zero"] = "-inf"
+    fill: Literal["-inf", "finite", "zero", "zero_dropped"] = "-inf"
     bool_mask_added: bool = False  # the keep mask added to the scores as 0/1 floats instead of masking
     mask_ignored: bool = False  # no mask of any kind reaches the scores ...
     # ... but these, which reach the module through arguments of their own: "key_padding_mask" (a separate
@@ -253,9 +253,11 @@ def recipe_attention(
         added = added.expand(B, 1, T_q, T_k)[rows.to(added.device), 0]  # (B, H, T_q, T_k)
     scores = s["scaled"] + added  # (B, H, T_q, T_k)
     unseen = ~keep.any(dim=2)[..., None]  # (B, 1 or H, T_k, 1): keys no query may see
-    if recipe.mask_stage == "before" and recipe.fill == "zero":
+    if recipe.mask_stage == "before" and recipe.fill in ("zero", "zero_dropped"):
         s["masked"] = scores.masked_fill(~keep, 0.0)
         weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)
+        if recipe.fill == "zero_dropped":  # ESPnet's second fill: the blocked weights zeroed after softmax
+            weights = weights.masked_fill(~keep, 0.0)
         unseen = torch.zeros_like(unseen)  # blocked keys keep a share: their values reach the output
     elif recipe.mask_stage == "before" and recipe.fill == "finite":
         s["masked"] = scores.masked_fill(~keep, -1e9)

@@ -1099,7 +1099,9 @@ def run_rows(
                 if name.startswith("low_precision") and _UNSUPPORTED_DTYPE.search(str(e)):
                     # an op of its own that torch has no half-precision kernel for (view_as_complex in bf16):
                     # the target cannot run in that dtype, which is no mistake in the attention it computes
-                    report.results.append(replace(_skip(f"the target cannot run in this dtype: {str(e).splitlines()[0]}"), name=name))
+                    report.results.append(
+                        replace(_skip(f"the target cannot run in this dtype: {str(e).splitlines()[0]}"), name=name)
+                    )
                     continue
                 result = CheckResult(
                     "",
