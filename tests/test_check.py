@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab import MultiHeadAttention
+from attnlab.check.suite import SEQ_LEN
 from attnlab.check import CHECKS, ModuleAdapter, TorchMHAAdapter, run_checks
 from attnlab.cli import main
 from check_factories import TinyAttention
@@ -203,7 +204,7 @@ def test_torch_mha_findings(batch_first):
     # Found: NaN or inf in a padded key/value row makes every output NaN, padded or not: the padded
     # key's score is NaN before the -inf of key_padding_mask is added, and NaN + -inf = NaN.
     assert statuses.pop("padded_kv_nonfinite") == "fail"
-    assert "nan self: 384 NaN/inf outputs" in report["padded_kv_nonfinite"].detail  # all 12 real queries, E=16, 2 modes
+    assert "nan self: 320 NaN/inf outputs" in report["padded_kv_nonfinite"].detail  # all 10 real queries (T=7), E=16, 2 modes
     nan_row = 2 * 16  # query 2 of both sequences, all E=16 features: exactly the fully masked row
     assert (
         report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
@@ -386,7 +387,7 @@ def test_one_check_at_a_time_gives_the_same_figures(device_with_float64):
     names = ["parity_masked", "low_precision[fp16]", "gradcheck[padding]", "dropout_rate", "kv_cache"]
     module = attnlab_module("sdpa", num_kv_heads=2).to(device_with_float64)
     seen: list[tuple[str, str, int]] = []
-    (one_by_one,) = _run_all([module], names, seed=3, batch_size=2, seq_len=8, on_check=lambda *a: seen.append(a))
+    (one_by_one,) = _run_all([module], names, seed=3, batch_size=2, seq_len=SEQ_LEN, on_check=lambda *a: seen.append(a))
     assert seen == [("MultiHeadAttention(backend='sdpa')", n, i) for i, n in enumerate(names)]
     assert one_by_one.to_dict() == run_checks(module, checks=names, seed=3).to_dict()
 

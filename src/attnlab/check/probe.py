@@ -658,7 +658,7 @@ class ProbedAdapter(AttentionAdapter):
                 flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
                 if any(isinstance(a, Tensor) and id(a) in derived for a in flat):
                     name = getattr(func, "__name__", "").strip("_")
-                    if name in reshapes and isinstance(out, Tensor) and out.dtype == torch.bool:
+                    if name in reshapes and isinstance(out, Tensor) and out.dtype == mask.dtype:
                         derived.add(id(out))
                         keep_alive.append(out)
                     else:
@@ -684,10 +684,14 @@ class ProbedAdapter(AttentionAdapter):
         whose convention (the seeds', the Annotated Transformer's, d2l's) is 1 = may attend. A module that
         fills where its bool mask is True, with no comparison, says by that that True = blocked."""
         T = 5
-        x = torch.randn(2, T, self.embed_dim, generator=torch.Generator().manual_seed(5)).to(
-            self.projections().q_weight
-        )
-        uses = self._mask_uses(x, ~torch.eye(T, dtype=torch.bool))
+        x = torch.randn(2, T, self.embed_dim, generator=torch.Generator().manual_seed(5))
+        x = x.to(self.projections().q_weight)
+        keep = ~torch.eye(T, dtype=torch.bool)
+        try:  # the mask in the module's own form (shape, 0/1 numbers), in its bool reading
+            mask = self._mask(keep if self.masks.two_d else keep.expand(2, T, T))
+        except Unsupported:
+            return False
+        uses = self._mask_uses(x, mask)
         return uses is not None and any(u in ("eq", "ne", "lt", "le", "gt", "ge") for u in uses)
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
@@ -868,8 +872,12 @@ class ProbedAdapter(AttentionAdapter):
         (changing token 0 then leaves the later outputs alone) in the module's reading of True = padding; else,
         when the complement hides it, True = keep."""
         arg = self.form.padding_arg
-        if arg is None or self.form.torch_form:
-            return False
+        if (
+            arg is None
+            or self.form.torch_form
+            or any(isinstance(m, nn.MultiheadAttention) for m in self.module.modules())
+        ):
+            return False  # torch's own layer inside: its convention, True = padding, is the wrapper's too
         g = torch.Generator().manual_seed(4322)
         w = self.projections().q_weight
         x = torch.randn(2, 6, self.embed_dim, generator=g).to(w)  # (B, T, E)

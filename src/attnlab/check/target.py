@@ -309,13 +309,7 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
         except (AttributeError, TypeError):  # a frozen dataclass: a namespace with its fields instead
             config = SimpleNamespace(**{**vars(config), field: value(E, H, G, p) if callable(value) else value})
     if unknown:
-        what = getattr(obj, "__name__", "it")
-        raise TargetError(
-            f"--target {spec!r}: {what}() reads {', '.join(f'{param.name}.{f}' for f in unknown)} from its "
-            f"{param.name!r} argument, which check cannot fill (it fills the width, heads, K/V heads, head_dim, "
-            f"dropout, bias and block_size under their usual names); give {param.name} a default object that "
-            f"has them, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
-        )
+        raise _unfillable(spec, obj, param.name, unknown)
     if guessed:
         try:
             config.__dict__["_attnlab_guessed"] = guessed
@@ -325,6 +319,17 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
 
 
 _MISSING = object()
+
+
+def _unfillable(spec: str, obj: Callable, arg: str, fields: list[str]) -> TargetError:
+    what = getattr(obj, "__name__", "it")
+    return TargetError(
+        f"--target {spec!r}: {what}() reads {', '.join(f'{arg}.{f}' for f in fields)} from its {arg!r} argument, "
+        f"which check cannot fill (it fills the width, heads, K/V heads, head_dim, dropout, bias and block_size "
+        f"under their usual names, and tries sizes and flags for the rest by experiment; none made it run as "
+        f"attention); give {arg} a default object that has them, or point --target at a factory: "
+        f"def make(embed_dim, num_heads): return {what}(...)."
+    )
 
 
 def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str]) -> object | None:
@@ -464,7 +469,7 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             kwargs[n] = _make_config(spec, obj, params[n], wanted)
     E0, H0 = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
     G0 = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H0)
-    for value in list(kwargs.values()):  # config fields no list names: first guesses, then each candidate
+    for name, value in list(kwargs.items()):  # config fields no list names: first guesses, then each candidate
         fields = getattr(value, "__dict__", {}).get("_attnlab_guessed")
         if not fields or _runs(obj, kwargs, E0, H0):
             continue
@@ -473,6 +478,8 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
                 setattr(value, f, v)
             if _runs(obj, kwargs, E0, H0):
                 break
+        else:  # no value of them makes it run as attention: say which fields, as before any was tried
+            raise _unfillable(spec, obj, name, fields)
     unguessable = [n for n in params if n in required and n not in kwargs]
     if unguessable and len(unguessable) <= 3:  # sizes under names no list has: tried, kept where it runs
         E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
