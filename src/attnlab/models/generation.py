@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
+from ..core.kv_cache import KVCache, RollingKVCache
+from ..core.mla_cache import MLACache
 from ..runtime import LimitError, UsageError, check_range
+from ..runtime.threads import ThreadChooser, Threads, check_threads, resolve_threads
 
 __all__ = [
     "CausalLM",
@@ -29,6 +33,7 @@ __all__ = [
     "check_token_ids",
     "readable_int",
     "left_pad",
+    "PREFILL_CHUNK",
     "prefill",
     "decode_step",
     "sample_next",
@@ -117,20 +122,57 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
     return (real.cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
-def prefill(model: CausalLM, idx: Tensor, positions: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
+# Queries per prefill call (see :func:`prefill`). Measured in docs/explanation/performance.md ("Prefill").
+PREFILL_CHUNK = 2048
+
+
+def prefill(
+    model: CausalLM,
+    idx: Tensor,
+    positions: Tensor,
+    key_padding_mask: Tensor,
+    caches: nn.ModuleList,
+    *,
+    chunk: int | None = PREFILL_CHUNK,
+) -> Tensor:
     """Run the prompt ``idx (B, T)`` through the model, filling cache slots ``0 .. T-1``.
 
     ``key_padding_mask`` is ``(B, S)`` over all cache slots. Returns the last position's logits ``(B, V)``.
+
+    The caches are filled in append mode (:mod:`attnlab.core.kv_cache`), ``chunk`` queries a call (None: the
+    whole prompt at once): each call attends over the slots filled so far, never over the empty rest of the
+    ``S``-slot buffers, so no mask of ``T x S`` is built. A prompt without padding in one call runs SDPA's
+    causal path with no mask tensor at all; a later chunk takes a ``(chunk, filled)`` bool mask, and padding a
+    ``(B, 1, chunk, filled)`` one. Caches that only know position mode (a :class:`RollingKVCache`) are filled
+    as before, in one call over their whole buffer.
     """
-    slots = torch.arange(idx.size(1), device=idx.device)  # (T,)
-    logits = model(
-        idx,
-        positions=positions,
-        key_padding_mask=key_padding_mask,
-        caches=caches,
-        cache_positions=slots,
-        only_last=True,
-    )
+    if chunk is not None:
+        check_count("chunk", chunk, low=1, hint="or None for the whole prompt in one call")
+    T = idx.size(1)
+    if not all(isinstance(c, (KVCache, MLACache)) and not isinstance(c, RollingKVCache) for c in caches):
+        slots = torch.arange(T, device=idx.device)  # (T,): position mode over the whole buffer
+        logits = model(
+            idx,
+            positions=positions,
+            key_padding_mask=key_padding_mask,
+            caches=caches,
+            cache_positions=slots,
+            only_last=True,
+        )
+        return logits[:, -1]  # (B, V)
+    for cache in caches:
+        cache.reset()  # append mode writes from slot 0
+    padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
+    step = T if chunk is None else chunk
+    for start in range(0, T, step):
+        end = min(T, start + step)
+        logits = model(
+            idx[:, start:end],
+            positions=positions[:, start:end],
+            key_padding_mask=key_padding_mask[:, :end] if padded else None,  # (B, end): the keys attended
+            caches=caches,
+            only_last=True,
+        )
     return logits[:, -1]  # (B, V)
 
 
@@ -342,6 +384,7 @@ def generate_steps(
     generator: torch.Generator | None = None,
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
+    threads: Threads = None,
 ) -> Iterator[Step]:
     """An iterator of one :class:`Step` per new token; stops early once every row has emitted ``eos_token_id``.
 
@@ -354,6 +397,7 @@ def generate_steps(
     compiled code would run unguarded meanwhile, so attnlab does not use it.
     """
     _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, key_padding_mask)
+    threads = check_threads("threads", threads)
     if compile and not use_cache:
         raise ValueError(
             "compile=True with use_cache=False: only the cached decode step has fixed shapes to compile; pass use_cache=True."
@@ -370,6 +414,7 @@ def generate_steps(
         generator,
         key_padding_mask,
         compile,
+        threads,
     )
 
 
@@ -385,6 +430,7 @@ def _steps(
     generator: torch.Generator | None,
     key_padding_mask: Tensor | None,
     compile: bool,
+    threads: Threads = None,
 ) -> Iterator[Step]:
     B, T = idx.shape
     device = idx.device
@@ -401,44 +447,59 @@ def _steps(
     if max_new_tokens == 0:
         return
 
-    with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
-        if use_cache:
-            caches = model.setup_caches(B, S)
-            logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
-        else:
-            seq = idx  # (B, T), grows by one column per step
-            logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
-                :, -1
-            ]  # (B, V)
-    # A model whose decode step is already one compiled call (Llama with dtype="gguf": has_fused_decode) has
-    # nothing for torch.compile to gain: its step runs as it is.
-    compile = compile and not getattr(model, "has_fused_decode", False)
-    if compile and callable(getattr(model, "fuse_projections", None)):
-        # Q|K|V and gate|up as one GEMM each in the compiled step; views refreshed from the weights as they are now
-        cast(Any, model).fuse_projections()
-    step_fn = compiled_decode_step(device) if compile else decode_step
-    graphs = compile and decode_compile_mode(device) == "reduce-overhead"
-    slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
-
-    for i in range(max_new_tokens):
-        tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
-        if eos_token_id is not None:
-            tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
-            finished = finished | (tok == eos_token_id)
-        yield Step(tokens=tok, logits=logits)
-        if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
-            return
-        s = T + i  # slot of the token just chosen
-        with torch.no_grad():
+    counts = resolve_threads(threads) if device.type == "cpu" else ()  # decode steps timed on a CPU only
+    before = torch.get_num_threads()
+    chooser = ThreadChooser(counts) if len(counts) > 1 else None
+    if len(counts) == 1:
+        torch.set_num_threads(counts[0])  # a fixed count, for the prefill too
+    try:
+        with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
             if use_cache:
-                logits = step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)  # (B, V)
-                if graphs:  # the graph's output buffer is rewritten by the next replay: keep this step's own copy
-                    logits = logits.clone()
-            else:  # recompute: the whole sequence again, no cache
-                seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
-                logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[
+                caches = model.setup_caches(B, S)
+                logits = prefill(model, idx, positions[:, :T], pad, caches, chunk=PREFILL_CHUNK)  # (B, V)
+            else:
+                seq = idx  # (B, T), grows by one column per step
+                logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
                     :, -1
                 ]  # (B, V)
+        # A model whose decode step is already one compiled call (Llama with dtype="gguf": has_fused_decode) has
+        # nothing for torch.compile to gain: its step runs as it is.
+        compile = compile and not getattr(model, "has_fused_decode", False)
+        if compile and callable(getattr(model, "fuse_projections", None)):
+            # Q|K|V and gate|up as one GEMM each in the compiled step; views refreshed from the weights as they are now
+            cast(Any, model).fuse_projections()
+        step_fn = compiled_decode_step(device) if compile else decode_step
+        graphs = compile and decode_compile_mode(device) == "reduce-overhead"
+        slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
+
+        def step(s: int, tok: Tensor) -> Tensor:
+            return cast(Tensor, step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches))
+
+        for i in range(max_new_tokens):
+            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
+            if eos_token_id is not None:
+                tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
+                finished = finished | (tok == eos_token_id)
+            yield Step(tokens=tok, logits=logits)
+            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+                return
+            s = T + i  # slot of the token just chosen
+            with torch.no_grad():
+                if use_cache:
+                    if chooser is None:
+                        logits = step(s, tok)  # (B, V)
+                    else:  # timed at the thread count chosen for it
+                        logits = chooser.run(partial(step, s, tok))
+                    if graphs:  # the graph's output buffer is rewritten by the next replay: keep this step's own copy
+                        logits = logits.clone()
+                else:  # recompute: the whole sequence again, no cache
+                    seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
+                    logits = model(
+                        seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True
+                    )[:, -1]  # (B, V)
+    finally:
+        if counts and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def generate(
@@ -454,6 +515,7 @@ def generate(
     generator: torch.Generator | None = None,
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
+    threads: Threads = None,
 ) -> Tensor:
     """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
 
@@ -472,6 +534,12 @@ def generate(
         generator: a ``torch.Generator`` for sampling; a fixed seed reproduces the tokens.
         key_padding_mask: ``(B, T)`` bool, True = left padding of the prompt.
         compile: run the decode step under ``torch.compile(fullgraph=True)`` (cached path only).
+        threads: CPU threads of the decode steps (:mod:`attnlab.runtime.threads` says what the count does):
+            None leaves ``torch.get_num_threads()`` as it is; an int sets it for the decode; ``"auto"`` times the
+            first steps at every count of :func:`~attnlab.runtime.threads.candidate_threads`, keeps the fastest
+            and checks again from time to time (what ``attnlab generate`` does: beside other work that holds a
+            core, one thread can be 10x faster than two). The prefill runs at torch's count; the count is put
+            back when the generation ends.
     """
     steps = [
         s.tokens
@@ -487,6 +555,7 @@ def generate(
             generator=generator,
             key_padding_mask=key_padding_mask,
             compile=compile,
+            threads=threads,
         )
     ]
     if not steps:
