@@ -134,7 +134,7 @@ def test_chunked_and_padded_prefill_masks_cover_the_filled_slots_only(monkeypatc
     assert len(built) == 3  # chunks of 8, 8 and 4 queries
     for m, end in zip(built, (8, 16, 20), strict=True):
         for t in (m.keep, m.opened, m.opened_bias):
-            assert t is None or t.shape[-1] == end and t.shape[-2] in (8, 4)
+            assert t is None or (t.shape[-1] == end and t.shape[-2] in (8, 4))
     assert {c[2] for c in calls} == {8, 16, 20} and all(c[0] is not None and c[0][-1] == c[2] for c in calls)
 
 

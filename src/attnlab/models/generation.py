@@ -161,7 +161,7 @@ def prefill(
         )
         return logits[:, -1]  # (B, V)
     for cache in caches:
-        cache.reset()  # append mode writes from slot 0
+        cast(KVCache | MLACache, cache).reset()  # append mode writes from slot 0
     padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
     step = T if chunk is None else chunk
     for start in range(0, T, step):
@@ -473,7 +473,7 @@ def _steps(
         slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
 
         def step(s: int, tok: Tensor) -> Tensor:
-            return cast(Tensor, step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches))
+            return step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)
 
         for i in range(max_new_tokens):
             tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)

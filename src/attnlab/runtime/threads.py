@@ -36,7 +36,7 @@ def check_threads(name: str, value: object) -> Threads:
     """``value`` as a thread setting: None, ``"auto"``, or an int >= 1 (``"2"`` is read as 2); else a
     :class:`UsageError` naming ``name``, what it got and what it takes."""
     if value is None or value == "auto":
-        return value  # type: ignore[return-value]  # None or "auto", as checked
+        return value  # None or "auto", as checked
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
