@@ -13,6 +13,7 @@ from attnlab.models import decoder as decoder_module
 from attnlab.models.decoder import Decoder
 from attnlab.models.generation import positions_from_padding, prefill
 from attnlab.models.llama_config import LlamaConfig
+from attnlab.runtime import UsageError
 
 V = 61
 
@@ -27,14 +28,16 @@ def tiny(window: int | None = None) -> Decoder:
     return model
 
 
-def run_prefill(model: Decoder, idx: torch.Tensor, pad: torch.Tensor, slots: int, chunk: int | None) -> torch.Tensor:
+def run_prefill(
+    model: Decoder, idx: torch.Tensor, pad: torch.Tensor, slots: int, chunk: int | str | None
+) -> torch.Tensor:
     """generate()'s prefill of ``idx (B, T)`` left-padded by ``pad (B, T)`` into caches of ``slots`` slots."""
     B, T = idx.shape
     full_pad = torch.cat([pad, pad.new_zeros(B, slots - T)], dim=1)  # (B, S)
     positions = positions_from_padding(full_pad)
     caches = model.setup_caches(B, slots)
     with torch.no_grad():
-        return prefill(model, idx, positions[:, :T], full_pad, caches, chunk=chunk)  # (B, V)
+        return prefill(model, idx, positions[:, :T], full_pad, caches, chunk=chunk)  # type: ignore[arg-type]
 
 
 CHUNKS = [None, 1, 3, 4, 64]
@@ -136,6 +139,22 @@ def test_chunked_and_padded_prefill_masks_cover_the_filled_slots_only(monkeypatc
         for t in (m.keep, m.opened, m.opened_bias):
             assert t is None or (t.shape[-1] == end and t.shape[-2] in (8, 4))
     assert {c[2] for c in calls} == {8, 16, 20} and all(c[0] is not None and c[0][-1] == c[2] for c in calls)
+
+
+def test_auto_chunks_a_padded_prompt_only(monkeypatch):
+    """chunk="auto": one causal call without padding (the least attention work), PREFILL_CHUNK queries a call
+    with it (the masks bounded)."""
+    monkeypatch.setattr("attnlab.models.generation.PREFILL_CHUNK", 8)
+    model = tiny().float()
+    built, _ = spy_masks(monkeypatch)
+    run_prefill(model, torch.randint(0, V, (2, 20)), torch.zeros(2, 20, dtype=torch.bool), slots=30, chunk="auto")
+    assert len(built) == 1 and built[0].causal
+    built.clear()
+    idx, pad = left_pad([torch.randint(0, V, (n,)).tolist() for n in (20, 13)])
+    run_prefill(model, idx, pad, slots=30, chunk="auto")
+    assert len(built) == 3
+    with pytest.raises(UsageError, match="chunk must be an integer >= 1"):
+        run_prefill(model, idx, pad, slots=30, chunk=0)
 
 
 def test_generate_after_a_chunked_prefill_gives_the_recomputed_tokens(monkeypatch):

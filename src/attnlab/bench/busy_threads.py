@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--alone-only", action="store_true", help="no competing process (the machine is busy already)")
     args = parser.parse_args(argv)
     from ..runtime import release_freed_heap
     from ..weight_files.pretrained import from_pretrained, smollm2_path
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             ["taskset", "-c", str(last_cpu), sys.executable, "-c", _BUSY],
         ),
     ]
+    if args.alone_only:
+        settings = settings[:1]
     runs: list[int | str] = [2, 1, "auto"]
     print(f"load average at start {os.getloadavg()}; {args.tokens} tokens, {args.repeats} repeats")
     print("| setting | 2 threads tok/s | 1 thread tok/s | auto tok/s | 2 / 1 | auto / 1 | auto's counts |")

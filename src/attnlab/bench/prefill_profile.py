@@ -16,6 +16,8 @@ product, copies, the embedding), and the process's peak resident set above its l
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=str, nargs="+", default=["none", "2048"], help="append-mode chunk sizes")
     parser.add_argument("--no-position", action="store_true", help="leave out the position-mode rows")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep the first N blocks: a layer's share, in 1/30 of the time"
+    )
     args = parser.parse_args(argv)
     from ..runtime import release_freed_heap
     from ..weight_files.pretrained import from_pretrained, smollm2_path
@@ -150,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, _ = from_pretrained(smollm2_path(), dtype="gguf")
+    if args.layers is not None:  # the first N blocks: every block is alike, so each class's share is a block's
+        del model.blocks[args.layers :]
+        model.arch = dataclasses.replace(model.arch, n_layer=args.layers)
     release_freed_heap()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    layers = f"{len(model.blocks)} of {model.config.n_layer} layers"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {layers}, load average {os.getloadavg()}")
     print("| tokens | prefill | seconds | tokens/s | " + " | ".join(CLASSES) + " | peak MiB above start |")
     print("|---:|---|---:|---:|" + "---:|" * len(CLASSES) + "---:|", flush=True)
     chunks = [None if c == "none" else int(c) for c in args.chunks]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -122,8 +122,9 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
     return (real.cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
-# Queries per prefill call (see :func:`prefill`). Measured in docs/explanation/performance.md ("Prefill").
-PREFILL_CHUNK = 2048
+# Queries per prefill call of a padded prompt (see :func:`prefill`): its masks take B x 512 x T x 6 bytes (bool
+# keep, bool opened, float32 bias), 96 MB at T = 8192 for each row, where one call would take 16x that.
+PREFILL_CHUNK = 512
 
 
 def prefill(
@@ -133,21 +134,23 @@ def prefill(
     key_padding_mask: Tensor,
     caches: nn.ModuleList,
     *,
-    chunk: int | None = PREFILL_CHUNK,
+    chunk: int | Literal["auto"] | None = "auto",
 ) -> Tensor:
     """Run the prompt ``idx (B, T)`` through the model, filling cache slots ``0 .. T-1``.
 
     ``key_padding_mask`` is ``(B, S)`` over all cache slots. Returns the last position's logits ``(B, V)``.
 
     The caches are filled in append mode (:mod:`attnlab.core.kv_cache`), ``chunk`` queries a call (None: the
-    whole prompt at once): each call attends over the slots filled so far, never over the empty rest of the
-    ``S``-slot buffers, so no mask of ``T x S`` is built. A prompt without padding in one call runs SDPA's
-    causal path with no mask tensor at all; a later chunk takes a ``(chunk, filled)`` bool mask, and padding a
-    ``(B, 1, chunk, filled)`` one. Caches that only know position mode (a :class:`RollingKVCache`) are filled
-    as before, in one call over their whole buffer.
+    whole prompt in one call; ``"auto"``: one call for a prompt without padding, :data:`PREFILL_CHUNK` queries a
+    call for a padded one). Each call attends over the slots filled so far, never over the empty rest of the
+    ``S``-slot buffers, so no mask of ``T x S`` is built. A prompt without padding in one call runs SDPA's causal
+    path with no mask tensor at all, the least attention work (SDPA skips the blocks above the diagonal; a
+    later chunk's mask makes it compute its whole ``chunk x filled`` rectangle). Padding needs a mask, ``(B, 1,
+    chunk, filled)``, which chunks keep small. Caches that only know position mode (a :class:`RollingKVCache`)
+    are filled as before, in one call over their whole buffer.
     """
-    if chunk is not None:
-        check_count("chunk", chunk, low=1, hint="or None for the whole prompt in one call")
+    if chunk is not None and chunk != "auto":
+        check_count("chunk", chunk, low=1, hint="or None for the whole prompt in one call, or 'auto'")
     T = idx.size(1)
     if not all(isinstance(c, (KVCache, MLACache)) and not isinstance(c, RollingKVCache) for c in caches):
         slots = torch.arange(T, device=idx.device)  # (T,): position mode over the whole buffer
@@ -163,6 +166,8 @@ def prefill(
     for cache in caches:
         cast(KVCache | MLACache, cache).reset()  # append mode writes from slot 0
     padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
+    if chunk == "auto":
+        chunk = PREFILL_CHUNK if padded else None
     step = T if chunk is None else chunk
     for start in range(0, T, step):
         end = min(T, start + step)
@@ -456,7 +461,7 @@ def _steps(
         with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
             if use_cache:
                 caches = model.setup_caches(B, S)
-                logits = prefill(model, idx, positions[:, :T], pad, caches, chunk=PREFILL_CHUNK)  # (B, V)
+                logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
             else:
                 seq = idx  # (B, T), grows by one column per step
                 logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
