@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
+from ..runtime.threads import Threads
+
 __all__ = ["main"]
 
 _BUSY = "while True: pass"
 
 
-def _decode_rate(model: Any, idx: torch.Tensor, n: int, threads: int | str) -> tuple[float, list[int]]:
+def _decode_rate(model: Any, idx: torch.Tensor, n: int, threads: Threads) -> tuple[float, list[int]]:
     """Decode tokens/s of ``n`` new tokens (timed from the first token on), and the count each step ran at."""
     from ..models.generation import generate_steps
 
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..runtime import release_freed_heap
     from ..weight_files.pretrained import from_pretrained, smollm2_path
 
+    model: Any
     model, _ = from_pretrained(smollm2_path(), dtype="gguf")
     release_freed_heap()
     idx = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.alone_only:
         settings = settings[:1]
-    runs: list[int | str] = [2, 1, "auto"]
+    runs: list[Threads] = [2, 1, "auto"]
     print(f"load average at start {os.getloadavg()}; {args.tokens} tokens, {args.repeats} repeats")
     print("| setting | 2 threads tok/s | 1 thread tok/s | auto tok/s | 2 / 1 | auto / 1 | auto's counts |")
     print("|---|---:|---:|---:|---:|---:|---|", flush=True)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = subprocess.Popen(command) if command else None
         try:
             time.sleep(0.5 if busy else 0)
-            rates: dict[int | str, list[float]] = {r: [] for r in runs}
+            rates: dict[Threads, list[float]] = {r: [] for r in runs}
             counts: list[int] = []
             for rep in range(args.repeats):
                 for threads in runs[rep % 3 :] + runs[: rep % 3]:

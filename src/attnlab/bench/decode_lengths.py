@@ -131,6 +131,7 @@ def bench_decode_lengths(
     if threads is not None:
         check_range("--threads", threads, low=1, integer=True, hint="or leave it out: auto, chosen by timing steps")
     out_dir = check_writable_dir(out_dir, "--out-dir")
+    meta: Any
     meta, _ = from_pretrained(path, dtype="gguf")  # sizes only; the runners load their own
     block = int(meta.config.block_size)
     if max(lengths) + max_new_tokens > block:

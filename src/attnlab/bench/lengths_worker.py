@@ -82,6 +82,7 @@ def _attnlab(path: str, threads: str) -> Callable[[list[int], int], list[int]]:
     chosen = check_threads("--threads", threads)
     if isinstance(chosen, int):
         torch.set_num_threads(chosen)
+    model: Any
     model, _ = from_pretrained(path, dtype="gguf")
     release_freed_heap()
 

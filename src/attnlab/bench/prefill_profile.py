@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    model: Any
     model, _ = from_pretrained(smollm2_path(), dtype="gguf")
     if args.layers is not None:  # the first N blocks: every block is alike, so each class's share is a block's
         del model.blocks[args.layers :]
