@@ -12,7 +12,7 @@ from attnlab import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.llama_config import LlamaConfig
 from attnlab.runtime import UsageError
-from attnlab.runtime.threads import ThreadChooser, candidate_threads, check_threads, resolve_threads
+from attnlab.runtime.threads import ThreadChooser, candidate_threads, check_threads, free_cpus, resolve_threads
 
 
 class FakeLoad:
@@ -42,7 +42,7 @@ def test_idle_machine_keeps_two_threads_after_an_alternated_probe():
     load = FakeLoad({2: 0.004, 1: 0.0056})  # 2 threads 1.4x faster, as measured idle
     c = chooser(load)
     ran = [c.run(load.step) for _ in range(6)]
-    assert ran == [2, 1, 2, 1, 2, 1]  # alternated, the current choice first
+    assert ran == [1, 2, 1, 2, 1, 2]  # alternated, the smallest count first
     assert c.chosen == 2 and not c.probing
     assert [c.run(load.step) for _ in range(31)] == [2] * 31  # no probe before first_recheck steps
 
@@ -50,13 +50,13 @@ def test_idle_machine_keeps_two_threads_after_an_alternated_probe():
 def test_busy_core_switches_to_one_thread_and_stops_probing_the_slow_count_early():
     load = FakeLoad({2: 0.100, 1: 0.005})  # beside a busy core: 2 threads 20x slower (issue 51: 0.04-0.14x)
     c = chooser(load)
-    ran = [c.run(load.step) for _ in range(4)]
-    # 2, then 1 (fast), then 2 once more is > 3x the best median: no third step at 2 threads
-    assert ran == [2, 1, 2, 1]
-    assert c.chosen == 1
+    ran = [c.run(load.step) for _ in range(2)]
+    # 1, then 2, > 3x the best median: no more steps at 2 threads, and nothing left to compare
+    assert ran == [1, 2]
+    assert c.chosen == 1 and not c.probing
     ran = [c.run(load.step) for _ in range(40)]
     assert ran[:32] == [1] * 32  # the first recheck comes after 32 steps
-    assert c.history[-1][0] == 1 and sum(n == 2 for n, _ in c.history) <= 4  # probes cost few slow steps
+    assert sum(n == 2 for n, _ in c.history) == 2  # each probe costs one slow step
 
 
 def test_a_confirmed_choice_probes_ever_less_often():
@@ -81,6 +81,29 @@ def test_a_sudden_slowdown_starts_a_probe_at_once():
     for _ in range(6):
         c.run(load.step)
     assert c.chosen == 1
+
+
+def test_busy_cores_seen_now_spare_even_one_slow_step():
+    load = FakeLoad({2: 0.100, 1: 0.005})
+    free = [1]  # another task runs on one of the 2 CPUs
+    c = chooser(load, free=lambda: free[0])
+    assert [c.run(load.step) for _ in range(40)] == [1] * 40  # nothing to compare: no probe, no step at 2
+    free[0] = 2  # the other task ended: the next check tries 2 threads again
+    load.cost[2] = 0.004
+    for _ in range(40):
+        c.run(load.step)
+    assert c.chosen == 2
+
+
+def test_free_cpus_reads_the_tasks_runnable_now(tmp_path, monkeypatch):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("27.1 25.0 20.3 5/812 4242\n")  # 5 runnable now, whatever the averages say
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert free_cpus(str(loadavg)) == -1  # 3 others on 2 CPUs
+    loadavg.write_text("27.1 25.0 20.3 2/812 4242\n")  # ours alone: the averages still say 27
+    assert free_cpus(str(loadavg)) == 2
+    assert free_cpus(str(tmp_path / "missing")) is None
 
 
 def test_one_candidate_is_applied_once_and_never_timed_against_another():
@@ -135,13 +158,14 @@ def test_generate_auto_times_decode_steps_at_each_count(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr("attnlab.models.generation.ThreadChooser", Recording)
+    monkeypatch.setattr("attnlab.models.generation.free_cpus", lambda: None)  # this machine's load left out
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # as on a 2-core machine
     applied: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", applied.append)
     generate(model, torch.randint(0, 64, (1, 5)), 9, temperature=0, threads="auto")
     (c,) = made
-    assert [n for n, _ in c.history][:2] == [2, 1] and len(c.history) == 8  # every decode step, timed
-    assert applied[:2] == [2, 1]
+    assert len(c.history) == 8  # every decode step, timed
+    assert applied[:2] == [1, 2]  # the smallest count first, then the other
 
 
 def test_cli_threads_flag_reaches_generate(monkeypatch):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..core.kv_cache import KVCache, RollingKVCache
 from ..core.mla_cache import MLACache
 from ..runtime import LimitError, UsageError, check_range
-from ..runtime.threads import ThreadChooser, Threads, check_threads, resolve_threads
+from ..runtime.threads import ThreadChooser, Threads, check_threads, free_cpus, resolve_threads
 
 __all__ = [
     "CausalLM",
@@ -454,7 +454,7 @@ def _steps(
 
     counts = resolve_threads(threads) if device.type == "cpu" else ()  # decode steps timed on a CPU only
     before = torch.get_num_threads()
-    chooser = ThreadChooser(counts) if len(counts) > 1 else None
+    chooser = ThreadChooser(counts, free=free_cpus) if len(counts) > 1 else None
     if len(counts) == 1:
         torch.set_num_threads(counts[0])  # a fixed count, for the prefill too
     try:

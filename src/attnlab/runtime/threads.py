@@ -9,14 +9,15 @@ after each piece of work (a few hundred a step). On an idle CPU two threads deco
 Why a count must be chosen by experiment. A barrier waits for the slowest worker. When another process keeps
 one core busy, the worker that shares that core runs half the time, in slices of milliseconds, and every
 barrier waits for it, while the other worker spins there (OpenMP spins before it sleeps): measured on the
-2-core machine of issue 51, 2 threads decoded at 0.04-0.14x the speed of 1. Nothing in ``os.getloadavg`` or
-``/proc/stat`` says that in time (a load average lags by a minute, and an idle share sampled for a few
-milliseconds is noise), whereas timing a few decode steps at each count does: :class:`ThreadChooser` times
-them, alternated, keeps the fastest, and checks again later, sooner when a step suddenly slows down.
+2-core machine of issue 51, 2 threads decoded at 0.04-0.14x the speed of 1. Load averages lag by a minute;
+timing a few decode steps at each count does not: :class:`ThreadChooser` times them, alternated, keeps the
+fastest, and checks again later, sooner when a step suddenly slows down. The one instantaneous signal, the
+count of tasks runnable now (:func:`free_cpus`), only spares it trying a count that cannot fit.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["ThreadChooser", "Threads", "candidate_threads", "check_threads", "resolve_threads"]
+__all__ = ["ThreadChooser", "Threads", "candidate_threads", "check_threads", "free_cpus", "resolve_threads"]
 
 T = TypeVar("T")
 Threads = int | Literal["auto"] | None  # a fixed count, chosen by experiment, or torch's setting left alone
@@ -53,6 +54,23 @@ def candidate_threads(available: int) -> tuple[int, ...]:
     return tuple(sorted({available, max(1, available - 1), 1}, reverse=True))
 
 
+def free_cpus(loadavg: str = "/proc/loadavg") -> int | None:
+    """CPUs not taken by other work right now: the CPUs the kernel schedules on, less the tasks runnable now
+    (``/proc/loadavg``'s fourth field, an instantaneous count, not the lagging averages) that are not this
+    process's threads. None where there is no such file (not Linux).
+
+    A snapshot, so :class:`ThreadChooser` still times the counts it leaves in; it only spares the slow steps of
+    a count that cannot fit (issue 51: one step at 2 threads beside a busy core cost 20 one-thread steps).
+    """
+    try:
+        with open(loadavg) as fh:
+            runnable = int(fh.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    others = max(0, runnable - torch.get_num_threads())  # ours may be running or spinning as it is read
+    return (os.cpu_count() or 1) - others
+
+
 def resolve_threads(threads: Threads) -> tuple[int, ...]:
     """The counts to try for ``threads``: ``(n,)`` for a fixed count, :func:`candidate_threads` of torch's
     current count for ``"auto"``, ``()`` for None (torch's setting left alone)."""
@@ -66,7 +84,8 @@ def resolve_threads(threads: Threads) -> tuple[int, ...]:
 class ThreadChooser:
     """Runs decode steps at the thread count that is fastest now, found by timing steps at each candidate.
 
-    A *probe* runs ``probe`` steps at each candidate, alternated (so that a change of load hits all alike),
+    A *probe* runs ``probe`` steps at each candidate, alternated from the smallest count up (so that a change of
+    load hits all alike, and a slow larger count costs one step),
     and keeps the count with the lowest median step time. A probe stops early for a candidate whose first
     step takes over ``abort`` times the best median so far: on a busy core 2 threads can be 10-25x slower,
     and one such step is evidence enough. After a probe the chosen count runs for ``first_recheck`` steps,
@@ -78,6 +97,9 @@ class ThreadChooser:
         candidates: the counts to try, each >= 1; one count is simply applied.
         apply: sets the count; default ``torch.set_num_threads`` (the quantized kernels read it each step).
         clock: seconds, monotonic (``time.perf_counter``); tests pass a fake one.
+        free: CPUs free of other work now (:func:`free_cpus`), or None where unknown; read at the start of each
+            probe, which then tries only the counts that fit (at least the smallest): on a machine whose other
+            cores are busy, not even one slow step at a larger count. None (the default): every count is tried.
     """
 
     def __init__(
@@ -91,6 +113,7 @@ class ThreadChooser:
         max_recheck: int = 1024,
         apply: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        free: Callable[[], int | None] | None = None,
     ) -> None:
         if not candidates or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in candidates):
             raise ValueError(f"ThreadChooser candidates must be thread counts >= 1, got {list(candidates)!r}.")
@@ -99,6 +122,7 @@ class ThreadChooser:
         self.first_recheck, self.max_recheck = first_recheck, max_recheck
         self._apply = torch.set_num_threads if apply is None else apply
         self._clock = clock
+        self._free = free
         self.chosen = self.candidates[0]
         self.current: int | None = None  # the count applied now
         self.history: list[tuple[int, float]] = []  # (threads, seconds) of every step run through run()
@@ -115,9 +139,15 @@ class ThreadChooser:
         return bool(self._queue)
 
     def _start_probe(self) -> None:
-        order = [self.chosen, *(c for c in self.candidates if c != self.chosen)]  # the current choice first
+        free = None if self._free is None else self._free()
+        fits = [c for c in self.candidates if free is None or c <= max(1, free)] or [min(self.candidates)]
+        if len(fits) == 1:  # the other cores are busy now: no count to compare, nothing slow to try
+            self.chosen, self._left = fits[0], self._interval
+            self._queue = []
+            return
+        order = sorted(fits)  # the smallest first: a slow count is then dropped after its first step
         self._queue = [c for _ in range(self.probe) for c in order]
-        self._samples = {c: [] for c in self.candidates}
+        self._samples = {c: [] for c in fits}
 
     def run(self, step: Callable[[], T]) -> T:
         """Run one decode ``step`` at the count chosen for it, timed; returns what ``step`` returns."""
