@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import sys
 import time
@@ -94,6 +95,8 @@ def _attnlab(path: str, threads: str) -> Callable[[list[int], int], list[int]]:
 
 
 def main(argv: list[str]) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))  # run as a script, its folder comes first on sys.path,
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # where memory.py would shadow
     runner, path, threads, n_ctx = argv[0], argv[1], argv[2], int(argv[3])
     try:
         if runner == "attnlab":
