@@ -77,7 +77,7 @@ def classify(events: Any) -> dict[str, float]:
 
 def _run(model: Any, idx: torch.Tensor, mode: str, chunk: int | None) -> None:
     T = idx.size(1)
-    S = T + 64
+    S = min(T + 64, model.arch.block_size)  # 64 slots for new tokens, as far as the model's context allows
     pad = torch.zeros(1, S, dtype=torch.bool)
     positions = positions_from_padding(pad)
     caches = model.setup_caches(1, S)
