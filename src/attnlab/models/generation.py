@@ -407,7 +407,9 @@ def generate_steps(
         raise ValueError(
             "compile=True with use_cache=False: only the cached decode step has fixed shapes to compile; pass use_cache=True."
         )
-    return _steps(
+    counts = resolve_threads(threads) if idx.device.type == "cpu" else ()  # decode steps timed on a CPU only
+    chooser = ThreadChooser(counts, free=free_cpus) if len(counts) > 1 else None
+    steps = _steps(
         model,
         idx,
         max_new_tokens,
@@ -419,8 +421,9 @@ def generate_steps(
         generator,
         key_padding_mask,
         compile,
-        threads,
+        chooser,
     )
+    return _threaded(steps, counts) if counts else steps
 
 
 def _steps(
@@ -435,7 +438,7 @@ def _steps(
     generator: torch.Generator | None,
     key_padding_mask: Tensor | None,
     compile: bool,
-    threads: Threads = None,
+    chooser: ThreadChooser | None = None,
 ) -> Iterator[Step]:
     B, T = idx.shape
     device = idx.device
@@ -452,58 +455,57 @@ def _steps(
     if max_new_tokens == 0:
         return
 
-    counts = resolve_threads(threads) if device.type == "cpu" else ()  # decode steps timed on a CPU only
-    before = torch.get_num_threads()
-    chooser = ThreadChooser(counts, free=free_cpus) if len(counts) > 1 else None
-    if len(counts) == 1:
-        torch.set_num_threads(counts[0])  # a fixed count, for the prefill too
-    try:
-        with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
+    with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
+        if use_cache:
+            caches = model.setup_caches(B, S)
+            logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
+        else:
+            seq = idx  # (B, T), grows by one column per step
+            logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
+                :, -1
+            ]  # (B, V)
+    # A model whose decode step is already one compiled call (Llama with dtype="gguf": has_fused_decode) has
+    # nothing for torch.compile to gain: its step runs as it is.
+    compile = compile and not getattr(model, "has_fused_decode", False)
+    if compile and callable(getattr(model, "fuse_projections", None)):
+        # Q|K|V and gate|up as one GEMM each in the compiled step; views refreshed from the weights as they are now
+        cast(Any, model).fuse_projections()
+    step_fn = compiled_decode_step(device) if compile else decode_step
+    graphs = compile and decode_compile_mode(device) == "reduce-overhead"
+    slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
+
+    for i in range(max_new_tokens):
+        tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
+        if eos_token_id is not None:
+            tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
+            finished = finished | (tok == eos_token_id)
+        yield Step(tokens=tok, logits=logits)
+        if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+            return
+        s = T + i  # slot of the token just chosen
+        with torch.no_grad():
             if use_cache:
-                caches = model.setup_caches(B, S)
-                logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
-            else:
-                seq = idx  # (B, T), grows by one column per step
-                logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
+                args = (model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)
+                # (B, V); with threads="auto", timed at the thread count chosen for it
+                logits = step_fn(*args) if chooser is None else chooser.run(partial(step_fn, *args))
+                if graphs:  # the graph's output buffer is rewritten by the next replay: keep this step's own copy
+                    logits = logits.clone()
+            else:  # recompute: the whole sequence again, no cache
+                seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
+                logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[
                     :, -1
                 ]  # (B, V)
-        # A model whose decode step is already one compiled call (Llama with dtype="gguf": has_fused_decode) has
-        # nothing for torch.compile to gain: its step runs as it is.
-        compile = compile and not getattr(model, "has_fused_decode", False)
-        if compile and callable(getattr(model, "fuse_projections", None)):
-            # Q|K|V and gate|up as one GEMM each in the compiled step; views refreshed from the weights as they are now
-            cast(Any, model).fuse_projections()
-        step_fn = compiled_decode_step(device) if compile else decode_step
-        graphs = compile and decode_compile_mode(device) == "reduce-overhead"
-        slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
 
-        def step(s: int, tok: Tensor) -> Tensor:
-            return step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)
 
-        for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
-            if eos_token_id is not None:
-                tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
-                finished = finished | (tok == eos_token_id)
-            yield Step(tokens=tok, logits=logits)
-            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
-                return
-            s = T + i  # slot of the token just chosen
-            with torch.no_grad():
-                if use_cache:
-                    if chooser is None:
-                        logits = step(s, tok)  # (B, V)
-                    else:  # timed at the thread count chosen for it
-                        logits = chooser.run(partial(step, s, tok))
-                    if graphs:  # the graph's output buffer is rewritten by the next replay: keep this step's own copy
-                        logits = logits.clone()
-                else:  # recompute: the whole sequence again, no cache
-                    seq = torch.cat([seq, tok[:, None]], dim=1)  # (B, s + 1)
-                    logits = model(
-                        seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True
-                    )[:, -1]  # (B, V)
+def _threaded(steps: Iterator[Step], counts: tuple[int, ...]) -> Iterator[Step]:
+    """``steps`` with a fixed thread count set for them (``counts`` of one), and torch's count put back after."""
+    before = torch.get_num_threads()
+    if len(counts) == 1:
+        torch.set_num_threads(counts[0])  # for the prefill too
+    try:
+        yield from steps
     finally:
-        if counts and torch.get_num_threads() != before:
+        if torch.get_num_threads() != before:
             torch.set_num_threads(before)
 
 
@@ -540,10 +542,10 @@ def generate(
         key_padding_mask: ``(B, T)`` bool, True = left padding of the prompt.
         compile: run the decode step under ``torch.compile(fullgraph=True)`` (cached path only).
         threads: CPU threads of the decode steps (:mod:`attnlab.runtime.threads` says what the count does):
-            None leaves ``torch.get_num_threads()`` as it is; an int sets it for the decode; ``"auto"`` times the
+            None leaves ``torch.get_num_threads()`` as it is; an int sets it for the run; ``"auto"`` times the
             first steps at every count of :func:`~attnlab.runtime.threads.candidate_threads`, keeps the fastest
             and checks again from time to time (what ``attnlab generate`` does: beside other work that holds a
-            core, one thread can be 10x faster than two). The prefill runs at torch's count; the count is put
+            core, one thread can be 10x faster than two), the prefill at torch's count. Torch's count is put
             back when the generation ends.
     """
     steps = [
