@@ -191,11 +191,12 @@ def bench_decode_lengths(
                 row[name] = {
                     "ttft_s": t1,
                     "prefill_tokens_per_s": length / t1,
-                    "decode_tokens_per_s": 1 / step if step > 0 else float("inf"),
+                    # None where noise made t(n) <= t(1): no rate to report
+                    "decode_tokens_per_s": 1 / step if step > 0 else None,
                     "decode_ms": 1e3 * step,
                     "peak_rss_bytes": w.ask(cmd="peak")["rss_peak"],
                     "step_bytes": step_bytes,
-                    "bandwidth_fraction": step_bytes / step / bandwidth if step > 0 else float("nan"),
+                    "bandwidth_fraction": step_bytes / step / bandwidth if step > 0 else None,
                     "same_tokens": same,
                     "times": times[name],
                 }
@@ -250,9 +251,9 @@ def lengths_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
                     _LABEL[name],
                     f"{r['ttft_s']:.2f}",
                     f"{r['prefill_tokens_per_s']:.0f}",
-                    f"{r['decode_tokens_per_s']:.1f}",
+                    "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
                     f"{r['peak_rss_bytes'] / 1e6:.0f}",
-                    f"{100 * r['bandwidth_fraction']:.0f}%",
+                    "-" if r["bandwidth_fraction"] is None else f"{100 * r['bandwidth_fraction']:.0f}%",
                     f"{100 * r['same_tokens']:.0f}%",
                 ]
             )
