@@ -43,6 +43,7 @@ from ..runtime import (
 from ..weight_files.file_checks import gpt_weight_count
 from ..weight_files.gguf import open_gguf
 from ..weight_files.precision import choose_weights, is_gguf_source, parse_weights, weights_name
+from .decode_lengths import bench_decode_lengths, parse_lengths
 from .decode_mla import DEFAULT_MLA_CONFIG, MLABenchConfig, bench_decode_mla
 from .llama_cpp import llama_cpp_runner as _llama_cpp_runner  # tests stand in for it here
 from .output import check_room, save_png
@@ -105,6 +106,7 @@ def bench_decode(
     model: str | None = None,
     batch_sizes: tuple[int, ...] = (1, 8),
     prompt_len: int = 32,
+    prompt_lengths: tuple[str, ...] = (),
     contexts: tuple[int, ...] = (64, 128, 256, 512, 1024),
     max_new_tokens: int | None = None,
     recompute_max_new_tokens: int = 6,
@@ -122,6 +124,7 @@ def bench_decode(
     seed: int = 0,
     mla: bool = False,
     mla_config: MLABenchConfig = DEFAULT_MLA_CONFIG,
+    llama_python: str | None = None,
 ) -> int:
     """Measure greedy decode ms/token and tokens/s per context length; print a table, write JSON and Markdown.
 
@@ -136,6 +139,14 @@ def bench_decode(
         model: a real model to measure: ``smollm2``, a ``.gguf`` path or a Hugging Face directory.
         batch_sizes: with --model, the batch sizes measured (rows of random prompt ids).
         prompt_len: with --model, the prompt length of every row.
+        prompt_lengths: with --model (a GGUF file), instead one row per prompt length and runner, e.g.
+            32,128,512,2048,7000: time to first token, prefill and decode tokens/s at that context, peak RSS and the
+            share of the copy bandwidth a decode step reads, attnlab (the blocks as stored) against llama.cpp on the
+            same file with flash attention off and on, each in a process of its own, alternated
+            (:mod:`attnlab.bench.decode_lengths`); writes decode_lengths.json and .md. Takes --max-new-tokens
+            (default 32), --repeats, --threads (default: auto, the decode's count chosen by timing steps),
+            --llama-python, --out-dir and --seed.
+        llama_python: with --prompt-lengths, the Python interpreter whose llama_cpp runs llama.cpp (default: this one).
         contexts: prompt lengths to measure.
         max_new_tokens: tokens generated per cached run (HF and attnlab with cache); >= 2. Default
             32, and 128 with --model.
@@ -163,6 +174,12 @@ def bench_decode(
             --out-dir and --seed.
         mla_config: with --mla, the models and cache lengths.
     """
+    if prompt_lengths:
+        if model is None:
+            raise UsageError("--prompt-lengths measures a GGUF model against llama.cpp: pass --model smollm2 with it.")
+        lengths = parse_lengths(prompt_lengths)
+        new = 32 if max_new_tokens is None else max_new_tokens
+        return bench_decode_lengths(model, lengths, new, repeats, threads, out_dir, seed, llama_python)
     if mla:
         sweep_flags = {
             "--model": model is not None,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .lengths_worker import greedy_llama_cpp
+
 __all__ = ["llama_cpp_runner"]
 
 
@@ -22,12 +24,6 @@ def llama_cpp_runner(path: Path, n_ctx: int, threads: int) -> Callable[[torch.Te
 
     def run(idx: torch.Tensor, n: int) -> torch.Tensor:
         prompt = idx[0].tolist()
-        llm.reset()
-        out: list[int] = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            out.append(int(token))
-            if len(out) == n:
-                break
-        return torch.tensor([prompt + out])
+        return torch.tensor([prompt + greedy_llama_cpp(llm, prompt, n)])
 
     return run

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import re
 from collections.abc import Callable
 
 import torch
+
+from ..runtime import release_freed_heap
+from .lengths_worker import proc_status, reset_peak_rss
 
 __all__ = ["PeakMemory"]
 
@@ -32,9 +34,7 @@ class PeakMemory:
 
     @staticmethod
     def _status(key: str) -> int:
-        with open("/proc/self/status") as fh:
-            m = re.search(rf"{key}:\s+(\d+) kB", fh.read())
-        return int(m.group(1)) * 1024 if m else 0
+        return proc_status(key)
 
     def exact_mode(self) -> None:
         """Make every allocation of 64 KiB or more its own mmap, returned to the OS when freed, so
@@ -54,10 +54,8 @@ class PeakMemory:
             fn()
             torch.cuda.synchronize(self.device)
             return float(torch.cuda.max_memory_allocated(self.device) - base)
-        assert self._libc is not None
-        self._libc.malloc_trim(0)
+        release_freed_heap()
         base = self._status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
+        reset_peak_rss()
         fn()
         return float(self._status("VmHWM") - base)

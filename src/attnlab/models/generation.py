@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from functools import partial
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
+from ..core.kv_cache import KVCache, RollingKVCache
+from ..core.mla_cache import MLACache
 from ..runtime import LimitError, UsageError, check_range
+from ..runtime.threads import ThreadChooser, Threads, check_threads, free_cpus, resolve_threads
 
 __all__ = [
     "CausalLM",
@@ -29,6 +33,7 @@ __all__ = [
     "check_token_ids",
     "readable_int",
     "left_pad",
+    "PREFILL_CHUNK",
     "prefill",
     "decode_step",
     "sample_next",
@@ -117,20 +122,62 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
     return (real.cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
-def prefill(model: CausalLM, idx: Tensor, positions: Tensor, key_padding_mask: Tensor, caches: nn.ModuleList) -> Tensor:
+# Queries per prefill call of a padded prompt (see :func:`prefill`): its masks take B x 512 x T x 6 bytes (bool
+# keep, bool opened, float32 bias), 96 MB at T = 8192 for each row, where one call would take 16x that.
+PREFILL_CHUNK = 512
+
+
+def prefill(
+    model: CausalLM,
+    idx: Tensor,
+    positions: Tensor,
+    key_padding_mask: Tensor,
+    caches: nn.ModuleList,
+    *,
+    chunk: int | Literal["auto"] | None = "auto",
+) -> Tensor:
     """Run the prompt ``idx (B, T)`` through the model, filling cache slots ``0 .. T-1``.
 
     ``key_padding_mask`` is ``(B, S)`` over all cache slots. Returns the last position's logits ``(B, V)``.
+
+    The caches are filled in append mode (:mod:`attnlab.core.kv_cache`), ``chunk`` queries a call (None: the
+    whole prompt in one call; ``"auto"``: one call for a prompt without padding, :data:`PREFILL_CHUNK` queries a
+    call for a padded one). Each call attends over the slots filled so far, never over the empty rest of the
+    ``S``-slot buffers, so no mask of ``T x S`` is built. A prompt without padding in one call runs SDPA's causal
+    path with no mask tensor at all, the least attention work (SDPA skips the blocks above the diagonal; a
+    later chunk's mask makes it compute its whole ``chunk x filled`` rectangle). Padding needs a mask, ``(B, 1,
+    chunk, filled)``, which chunks keep small. Caches that only know position mode (a :class:`RollingKVCache`)
+    are filled as before, in one call over their whole buffer.
     """
-    slots = torch.arange(idx.size(1), device=idx.device)  # (T,)
-    logits = model(
-        idx,
-        positions=positions,
-        key_padding_mask=key_padding_mask,
-        caches=caches,
-        cache_positions=slots,
-        only_last=True,
-    )
+    if chunk is not None and chunk != "auto":
+        check_count("chunk", chunk, low=1, hint="or None for the whole prompt in one call, or 'auto'")
+    T = idx.size(1)
+    if not all(isinstance(c, (KVCache, MLACache)) and not isinstance(c, RollingKVCache) for c in caches):
+        slots = torch.arange(T, device=idx.device)  # (T,): position mode over the whole buffer
+        logits = model(
+            idx,
+            positions=positions,
+            key_padding_mask=key_padding_mask,
+            caches=caches,
+            cache_positions=slots,
+            only_last=True,
+        )
+        return logits[:, -1]  # (B, V)
+    for cache in caches:
+        cast(KVCache | MLACache, cache).reset()  # append mode writes from slot 0
+    padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
+    if chunk == "auto":
+        chunk = PREFILL_CHUNK if padded else None
+    step = T if chunk is None else chunk
+    for start in range(0, T, step):
+        end = min(T, start + step)
+        logits = model(
+            idx[:, start:end],
+            positions=positions[:, start:end],
+            key_padding_mask=key_padding_mask[:, :end] if padded else None,  # (B, end): the keys attended
+            caches=caches,
+            only_last=True,
+        )
     return logits[:, -1]  # (B, V)
 
 
@@ -342,6 +389,7 @@ def generate_steps(
     generator: torch.Generator | None = None,
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
+    threads: Threads = None,
 ) -> Iterator[Step]:
     """An iterator of one :class:`Step` per new token; stops early once every row has emitted ``eos_token_id``.
 
@@ -354,11 +402,14 @@ def generate_steps(
     compiled code would run unguarded meanwhile, so attnlab does not use it.
     """
     _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, key_padding_mask)
+    threads = check_threads("threads", threads)
     if compile and not use_cache:
         raise ValueError(
             "compile=True with use_cache=False: only the cached decode step has fixed shapes to compile; pass use_cache=True."
         )
-    return _steps(
+    counts = resolve_threads(threads) if idx.device.type == "cpu" else ()  # decode steps timed on a CPU only
+    chooser = ThreadChooser(counts, free=free_cpus) if len(counts) > 1 else None
+    steps = _steps(
         model,
         idx,
         max_new_tokens,
@@ -370,7 +421,9 @@ def generate_steps(
         generator,
         key_padding_mask,
         compile,
+        chooser,
     )
+    return _threaded(steps, counts) if counts else steps
 
 
 def _steps(
@@ -385,6 +438,7 @@ def _steps(
     generator: torch.Generator | None,
     key_padding_mask: Tensor | None,
     compile: bool,
+    chooser: ThreadChooser | None = None,
 ) -> Iterator[Step]:
     B, T = idx.shape
     device = idx.device
@@ -431,7 +485,9 @@ def _steps(
         s = T + i  # slot of the token just chosen
         with torch.no_grad():
             if use_cache:
-                logits = step_fn(model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)  # (B, V)
+                args = (model, tok[:, None], positions[:, s : s + 1], slots[s : s + 1], pad, caches)
+                # (B, V); with threads="auto", timed at the thread count chosen for it
+                logits = step_fn(*args) if chooser is None else chooser.run(partial(step_fn, *args))
                 if graphs:  # the graph's output buffer is rewritten by the next replay: keep this step's own copy
                     logits = logits.clone()
             else:  # recompute: the whole sequence again, no cache
@@ -439,6 +495,18 @@ def _steps(
                 logits = model(seq, positions=positions[:, : s + 1], key_padding_mask=pad[:, : s + 1], only_last=True)[
                     :, -1
                 ]  # (B, V)
+
+
+def _threaded(steps: Iterator[Step], counts: tuple[int, ...]) -> Iterator[Step]:
+    """``steps`` with a fixed thread count set for them (``counts`` of one), and torch's count put back after."""
+    before = torch.get_num_threads()
+    if len(counts) == 1:
+        torch.set_num_threads(counts[0])  # for the prefill too
+    try:
+        yield from steps
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def generate(
@@ -454,6 +522,7 @@ def generate(
     generator: torch.Generator | None = None,
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
+    threads: Threads = None,
 ) -> Tensor:
     """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
 
@@ -472,6 +541,12 @@ def generate(
         generator: a ``torch.Generator`` for sampling; a fixed seed reproduces the tokens.
         key_padding_mask: ``(B, T)`` bool, True = left padding of the prompt.
         compile: run the decode step under ``torch.compile(fullgraph=True)`` (cached path only).
+        threads: CPU threads of the decode steps (:mod:`attnlab.runtime.threads` says what the count does):
+            None leaves ``torch.get_num_threads()`` as it is; an int sets it for the run; ``"auto"`` times the
+            first steps at every count of :func:`~attnlab.runtime.threads.candidate_threads`, keeps the fastest
+            and checks again from time to time (what ``attnlab generate`` does: beside other work that holds a
+            core, one thread can be 10x faster than two), the prefill at torch's count. Torch's count is put
+            back when the generation ends.
     """
     steps = [
         s.tokens
@@ -487,6 +562,7 @@ def generate(
             generator=generator,
             key_padding_mask=key_padding_mask,
             compile=compile,
+            threads=threads,
         )
     ]
     if not steps:

@@ -7,7 +7,16 @@ from .devices import DEVICE_HELP, DTYPE_HELP, cpu_info, resolve_device, resolve_
 from .disk import DiskFullError, append_whole, check_free_space, disk_full_line, free_bytes, nbytes, writing
 from .errors import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, check_range
 from .files import atomic_write_bytes, atomic_write_text, check_writable_dir
-from .memory import OutOfMemory, available_bytes, check_fits, gib, memory_limit, out_of_memory, out_of_memory_line
+from .memory import (
+    OutOfMemory,
+    available_bytes,
+    check_fits,
+    gib,
+    memory_limit,
+    out_of_memory,
+    out_of_memory_line,
+    release_freed_heap,
+)
 from .optional import import_advice
 from .run_lock import LOCK_NAME, RunLock
 from .signals import INTERRUPTS, Terminated, interrupt_exit, keep, kept
@@ -45,6 +54,7 @@ __all__ = [
     "nbytes",
     "out_of_memory",
     "out_of_memory_line",
+    "release_freed_heap",
     "resolve_device",
     "resolve_dtype",
     "writing",

@@ -30,7 +30,17 @@ from typing import Any
 import torch
 
 from ..models.generation import Step, check_count, check_temperature, generate_steps, readable_int
-from ..runtime import INTERRUPTS, LimitError, UsageError, check_fits, check_range, keep, resolve_device
+from ..runtime import (
+    INTERRUPTS,
+    LimitError,
+    UsageError,
+    check_fits,
+    check_range,
+    keep,
+    release_freed_heap,
+    resolve_device,
+)
+from ..runtime.threads import Threads, check_threads
 from ..weight_files import pretrained
 from ..weight_files.precision import choose_weights, loaded_weights_detail, parse_weights
 from ..weight_files.saved_model import load_checkpoint
@@ -195,6 +205,7 @@ class _Ask:
     seed: int
     compile: bool
     dtype: str  # --dtype as typed (checked by parse_weights); choose_weights makes it a WeightChoice
+    threads: Threads = None  # --threads, checked: a count, "auto", or None (torch's count left alone)
 
     def steps(self, lm: Any, ids: list[int], n: int, eos_token_id: int | None = None) -> Iterator[Step]:
         """``generate_steps`` after ``ids`` with these flags; its arguments (and the memory the K/V cache and the
@@ -217,6 +228,7 @@ class _Ask:
             eos_token_id=eos_token_id,
             generator=torch.Generator(device=self.device).manual_seed(self.seed),
             compile=self.compile,
+            threads=self.threads,
         )
 
 
@@ -233,6 +245,7 @@ def generate_command(
     device: str = "auto",
     dtype: str = "auto",
     compile: bool = False,
+    threads: str = "auto",
 ) -> int:
     """Print the prompt and its continuation, token by token, from a TinyGPT checkpoint or a pretrained model.
 
@@ -249,6 +262,7 @@ def generate_command(
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
         dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
         compile: compile the decode step with torch.compile(fullgraph=True): off by default, because a chat-length answer does not repay the compilation (SmolLM2 float32, 100 tokens on a 2-core CPU: 8.1 s eager, 97 s compiled of which 92 s compiling; then 15.3 against 9.8 tokens/s). With --chat, compiled once per cache size (a power of two >= 64) and reused by later turns. gguf weights are already fused and run as they are.
+        threads: CPU threads: a count, or auto. The count sizes torch's thread pool, which runs the prefill's matmuls and attention, torch's ops and attnlab's quantized kernels (the fused gguf decode step splits each matmul's rows and the attention heads over that many threads, with a barrier after each); the prefill runs at it. auto: torch's count for the prefill (the machine's cores) and, on a CPU, the decode at the fastest of that count, one fewer and one, timed on the first steps and checked again now and then: beside other work that keeps a core busy, 2 threads waiting at each barrier for the descheduled one decoded 7-25x slower than 1 on a 2-core machine. A count applies to the prefill and every step.
     """
     return run_generate(
         checkpoint=checkpoint,
@@ -263,6 +277,7 @@ def generate_command(
         device=device,
         dtype=dtype,
         compile=compile,
+        threads=threads,
     ).code
 
 
@@ -279,10 +294,12 @@ def run_generate(
     device: str = "auto",
     dtype: str = "auto",
     compile: bool = False,
+    threads: str | int | None = "auto",
 ) -> Generated:
     """:func:`generate_command` with what it measured: its exit code and each stream's rates (the demo prints them)."""
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed)
     parse_weights(dtype, "--dtype")
+    checked_threads = check_threads("--threads", threads)
     check_text(prompt, "--prompt")
     if checkpoint is not None and model is not None:
         raise UsageError(
@@ -308,6 +325,7 @@ def run_generate(
         seed,
         compile,
         dtype,
+        checked_threads,
     )
     if model is not None:
         kind = _pretrained(model)
@@ -370,6 +388,7 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
         lm, loaded = pretrained.from_pretrained(
             ask.where, dtype=weights.dtype, device=ask.device
         )  # UsageError naming what is wrong
+        release_freed_heap()  # the loading's freed temporaries, ~300 MB resident otherwise (issue 51)
         print(weights.line(loaded_weights_detail(lm)), file=sys.stderr, flush=True)
         if loaded is None and _is_hf_dir(Path(ask.where)):
             raise UsageError(
