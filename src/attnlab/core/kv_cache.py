@@ -62,7 +62,7 @@ def quantize_int8(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """``x (..., D)`` as int8 ``q (..., D)`` and float32 ``scale (..., D / block)``: per block of ``block`` values,
     ``scale = max|x| / 127`` and ``q = round(x / scale)`` (an all-zero block: scale 0, q 0). The C++ decode step
     rounds the same way (``write_cache_row`` in quant/csrc/qmatmul.cpp)."""
-    xb = x.float().unflatten(-1, (-1, block))  # (..., D / block, block)
+    xb = x.float().reshape(*x.shape[:-1], -1, block)  # (..., D / block, block)
     scale = xb.abs().amax(-1) / 127.0  # (..., D / block)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (xb / safe[..., None]).round().clamp_(-127, 127).to(torch.int8)  # (..., D / block, block)
@@ -71,7 +71,7 @@ def quantize_int8(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
 
 def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``q (..., D)`` int8 times its ``scale (..., D / block)``, as ``dtype``."""
-    out = q.unflatten(-1, (scale.size(-1), -1)).float() * scale[..., None]  # (..., D / block, block)
+    out = q.reshape(*q.shape[:-1], scale.size(-1), -1).float() * scale[..., None]  # (..., D / block, block)
     return out.flatten(-2).to(dtype)
 
 
@@ -143,7 +143,14 @@ class KVCache(nn.Module):
         Dv = getattr(mha, "v_head_dim", D)
         storage = w.dtype if dtype is None else dtype
         return cls(
-            batch_size, max_len, int(G), int(D), v_head_dim=int(Dv), dtype=storage, compute_dtype=w.dtype, device=w.device
+            batch_size,
+            max_len,
+            int(G),
+            int(D),
+            v_head_dim=int(Dv),
+            dtype=storage,
+            compute_dtype=w.dtype,
+            device=w.device,
         )
 
     @property
@@ -324,15 +331,27 @@ class RollingKVCache(KVCache):
         )
 
     @classmethod
-    def for_module(cls, mha: nn.Module, batch_size: int, max_len: int | None = None) -> RollingKVCache:
-        """A cache of ``mha.window`` slots (``max_len`` is ignored: the window bounds it)."""
+    def for_module(
+        cls, mha: nn.Module, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | str | None = None
+    ) -> RollingKVCache:
+        """A cache of ``mha.window`` slots (``max_len`` is ignored: the window bounds it); ``dtype`` the storage."""
         window = getattr(mha, "window", None)
         if not isinstance(window, int):
             raise ValueError("RollingKVCache.for_module needs a module built with window=W (a sliding-window layer).")
         w = next(mha.parameters())
         G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009
         Dv = getattr(mha, "v_head_dim", D)
-        return cls(batch_size, window, int(G), int(D), v_head_dim=int(Dv), dtype=w.dtype, device=w.device)
+        storage = w.dtype if dtype is None else dtype
+        return cls(
+            batch_size,
+            window,
+            int(G),
+            int(D),
+            v_head_dim=int(Dv),
+            dtype=storage,
+            compute_dtype=w.dtype,
+            device=w.device,
+        )
 
     @property
     def window(self) -> int:
@@ -395,3 +414,25 @@ def decoder_positions(
     if positions is not None and positions.device != device:
         positions = positions.to(device)
     return positions, cache_positions
+
+
+# What ``--kv-dtype auto`` stores on a CPU where the fused C++ decode step reads the cache (SmolLM2 from its GGUF):
+# measured in scripts/bench_decode_attention.py and scripts/kv_cache_agreement.py (see resolve_kv_dtype).
+CPU_FUSED_KV_DTYPE: KVDtype = "int8"
+
+
+def resolve_kv_dtype(asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype") -> tuple[str | None, str]:
+    """``(storage, why)`` for a command's ``--kv-dtype``: a name of :data:`KV_DTYPES`, or None for the compute dtype.
+
+    ``auto``: on a CPU whose decode step is the fused C++ one (``fused``, it reads compact rows in their own bytes)
+    :data:`CPU_FUSED_KV_DTYPE`; elsewhere the dtype K/V are computed in, exact (a PyTorch path would only add a
+    dequantizing copy per step). Raises ``ValueError`` naming ``flag`` for anything else.
+    """
+    name = asked.strip().lower()
+    if name == "auto":
+        if fused and device.type == "cpu":
+            return CPU_FUSED_KV_DTYPE, f"{flag} auto on a CPU with the fused decode step (fewer bytes read per step)"
+        return None, f"{flag} auto: the compute dtype, exact (no compact-cache kernel on this path)"
+    if name not in KV_DTYPES:
+        raise ValueError(f"{flag} {asked!r} is not a KV-cache dtype; use auto, {', '.join(KV_DTYPES)}.")
+    return name, f"{flag} {name} asked for it"

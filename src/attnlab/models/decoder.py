@@ -201,9 +201,7 @@ class Decoder(nn.Module):
 
     # -- caches --------------------------------------------------------------------------------
 
-    def setup_caches(
-        self, batch_size: int, max_len: int, kv_dtype: torch.dtype | str | None = None
-    ) -> nn.ModuleList:
+    def setup_caches(self, batch_size: int, max_len: int, kv_dtype: torch.dtype | str | None = None) -> nn.ModuleList:
         """One :class:`KVCache` per block, ``(B, G, max_len, D)`` each, on the model's device and dtype (with latent
         attention one :class:`~attnlab.core.mla_cache.MLACache`, ``(B, max_len, kv_lora_rank + qk_rope_head_dim)``).
 

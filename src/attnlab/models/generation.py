@@ -342,6 +342,7 @@ def generate_steps(
     generator: torch.Generator | None = None,
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
+    kv_dtype: torch.dtype | str | None = None,
 ) -> Iterator[Step]:
     """An iterator of one :class:`Step` per new token; stops early once every row has emitted ``eos_token_id``.
 
@@ -370,6 +371,7 @@ def generate_steps(
         generator,
         key_padding_mask,
         compile,
+        kv_dtype,
     )
 
 
@@ -385,6 +387,7 @@ def _steps(
     generator: torch.Generator | None,
     key_padding_mask: Tensor | None,
     compile: bool,
+    kv_dtype: torch.dtype | str | None,
 ) -> Iterator[Step]:
     B, T = idx.shape
     device = idx.device
@@ -403,7 +406,8 @@ def _steps(
 
     with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
         if use_cache:
-            caches = model.setup_caches(B, S)
+            # kv_dtype only where asked: a CausalLM's setup_caches need not take it
+            caches = model.setup_caches(B, S) if kv_dtype is None else cast(Any, model).setup_caches(B, S, kv_dtype)
             logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
         else:
             seq = idx  # (B, T), grows by one column per step
@@ -454,6 +458,7 @@ def generate(
     generator: torch.Generator | None = None,
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
+    kv_dtype: torch.dtype | str | None = None,
 ) -> Tensor:
     """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
 
@@ -472,6 +477,9 @@ def generate(
         generator: a ``torch.Generator`` for sampling; a fixed seed reproduces the tokens.
         key_padding_mask: ``(B, T)`` bool, True = left padding of the prompt.
         compile: run the decode step under ``torch.compile(fullgraph=True)`` (cached path only).
+        kv_dtype: the KV cache's storage, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (see
+            :class:`attnlab.KVCache`); default the dtype K/V are computed in (exact). Passed to
+            ``model.setup_caches``.
     """
     steps = [
         s.tokens
@@ -487,6 +495,7 @@ def generate(
             generator=generator,
             key_padding_mask=key_padding_mask,
             compile=compile,
+            kv_dtype=kv_dtype,
         )
     ]
     if not steps:

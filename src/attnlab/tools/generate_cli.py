@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..core.kv_cache import resolve_kv_dtype
 from ..models.generation import Step, check_count, check_temperature, generate_steps, readable_int
 from ..runtime import INTERRUPTS, LimitError, UsageError, check_fits, check_range, keep, resolve_device
 from ..weight_files import pretrained
@@ -195,6 +196,8 @@ class _Ask:
     seed: int
     compile: bool
     dtype: str  # --dtype as typed (checked by parse_weights); choose_weights makes it a WeightChoice
+    kv_dtype: str = "auto"  # --kv-dtype as typed
+    kv_storage: str | None = None  # what the caches store, resolved once the model is loaded (None: compute dtype)
 
     def steps(self, lm: Any, ids: list[int], n: int, eos_token_id: int | None = None) -> Iterator[Step]:
         """``generate_steps`` after ``ids`` with these flags; its arguments (and the memory the K/V cache and the
@@ -217,7 +220,16 @@ class _Ask:
             eos_token_id=eos_token_id,
             generator=torch.Generator(device=self.device).manual_seed(self.seed),
             compile=self.compile,
+            kv_dtype=self.kv_storage,
         )
+
+    def with_kv_cache(self, lm: Any) -> tuple[_Ask, str]:
+        """These flags with ``--kv-dtype`` resolved for ``lm`` on this device, and the words the weights line adds."""
+        try:
+            storage, why = resolve_kv_dtype(self.kv_dtype, self.device, bool(getattr(lm, "has_fused_decode", False)))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return replace(self, kv_storage=storage), f"KV cache {storage or 'in the compute dtype'} ({why})"
 
 
 def generate_command(
@@ -233,6 +245,7 @@ def generate_command(
     device: str = "auto",
     dtype: str = "auto",
     compile: bool = False,
+    kv_dtype: str = "auto",
 ) -> int:
     """Print the prompt and its continuation, token by token, from a TinyGPT checkpoint or a pretrained model.
 
@@ -249,6 +262,7 @@ def generate_command(
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
         dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
         compile: compile the decode step with torch.compile(fullgraph=True): off by default, because a chat-length answer does not repay the compilation (SmolLM2 float32, 100 tokens on a 2-core CPU: 8.1 s eager, 97 s compiled of which 92 s compiling; then 15.3 against 9.8 tokens/s). With --chat, compiled once per cache size (a power of two >= 64) and reused by later turns. gguf weights are already fused and run as they are.
+        kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: int8 on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes), else the dtype K/V are computed in (exact). The weights line on stderr says which.
     """
     return run_generate(
         checkpoint=checkpoint,
@@ -263,6 +277,7 @@ def generate_command(
         device=device,
         dtype=dtype,
         compile=compile,
+        kv_dtype=kv_dtype,
     ).code
 
 
@@ -279,6 +294,7 @@ def run_generate(
     device: str = "auto",
     dtype: str = "auto",
     compile: bool = False,
+    kv_dtype: str = "auto",
 ) -> Generated:
     """:func:`generate_command` with what it measured: its exit code and each stream's rates (the demo prints them)."""
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed)
@@ -308,6 +324,7 @@ def run_generate(
         seed,
         compile,
         dtype,
+        kv_dtype,
     )
     if model is not None:
         kind = _pretrained(model)
@@ -370,7 +387,9 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
         lm, loaded = pretrained.from_pretrained(
             ask.where, dtype=weights.dtype, device=ask.device
         )  # UsageError naming what is wrong
-        print(weights.line(loaded_weights_detail(lm)), file=sys.stderr, flush=True)
+        ask, kv_words = ask.with_kv_cache(lm)
+        detail = ", ".join(part for part in (loaded_weights_detail(lm), kv_words) if part)
+        print(weights.line(detail), file=sys.stderr, flush=True)
         if loaded is None and _is_hf_dir(Path(ask.where)):
             raise UsageError(
                 f"--model {ask.where!r} has no tokenizer files (tokenizer.json, ...) to turn text into ids; save the "
@@ -395,8 +414,9 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
         weights = choose_weights(ask.dtype, task="generate", source=checkpoint, device=ask.device)
         lm, saved_tokenizer = load_checkpoint(checkpoint, device=ask.device)  # CheckpointError: names the file
         lm = lm.to(dtype=weights.dtype)
-        if weights.asked or weights.dtype != torch.float32:  # a lab checkpoint in float32 is what it always was
-            print(weights.line(), file=sys.stderr, flush=True)
+        ask, kv_words = ask.with_kv_cache(lm)
+        if weights.asked or weights.dtype != torch.float32 or ask.kv_storage:  # a float32 lab checkpoint as ever
+            print(weights.line(kv_words if ask.kv_storage else ""), file=sys.stderr, flush=True)
     if ask.chat:
         raise _no_chat_template(ask)
     return _generate_checkpoint(lm, saved_tokenizer, checkpoint, ask, out)
