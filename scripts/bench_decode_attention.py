@@ -31,22 +31,10 @@ import torch
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
-def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of ``dst.copy_(src)`` over a ``mib`` MiB float32 tensor, read + written, median."""
-    src = torch.randn(mib * 2**18)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.nbytes / statistics.median(times)
-
-
 def child(contexts: list[int], dtypes: list[str], steps: int) -> list[dict[str, object]]:
     """The rows of this process's attnlab (whatever ``import attnlab`` finds)."""
     import attnlab
+    from attnlab.bench.decode import copy_bandwidth  # reads + writes of a torch copy, best of 5
 
     model, _ = attnlab.from_pretrained("smollm2", dtype="gguf")
     assert model.has_fused_decode, "the fused C++ decode step did not load: nothing to time"
@@ -54,7 +42,7 @@ def child(contexts: list[int], dtypes: list[str], steps: int) -> list[dict[str, 
     G, D = a.n_kv_head, a.head_dim
     kernel = getattr(torch.ops.attnlab_quant, "decode_attention", None) if hasattr(torch.ops, "attnlab_quant") else None
     rows = []
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cpu"), megabytes=512)
     for ctx in contexts:
         for kv in dtypes:
             S = ctx + 1
