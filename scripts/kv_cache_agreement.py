@@ -7,6 +7,11 @@ per prompt, the index of the first new token that differs from the float32 cache
 totals: the share of the 64 x 20 positions before the first difference (strict) and the share of positions
 whose tokens are equal (positionwise). Writes them to ``--out`` as JSON.
 
+The control (``--control-threads N``, default 2): the float32 cache again with N threads instead of
+``--threads``. The split-K kernel then sums in another order, a float32 rounding change and nothing else; with
+the model's int8 activations such a change moves a logit by up to ~1 (tests/test_quant_models.py), so the
+control's agreement is the floor of what any change to the step can reach.
+
     python scripts/kv_cache_agreement.py [--out kv_cache_agreement.json] [--kv-dtypes int8 float16]
 """
 
@@ -52,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="kv_cache_agreement.json", help="where the JSON goes")
     p.add_argument("--kv-dtypes", nargs="+", default=["float16", "bfloat16", "int8"], help="compact caches to compare")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: no barrier waits on a busy CPU)")
+    p.add_argument("--control-threads", type=int, default=2, help="the control: float32 with this many threads")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     model, tok = attnlab.from_pretrained("smollm2", dtype="gguf")
     rows = []
     for text in PROMPTS:
@@ -65,27 +70,31 @@ def main(argv: list[str] | None = None) -> int:
         idx = torch.tensor([ids])  # (1, T)
         ref = attnlab.generate(model, idx, NEW, temperature=0)[0, len(ids) :].tolist()
         row: dict[str, object] = {"prompt": text, "float32": tok.decode(ref)}
-        for kv in args.kv_dtypes:
-            ours = attnlab.generate(model, idx, NEW, temperature=0, kv_dtype=kv)[0, len(ids) :].tolist()
+        for kv in ["control", *args.kv_dtypes]:
+            torch.set_num_threads(args.control_threads if kv == "control" else args.threads)
+            ours = attnlab.generate(model, idx, NEW, temperature=0, kv_dtype=None if kv == "control" else kv)
+            ours = ours[0, len(ids) :].tolist()
+            torch.set_num_threads(args.threads)
             row[kv] = {
                 "first_difference": first_difference(ours, ref),
                 "equal_positions": sum(a == b for a, b in zip(ours, ref, strict=True)),
                 "text": tok.decode(ours),
             }
         rows.append(row)
-        cells = " ".join(f"{row[kv]['first_difference']:>3}" for kv in args.kv_dtypes)  # type: ignore[index]
+        cells = " ".join(f"{row[kv]['first_difference']:>3}" for kv in ["control", *args.kv_dtypes])  # type: ignore[index]
         print(f"{cells}  {text}", flush=True)
     totals = {
         kv: {
             "strict": sum(r[kv]["first_difference"] for r in rows) / (NEW * len(rows)),  # type: ignore[index]
             "positionwise": sum(r[kv]["equal_positions"] for r in rows) / (NEW * len(rows)),  # type: ignore[index]
         }
-        for kv in args.kv_dtypes
+        for kv in ["control", *args.kv_dtypes]
     }
     report = {
         "cpu": cpu_info()["model"],
         "kernels": kernel_status().describe(),
-        "threads": torch.get_num_threads(),
+        "threads": args.threads,
+        "control_threads": args.control_threads,
         "new_tokens": NEW,
         "totals": totals,
         "rows": rows,

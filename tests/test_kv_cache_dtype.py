@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import KVCache, MultiHeadAttention
-from attnlab.core.kv_cache import INT8_BLOCK, dequantize_int8, quantize_int8
+from attnlab.core.kv_cache import INT8_BLOCK, RollingKVCache, dequantize_int8, quantize_int8
 from attnlab.quant.kernels import decode_attention, kernel_status
 
 KERNELS = kernel_status().available
@@ -116,6 +116,27 @@ def test_module_decode_through_a_compact_cache_equals_attention_over_its_rounded
         )  # (B, H, T, D)
         want = mha.out_proj(ref.transpose(1, 2).reshape(2, 9, 48))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_rolling_cache_of_a_compact_dtype_decodes_as_its_float32_twin(dtype):
+    # a sliding-window layer's rolling buffer rounds on write and reads back as KVCache does (prefill and decode)
+    torch.manual_seed(5)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, window=6).eval()
+    x = torch.randn(1, 30, 32)
+    outs = {}
+    for name in ("float32", dtype):
+        cache = RollingKVCache.for_module(m, 1, dtype=name)
+        with torch.no_grad():
+            steps = [m(x[:, :10], is_causal=True, kv_cache=cache, cache_positions=torch.arange(10))]
+            steps += [
+                m(x[:, t : t + 1], is_causal=True, kv_cache=cache, cache_positions=torch.tensor([t]))
+                for t in range(10, 30)
+            ]
+        outs[name] = torch.cat(steps, 1)
+        assert cache.k.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[name]
+    err = (outs[dtype] - outs["float32"]).abs().max() / outs["float32"].abs().max()
+    assert 0 < err <= INT8_OUTPUT_BOUND
 
 
 # -- the kernel ---------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ second scale costs 4 of a head's 72 bytes (SmolLM2, D = 64).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -338,20 +338,7 @@ class RollingKVCache(KVCache):
         window = getattr(mha, "window", None)
         if not isinstance(window, int):
             raise ValueError("RollingKVCache.for_module needs a module built with window=W (a sliding-window layer).")
-        w = next(mha.parameters())
-        G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009
-        Dv = getattr(mha, "v_head_dim", D)
-        storage = w.dtype if dtype is None else dtype
-        return cls(
-            batch_size,
-            window,
-            int(G),
-            int(D),
-            v_head_dim=int(Dv),
-            dtype=storage,
-            compute_dtype=w.dtype,
-            device=w.device,
-        )
+        return cast(RollingKVCache, super().for_module(mha, batch_size, window, dtype=dtype))
 
     @property
     def window(self) -> int:
