@@ -1141,6 +1141,67 @@ ATTNLAB_AVX512 void add_values_avx512(const float* p, const float* alpha, const 
   for (; c < D; c += 16) add_values_pass_avx512<HB, 1>(p, alpha, v, n, D, acc, c);
 }
 
+
+// The same two steps reading the cache rows where they lie: each 16 values converted in registers as they are
+// used (a buffer of converted rows costs a store and a load per value, and measured slower than float32 rows).
+template <int64_t KIND>
+ATTNLAB_AVX512 inline __m512 load16_avx512(const CacheRows& c, int64_t i, int64_t d) {
+  const int64_t at = i * c.D + d;
+  if constexpr (KIND == CACHE_F32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(c.data) + at);
+  } else if constexpr (KIND == CACHE_F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(c.data) + at)));
+  } else if constexpr (KIND == CACHE_BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(c.data) + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(c.data) + at));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[i * (c.D / c.qb) + d / c.qb]));
+  }
+}
+
+template <int HB, int64_t KIND>
+ATTNLAB_AVX512 void scores_rows_avx512(const float* q, const CacheRows& k, int64_t n, int64_t D, float* s) {
+  __m512 part[HB][kKeys];
+  for (int64_t i = 0; i < kKeys; ++i) {
+    __m512 a[HB];
+    for (int h = 0; h < HB; ++h) a[h] = _mm512_setzero_ps();
+    if (i < n)
+      for (int64_t c = 0; c < D; c += 16) {
+        const __m512 kv = load16_avx512<KIND>(k, i, c);
+        for (int h = 0; h < HB; ++h) a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c), kv, a[h]);
+      }
+    for (int h = 0; h < HB; ++h) part[h][i] = a[h];
+  }
+  for (int h = 0; h < HB; ++h) _mm512_storeu_ps(s + h * kKeys, sum16_avx512(part[h]));
+}
+
+template <int HB, int CW, int64_t KIND>
+ATTNLAB_AVX512 inline void add_rows_pass_avx512(const float* p, const float* alpha, const CacheRows& v, int64_t n,
+                                                int64_t D, float* acc, int64_t c) {
+  __m512 a[HB][CW];
+  for (int h = 0; h < HB; ++h)
+    for (int w = 0; w < CW; ++w) a[h][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c + 16 * w), _mm512_set1_ps(alpha[h]));
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 vv[CW];
+    for (int w = 0; w < CW; ++w) vv[w] = load16_avx512<KIND>(v, i, c + 16 * w);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 e = _mm512_set1_ps(p[h * kKeys + i]);
+      for (int w = 0; w < CW; ++w) a[h][w] = _mm512_fmadd_ps(e, vv[w], a[h][w]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int w = 0; w < CW; ++w) _mm512_storeu_ps(acc + h * D + c + 16 * w, a[h][w]);
+}
+
+template <int HB, int64_t KIND>
+ATTNLAB_AVX512 void add_rows_avx512(const float* p, const float* alpha, const CacheRows& v, int64_t n, int64_t D,
+                                    float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) add_rows_pass_avx512<HB, 4, KIND>(p, alpha, v, n, D, acc, c);
+  for (; c < D; c += 16) add_rows_pass_avx512<HB, 1, KIND>(p, alpha, v, n, D, acc, c);
+}
+
 // ---- AVX2 ----------------------------------------------------------------------------------------------------
 
 ATTNLAB_AVX2 void rows_to_float_avx2(const CacheRows& c, int64_t n, float* out) {
@@ -1254,22 +1315,40 @@ ATTNLAB_AVX2 void add_values_avx2(const float* p, const float* alpha, const floa
 
 using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
 using ValuesFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*);
+using ScoresRowsFn = void (*)(const float*, const CacheRows&, int64_t, int64_t, float*);
+using ValuesRowsFn = void (*)(const float*, const float*, const CacheRows&, int64_t, int64_t, float*);
 
 struct AttnOps {
   void (*to_float)(const CacheRows&, int64_t, float*);
   ScoresFn scores[kHeadsMax];  // [HB - 1]
   float (*softmax)(float*, int64_t, const bool*, float&, float&);
   ValuesFn values[kHeadsMax];
+  ScoresRowsFn scores_rows[kHeadsMax] = {};  // AVX-512: the cache's rows read in place (then to_float is unused)
+  ValuesRowsFn values_rows[kHeadsMax] = {};
 };
 
+template <int64_t KIND>
+AttnOps avx512_rows_ops() {
+  return {rows_to_float_avx512,
+          {scores_avx512<1>, scores_avx512<2>, scores_avx512<3>, scores_avx512<4>},
+          softmax_block_avx512,
+          {add_values_avx512<1>, add_values_avx512<2>, add_values_avx512<3>, add_values_avx512<4>},
+          {scores_rows_avx512<1, KIND>, scores_rows_avx512<2, KIND>, scores_rows_avx512<3, KIND>,
+           scores_rows_avx512<4, KIND>},
+          {add_rows_avx512<1, KIND>, add_rows_avx512<2, KIND>, add_rows_avx512<3, KIND>, add_rows_avx512<4, KIND>}};
+}
+
 // The vector paths need D a multiple of 16 (and int8 scale blocks of 16s); any other shape runs plain C++.
-AttnOps attn_ops(int64_t isa, int64_t D, int64_t qb) {
+AttnOps attn_ops(int64_t isa, int64_t D, int64_t qb, int64_t kind) {
   const bool fits = D % 16 == 0 && qb % 16 == 0;
-  if (isa >= AVX512 && fits)
-    return {rows_to_float_avx512,
-            {scores_avx512<1>, scores_avx512<2>, scores_avx512<3>, scores_avx512<4>},
-            softmax_block_avx512,
-            {add_values_avx512<1>, add_values_avx512<2>, add_values_avx512<3>, add_values_avx512<4>}};
+  if (isa >= AVX512 && fits) {
+    switch (kind) {
+      case CACHE_F16: return avx512_rows_ops<CACHE_F16>();
+      case CACHE_BF16: return avx512_rows_ops<CACHE_BF16>();
+      case CACHE_I8: return avx512_rows_ops<CACHE_I8>();
+      default: return avx512_rows_ops<CACHE_F32>();
+    }
+  }
   if (isa >= AVX2 && fits)
     return {rows_to_float_avx2,
             {scores_avx2<1>, scores_avx2<2>, scores_avx2<3>, scores_avx2<4>},
@@ -1296,13 +1375,19 @@ void attend_range(const AttnOps& ops, const float* q, int64_t rep, const CacheRo
   for (int64_t j = j0; j < j1; j += kKeys) {
     const int64_t n = std::min(kKeys, j1 - j);
     const CacheRows kr = K.at(j), vr = V.at(j);
-    const float* kp = kr.kind == CACHE_F32 ? reinterpret_cast<const float*>(kr.data) : (ops.to_float(kr, n, kb), kb);
-    for (int64_t h0 = 0; h0 < rep; h0 += kHeadsMax)
-      ops.scores[std::min<int64_t>(kHeadsMax, rep - h0) - 1](q + h0 * D, kp, n, D, s + h0 * kKeys);
+    const bool in_place = ops.scores_rows[0] != nullptr;
+    const float* kp = in_place || kr.kind == CACHE_F32 ? reinterpret_cast<const float*>(kr.data) : (ops.to_float(kr, n, kb), kb);
+    for (int64_t h0 = 0; h0 < rep; h0 += kHeadsMax) {
+      const int64_t hb = std::min<int64_t>(kHeadsMax, rep - h0) - 1;
+      in_place ? ops.scores_rows[hb](q + h0 * D, kr, n, D, s + h0 * kKeys) : ops.scores[hb](q + h0 * D, kp, n, D, s + h0 * kKeys);
+    }
     for (int64_t h = 0; h < rep; ++h) alpha[h] = ops.softmax(s + h * kKeys, n, pad ? pad + j : nullptr, m[h], l[h]);
-    const float* vp = vr.kind == CACHE_F32 ? reinterpret_cast<const float*>(vr.data) : (ops.to_float(vr, n, vb), vb);
-    for (int64_t h0 = 0; h0 < rep; h0 += kHeadsMax)
-      ops.values[std::min<int64_t>(kHeadsMax, rep - h0) - 1](s + h0 * kKeys, alpha + h0, vp, n, D, acc + h0 * D);
+    const float* vp = in_place || vr.kind == CACHE_F32 ? reinterpret_cast<const float*>(vr.data) : (ops.to_float(vr, n, vb), vb);
+    for (int64_t h0 = 0; h0 < rep; h0 += kHeadsMax) {
+      const int64_t hb = std::min<int64_t>(kHeadsMax, rep - h0) - 1;
+      in_place ? ops.values_rows[hb](s + h0 * kKeys, alpha + h0, vr, n, D, acc + h0 * D)
+               : ops.values[hb](s + h0 * kKeys, alpha + h0, vp, n, D, acc + h0 * D);
+    }
   }
 }
 
@@ -1417,7 +1502,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t level = resolve_isa(isa), rep = H / G, heads = B * H;
   const at::Tensor* ks = k_scale.has_value() ? &*k_scale : nullptr;
   const at::Tensor* vs = v_scale.has_value() ? &*v_scale : nullptr;
-  const AttnOps ops = attn_ops(level, D, cache_rows(k, ks, 0, 0).qb);
+  const AttnOps ops = attn_ops(level, D, cache_rows(k, ks, 0, 0).qb, cache_kind(k.scalar_type()));
   const int threads = std::max(1, at::get_num_threads());
   std::vector<float> pm(threads * heads), pl(threads * heads), pacc(threads * heads * D);
   int used = 1;
@@ -1497,7 +1582,7 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t level = resolve_tile_isa(isa);
   const int64_t qb = cache_rows(k_caches[0], int8_cache ? &k_scales[0] : nullptr, 0, 0).qb;
-  const AttnOps attend = attn_ops(level == TILES_SCALAR ? SCALAR : best_isa(), D, qb);
+  const AttnOps attend = attn_ops(level == TILES_SCALAR ? SCALAR : best_isa(), D, qb, cache_kind(k_caches[0].scalar_type()));
   const auto rows_of = [&](int64_t i) { return weights[i].size(0); };  // padded to 16
   const int64_t ldqkv = rows_of(1), ldo = rows_of(2), ldgu = rows_of(4), lddn = rows_of(5), ldv = rows_of(6 * L + 1);
   for (int64_t l = 0; l < L; ++l)
