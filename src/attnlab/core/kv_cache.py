@@ -242,8 +242,8 @@ class KVCache(nn.Module):
             if scales is not None:
                 q, sc = quantize_int8(x, x.size(-1) // scales.size(-1))  # (B, G, T, D), (B, G, T, D / block)
                 parts = [(buf, q), (scales, sc)]
-            else:
-                parts = [(buf, x.to(buf.dtype))]
+            else:  # no .to() where the dtypes agree: a traced decode step stays the ops it was
+                parts = [(buf, x if x.dtype == buf.dtype else x.to(buf.dtype))]
             for dst, src in parts:
                 if isinstance(slots, slice):
                     dst[:, :, slots] = src
@@ -258,7 +258,7 @@ class KVCache(nn.Module):
             part = buf if end is None else buf[:, :, :end]
             if scales is not None:
                 part = dequantize_int8(part, scales if end is None else scales[:, :, :end], self.compute_dtype)
-            out.append(part.to(self.compute_dtype))
+            out.append(part if part.dtype == self.compute_dtype else part.to(self.compute_dtype))
         return out[0], out[1]
 
     def prepare_positions(self, cache_positions: Tensor) -> Tensor:
