@@ -1,7 +1,7 @@
 """The decode step of SmolLM2 (its GGUF, the fused C++ step) at long contexts, per KV-cache dtype, against a baseline.
 
 For each context (default 512, 2048, 7000, 8192) and cache dtype (float32, float16, bfloat16, int8) the caches are
-filled with random keys and values (the step's cost does not depend on them) and the step at slot ``context``
+filled with random keys and values (the step's cost does not depend on them) and the step at slot ``context - 1``
 is timed, repeated (median). Per row: the step in ms, the bytes it reads (weights as held + the cache's filled
 slots), the rate that makes, and its share of the copy bandwidth measured in the same process (a 512 MiB torch
 copy; bytes read + written over time, median of 5). The attention alone (the kernel over the 30 layers'
@@ -58,22 +58,22 @@ def child(contexts: list[int], dtypes: list[str], steps: int) -> list[dict[str, 
     cpu_bandwidth = cpu_copy_bandwidth()
     for ctx in contexts:
         for kv in dtypes:
-            S = ctx + 1
+            S = ctx  # slots 0..ctx-2 filled, the step writes slot ctx-1 and attends over all ctx
             caches = model.setup_caches(1, S) if kv == "float32" else model.setup_caches(1, S, kv)
             gen = torch.Generator().manual_seed(0)
             for c in caches:
-                c.update(torch.randn(1, G, ctx, D, generator=gen), torch.randn(1, G, ctx, D, generator=gen))
-            idx, pos = torch.tensor([[17]]), torch.tensor([[ctx]])
+                c.update(torch.randn(1, G, ctx - 1, D, generator=gen), torch.randn(1, G, ctx - 1, D, generator=gen))
+            idx, pos = torch.tensor([[17]]), torch.tensor([[ctx - 1]])
             times, cpu = [], []
             with torch.no_grad():
                 for _ in range(steps + 1):  # the first warms up
                     t0, c0 = time.perf_counter(), time.process_time()
-                    model(idx, positions=pos, caches=caches, cache_positions=torch.tensor([ctx]), only_last=True)
+                    model(idx, positions=pos, caches=caches, cache_positions=torch.tensor([ctx - 1]), only_last=True)
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
             step = statistics.median(times[1:])
             step_cpu = statistics.median(cpu[1:])
-            cache_bytes = sum(c.bytes_per_token for c in caches) * S  # the step reads slots 0..ctx
+            cache_bytes = sum(c.bytes_per_token for c in caches) * S  # the step reads slots 0..ctx-1
             read = model.weight_bytes() + cache_bytes
             row: dict[str, object] = {
                 "context": ctx,
