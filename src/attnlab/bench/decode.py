@@ -164,7 +164,7 @@ def bench_decode(
             decode_mla.json and decode_mla.md. Takes --mla-config.*, --repeats, --threads, --device, --dtype,
             --out-dir and --seed.
         mla_config: with --mla, the models and cache lengths.
-        kv_dtype: with --model, what the gguf runner's KV cache stores: auto (int8 on a CPU with the fused
+        kv_dtype: with --model, what the gguf runner's KV cache stores: auto (float16 on a CPU with the fused
             decode step), float32, float16, bfloat16 or int8 (see attnlab generate --kv-dtype).
     """
     try:

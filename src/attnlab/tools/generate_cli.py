@@ -224,12 +224,13 @@ class _Ask:
         )
 
     def with_kv_cache(self, lm: Any) -> tuple[_Ask, str]:
-        """These flags with ``--kv-dtype`` resolved for ``lm`` on this device, and the words the weights line adds."""
+        """These flags with ``--kv-dtype`` resolved for ``lm`` on this device, and the words the weights line adds
+        (none for a cache in the compute dtype: the exact cache says nothing, as before the flag)."""
         try:
             storage, why = resolve_kv_dtype(self.kv_dtype, self.device, bool(getattr(lm, "has_fused_decode", False)))
         except ValueError as err:
             raise UsageError(str(err)) from None
-        return replace(self, kv_storage=storage), f"KV cache {storage or 'in the compute dtype'} ({why})"
+        return replace(self, kv_storage=storage), f"KV cache {storage} ({why})" if storage else ""
 
 
 def generate_command(
@@ -262,7 +263,7 @@ def generate_command(
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
         dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
         compile: compile the decode step with torch.compile(fullgraph=True): off by default, because a chat-length answer does not repay the compilation (SmolLM2 float32, 100 tokens on a 2-core CPU: 8.1 s eager, 97 s compiled of which 92 s compiling; then 15.3 against 9.8 tokens/s). With --chat, compiled once per cache size (a power of two >= 64) and reused by later turns. gguf weights are already fused and run as they are.
-        kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: int8 on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes), else the dtype K/V are computed in (exact). The weights line on stderr says which.
+        kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: float16 on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes; measured faster than float32 and int8 there), else the dtype K/V are computed in (exact). The weights line on stderr says which.
     """
     return run_generate(
         checkpoint=checkpoint,
@@ -415,8 +416,8 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
         lm, saved_tokenizer = load_checkpoint(checkpoint, device=ask.device)  # CheckpointError: names the file
         lm = lm.to(dtype=weights.dtype)
         ask, kv_words = ask.with_kv_cache(lm)
-        if weights.asked or weights.dtype != torch.float32 or ask.kv_storage:  # a float32 lab checkpoint as ever
-            print(weights.line(kv_words if ask.kv_storage else ""), file=sys.stderr, flush=True)
+        if weights.asked or weights.dtype != torch.float32 or kv_words:  # a float32 lab checkpoint as ever
+            print(weights.line(kv_words), file=sys.stderr, flush=True)
     if ask.chat:
         raise _no_chat_template(ask)
     return _generate_checkpoint(lm, saved_tokenizer, checkpoint, ask, out)
