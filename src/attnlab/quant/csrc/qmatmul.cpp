@@ -1021,31 +1021,6 @@ void add_values_scalar(const float* p, const float* alpha, const float* v, int64
 
 // ---- AVX-512 -----------------------------------------------------------------------------------------------
 
-ATTNLAB_AVX512 void rows_to_float_avx512(const CacheRows& c, int64_t n, float* out) {
-  const int64_t D = c.D;
-  if (c.kind == CACHE_F16) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data);
-    for (int64_t i = 0; i < n * D; i += 16)
-      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))));
-  } else if (c.kind == CACHE_BF16) {  // bfloat16 is the top half of a float32
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data);
-    for (int64_t i = 0; i < n * D; i += 16) {
-      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
-  } else if (c.kind == CACHE_I8) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(c.data);
-    const int64_t per_row = D / c.qb;
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * D + d))));
-        _mm512_storeu_ps(out + i * D + d, _mm512_mul_ps(x, _mm512_set1_ps(c.scale[i * per_row + d / c.qb])));
-      }
-  } else {
-    rows_to_float_scalar(c, n, out);
-  }
-}
-
 // Lane j of the result = the sum of the 16 lanes of v[j]: a transposing tree of 15 adds for 16 sums.
 ATTNLAB_AVX512 inline __m512 sum16_avx512(const __m512* v) {
   __m512 x[8], y[4];
@@ -1061,22 +1036,6 @@ ATTNLAB_AVX512 inline __m512 sum16_avx512(const __m512* v) {
                                    _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-template <int HB>
-ATTNLAB_AVX512 void scores_avx512(const float* q, const float* k, int64_t n, int64_t D, float* s) {
-  __m512 part[HB][kKeys];
-  for (int64_t i = 0; i < kKeys; ++i) {
-    __m512 a[HB];
-    for (int h = 0; h < HB; ++h) a[h] = _mm512_setzero_ps();
-    if (i < n)
-      for (int64_t c = 0; c < D; c += 16) {
-        const __m512 kv = _mm512_loadu_ps(k + i * D + c);
-        for (int h = 0; h < HB; ++h) a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c), kv, a[h]);
-      }
-    for (int h = 0; h < HB; ++h) part[h][i] = a[h];
-  }
-  for (int h = 0; h < HB; ++h) _mm512_storeu_ps(s + h * kKeys, sum16_avx512(part[h]));
 }
 
 // exp(x) on 16 lanes, x <= 0 (a score minus the running max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7
@@ -1114,36 +1073,11 @@ ATTNLAB_AVX512 float softmax_block_avx512(float* s, int64_t n, const bool* pad, 
   return alpha;
 }
 
-// acc (HB, D) = alpha * acc + p (HB, kKeys) @ v (n, D): CW chunks of 16 columns of every head in registers per pass.
-template <int HB, int CW>
-ATTNLAB_AVX512 inline void add_values_pass_avx512(const float* p, const float* alpha, const float* v, int64_t n,
-                                                  int64_t D, float* acc, int64_t c) {
-  __m512 a[HB][CW];
-  for (int h = 0; h < HB; ++h)
-    for (int w = 0; w < CW; ++w) a[h][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c + 16 * w), _mm512_set1_ps(alpha[h]));
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 vv[CW];
-    for (int w = 0; w < CW; ++w) vv[w] = _mm512_loadu_ps(v + i * D + c + 16 * w);
-    for (int h = 0; h < HB; ++h) {
-      const __m512 e = _mm512_set1_ps(p[h * kKeys + i]);
-      for (int w = 0; w < CW; ++w) a[h][w] = _mm512_fmadd_ps(e, vv[w], a[h][w]);
-    }
-  }
-  for (int h = 0; h < HB; ++h)
-    for (int w = 0; w < CW; ++w) _mm512_storeu_ps(acc + h * D + c + 16 * w, a[h][w]);
-}
 
-template <int HB>
-ATTNLAB_AVX512 void add_values_avx512(const float* p, const float* alpha, const float* v, int64_t n, int64_t D,
-                                      float* acc) {
-  int64_t c = 0;
-  for (; c + 64 <= D; c += 64) add_values_pass_avx512<HB, 4>(p, alpha, v, n, D, acc, c);
-  for (; c < D; c += 16) add_values_pass_avx512<HB, 1>(p, alpha, v, n, D, acc, c);
-}
-
-
-// The same two steps reading the cache rows where they lie: each 16 values converted in registers as they are
-// used (a buffer of converted rows costs a store and a load per value, and measured slower than float32 rows).
+// The scores and the values read the cache rows where they lie: each 16 values converted in registers as they
+// are used (converting a block into a buffer first cost a store and a load per value, and measured slower over
+// float16 than over float32 rows). add_rows: acc (HB, D) = alpha * acc + p (HB, kKeys) @ v (n, D), CW chunks of
+// 16 columns of every head held in registers per pass.
 template <int64_t KIND>
 ATTNLAB_AVX512 inline __m512 load16_avx512(const CacheRows& c, int64_t i, int64_t d) {
   const int64_t at = i * c.D + d;
@@ -1319,23 +1253,25 @@ using ScoresRowsFn = void (*)(const float*, const CacheRows&, int64_t, int64_t, 
 using ValuesRowsFn = void (*)(const float*, const float*, const CacheRows&, int64_t, int64_t, float*);
 
 struct AttnOps {
-  void (*to_float)(const CacheRows&, int64_t, float*);
-  ScoresFn scores[kHeadsMax];  // [HB - 1]
-  float (*softmax)(float*, int64_t, const bool*, float&, float&);
-  ValuesFn values[kHeadsMax];
-  ScoresRowsFn scores_rows[kHeadsMax] = {};  // AVX-512: the cache's rows read in place (then to_float is unused)
+  void (*to_float)(const CacheRows&, int64_t, float*) = nullptr;
+  ScoresFn scores[kHeadsMax] = {};  // [HB - 1]
+  float (*softmax)(float*, int64_t, const bool*, float&, float&) = nullptr;
+  ValuesFn values[kHeadsMax] = {};
+  ScoresRowsFn scores_rows[kHeadsMax] = {};  // AVX-512: the cache's rows read in place, in place of the three above
   ValuesRowsFn values_rows[kHeadsMax] = {};
 };
 
 template <int64_t KIND>
 AttnOps avx512_rows_ops() {
-  return {rows_to_float_avx512,
-          {scores_avx512<1>, scores_avx512<2>, scores_avx512<3>, scores_avx512<4>},
-          softmax_block_avx512,
-          {add_values_avx512<1>, add_values_avx512<2>, add_values_avx512<3>, add_values_avx512<4>},
-          {scores_rows_avx512<1, KIND>, scores_rows_avx512<2, KIND>, scores_rows_avx512<3, KIND>,
-           scores_rows_avx512<4, KIND>},
-          {add_rows_avx512<1, KIND>, add_rows_avx512<2, KIND>, add_rows_avx512<3, KIND>, add_rows_avx512<4, KIND>}};
+  AttnOps ops;
+  ops.softmax = softmax_block_avx512;
+  const ScoresRowsFn scores[kHeadsMax] = {scores_rows_avx512<1, KIND>, scores_rows_avx512<2, KIND>,
+                                          scores_rows_avx512<3, KIND>, scores_rows_avx512<4, KIND>};
+  const ValuesRowsFn values[kHeadsMax] = {add_rows_avx512<1, KIND>, add_rows_avx512<2, KIND>, add_rows_avx512<3, KIND>,
+                                          add_rows_avx512<4, KIND>};
+  std::copy(scores, scores + kHeadsMax, ops.scores_rows);
+  std::copy(values, values + kHeadsMax, ops.values_rows);
+  return ops;
 }
 
 // The vector paths need D a multiple of 16 (and int8 scale blocks of 16s); any other shape runs plain C++.
