@@ -10,7 +10,9 @@ whose tokens are equal (positionwise). Writes them to ``--out`` as JSON.
 The control (``--control-threads N``, default 2): the float32 cache again with N threads instead of
 ``--threads``. The split-K kernel then sums in another order, a float32 rounding change and nothing else; with
 the model's int8 activations such a change moves a logit by up to ~1 (tests/test_quant_models.py), so the
-control's agreement is the floor of what any change to the step can reach.
+control's agreement is the floor of what any change to the step can reach. ``--weights float32`` runs the
+float32 model dequantized from the same file instead (the PyTorch path, float32 activations; the cache is read
+back dequantized): the cache's own effect, without the int8 activations' sensitivity.
 
     python scripts/kv_cache_agreement.py [--out kv_cache_agreement.json] [--kv-dtypes int8 float16]
 """
@@ -57,11 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="kv_cache_agreement.json", help="where the JSON goes")
     p.add_argument("--kv-dtypes", nargs="+", default=["float16", "bfloat16", "int8"], help="compact caches to compare")
+    p.add_argument("--weights", default="gguf", choices=["gguf", "float32"], help="the model's weights")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: no barrier waits on a busy CPU)")
     p.add_argument("--control-threads", type=int, default=2, help="the control: float32 with this many threads")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = attnlab.from_pretrained("smollm2", dtype="gguf")
+    model, tok = attnlab.from_pretrained("smollm2", dtype=args.weights)
     rows = []
     for text in PROMPTS:
         ids = tok.apply_chat_template(
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "cpu": cpu_info()["model"],
         "kernels": kernel_status().describe(),
+        "weights": args.weights,
         "threads": args.threads,
         "control_threads": args.control_threads,
         "new_tokens": NEW,
