@@ -16,6 +16,7 @@ import torch
 
 import attnlab
 from attnlab.cli import main
+from attnlab.core.kv_cache import CPU_FUSED_KV_DTYPE, resolve_kv_dtype
 from attnlab.runtime import UsageError
 from attnlab.tools import generate_cli
 from attnlab.weight_files import precision, pretrained
@@ -224,6 +225,7 @@ def test_generate_chat_runs_the_blocks_as_stored_by_default_and_says_why(served,
     assert served == ["gguf"]
     assert re.match(r"attnlab: weights gguf \((Q\d_\d)( and Q\d_\d)* blocks as stored, ", line), line
     assert "generate's default for a GGUF file on a CPU: the model the file holds, as llama.cpp runs it" in line
+    assert f"KV cache {CPU_FUSED_KV_DTYPE} (--kv-dtype auto on a CPU with the fused decode step" in line
 
 
 def test_generate_dtype_flag_loads_what_it_names(served, capsys):
@@ -245,7 +247,8 @@ def test_a_greedy_chat_answer_is_the_same_through_the_cli_and_the_api(served, ca
     model, tok = gguf_smollm2 if dtype == "gguf" else attnlab_smollm2()
     chat = [{"role": "user", "content": QUESTION}]
     idx = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
-    out = attnlab.generate(model, idx, 24, temperature=0, eos_token_id=tok.eos_token_id)
+    kv, _ = resolve_kv_dtype("auto", torch.device("cpu"), model.has_fused_decode)  # the CLI's default KV cache
+    out = attnlab.generate(model, idx, 24, temperature=0, eos_token_id=tok.eos_token_id, kv_dtype=kv)
     assert printed == tok.decode(out[0, idx.size(1) :], skip_special_tokens=True) + "\n"
     assert "attention" in printed.lower()
 

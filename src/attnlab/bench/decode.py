@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from ..core.kv_cache import resolve_kv_dtype
 from ..models.generation import generate
 from ..models.gpt import GPTConfig, TinyGPT
 from ..runtime import (
@@ -125,6 +126,7 @@ def bench_decode(
     mla: bool = False,
     mla_config: MLABenchConfig = DEFAULT_MLA_CONFIG,
     llama_python: str | None = None,
+    kv_dtype: str = "auto",
 ) -> int:
     """Measure greedy decode ms/token and tokens/s per context length; print a table, write JSON and Markdown.
 
@@ -173,7 +175,15 @@ def bench_decode(
             decode_mla.json and decode_mla.md. Takes --mla-config.*, --repeats, --threads, --device, --dtype,
             --out-dir and --seed.
         mla_config: with --mla, the models and cache lengths.
+        kv_dtype: with --model, what the gguf runner's KV cache stores: auto (float16 on a CPU with the fused
+            decode step), float32, float16, bfloat16 or int8 (see attnlab generate --kv-dtype).
     """
+    try:
+        resolve_kv_dtype(kv_dtype, torch.device("cpu"), fused=False)  # the name, checked before anything runs
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if kv_dtype != "auto" and model is None:
+        raise UsageError(f"--kv-dtype {kv_dtype} sets the gguf runner's KV cache; pass it with --model (e.g. smollm2).")
     if prompt_lengths:
         if model is None:
             raise UsageError("--prompt-lengths measures a GGUF model against llama.cpp: pass --model smollm2 with it.")
@@ -212,7 +222,7 @@ def bench_decode(
     if model is not None:
         return _bench_model_command(
             model, batch_sizes, prompt_len, contexts, max_new_tokens, recompute_max_new_tokens, repeats,
-            num_layers, num_heads, embed_dim, vocab_size, hf, compile, device, dtype, threads, out_dir, seed,
+            num_layers, num_heads, embed_dim, vocab_size, hf, compile, device, dtype, threads, out_dir, seed, kv_dtype,
         )  # fmt: skip
     if batch_sizes != (1, 8) or prompt_len != 32:
         raise UsageError(
@@ -374,6 +384,7 @@ def _bench_model_command(
     threads: int | None,
     out_dir: Path,
     seed: int,
+    kv_dtype: str = "auto",
 ) -> int:
     """``--model``: every flag checked, then :func:`bench_decode_model`."""
     sweep_only = {
@@ -409,7 +420,19 @@ def _bench_model_command(
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     return bench_decode_model(
-        source, batch_sizes, dtypes, prompt_len, new, repeats, hf, compile, dev, out, seed, weights=why
+        source,
+        batch_sizes,
+        dtypes,
+        prompt_len,
+        new,
+        repeats,
+        hf,
+        compile,
+        dev,
+        out,
+        seed,
+        weights=why,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -594,6 +617,7 @@ def bench_decode_model(
     out_dir: Path,
     seed: int,
     weights: str = "",
+    kv_dtype: str = "auto",
 ) -> int:
     """``bench-decode --model``: decode tokens/s, prefill tokens/s and bandwidth fraction per batch and dtype.
 
@@ -619,6 +643,9 @@ def bench_decode_model(
     extra: dict[str, Any] = {}
     if gguf_path is not None:
         extra["gguf_model"], _ = from_pretrained(gguf_path, dtype="gguf", device=device)
+        storage, kv_why = resolve_kv_dtype(kv_dtype, device, extra["gguf_model"].has_fused_decode)
+        extra["gguf_kv_dtype"] = storage
+        print(wrap(f"gguf runner: KV cache {storage or 'in the compute dtype'} ({kv_why})", width), flush=True)
         missing = _llama_cpp_available()
         if missing is None:
             n_ctx = prompt_len + max_new_tokens + 8
@@ -824,7 +851,7 @@ def _measure_model_row(
         runners["attnlab compiled"] = partial(generate, model, temperature=0, compile=True)
     gguf_model = extra.get("gguf_model")
     if gguf_model is not None:
-        runners["attnlab gguf"] = partial(generate, gguf_model, temperature=0)
+        runners["attnlab gguf"] = partial(generate, gguf_model, temperature=0, kv_dtype=extra.get("gguf_kv_dtype"))
     if hf_model is not None:
         runners["HF default"] = _hf_runner(hf_model, best=False)
         if compile:

@@ -14,12 +14,65 @@ buffer's contents:
   leaves ``length`` alone there (set it yourself if you mix the modes). The positions may be on
   any device, int64 or int32: :meth:`KVCache.prepare_positions` checks them where that is free
   (on the CPU) and moves them to the buffers.
+
+The buffers may hold fewer bytes than the keys and values computed (``dtype=``, see :data:`KV_DTYPES`):
+float16 or bfloat16 (2 bytes a value), or ``"int8"``: symmetric int8 with one float32 scale per block of
+:data:`INT8_BLOCK` = 32 values of a token's head (GGML's Q8_0 layout; 1.125 bytes a value). Writes round
+(:func:`quantize_int8`), reads give the keys and values back in the compute dtype (``compute_dtype``), so
+every PyTorch attention path reads the same numbers the C++ decode kernel reads from the compact rows.
+Why a scale per block of 32 and not per token-head: one outlying channel (RoPE'd keys have a few large
+ones) then coarsens only its block, and it is the layout llama.cpp's ``-ctk q8_0`` and its kernels use; the
+second scale costs 4 of a head's 72 bytes (SmolLM2, D = 64).
 """
 
 from __future__ import annotations
 
+from typing import Literal, cast
+
 import torch
 from torch import Tensor, nn
+
+KVDtype = Literal["float32", "float16", "bfloat16", "int8"]
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}  # a cache's storage: the name users pass (``--kv-dtype``) and the buffers' dtype
+INT8_BLOCK = 32  # values of one token's head per int8 scale (GGML's Q8_0 block)
+
+
+def kv_storage_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The buffers' dtype for a ``KVCache(dtype=...)``: a name of :data:`KV_DTYPES` or a float / int8 torch dtype."""
+    if isinstance(dtype, str) and dtype in KV_DTYPES:
+        return KV_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype == torch.int8):
+        return dtype
+    raise ValueError(
+        f"KVCache dtype={dtype!r} is not a cache storage; expected one of {sorted(KV_DTYPES)} (or a float torch dtype)."
+    )
+
+
+def int8_block(head_dim: int) -> int:
+    """Values per int8 scale for a head of ``head_dim``: :data:`INT8_BLOCK`, or the whole head when it does not divide."""
+    return INT8_BLOCK if head_dim % INT8_BLOCK == 0 else head_dim
+
+
+def quantize_int8(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``x (..., D)`` as int8 ``q (..., D)`` and float32 ``scale (..., D / block)``: per block of ``block`` values,
+    ``scale = max|x| / 127`` and ``q = round(x / scale)`` (an all-zero block: scale 0, q 0). The C++ decode step
+    rounds the same way (``write_cache_row`` in quant/csrc/qmatmul.cpp)."""
+    xb = x.float().reshape(*x.shape[:-1], -1, block)  # (..., D / block, block)
+    scale = xb.abs().amax(-1) / 127.0  # (..., D / block)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (xb / safe[..., None]).round().clamp_(-127, 127).to(torch.int8)  # (..., D / block, block)
+    return q.flatten(-2), scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``q (..., D)`` int8 times its ``scale (..., D / block)``, as ``dtype``."""
+    out = q.reshape(*q.shape[:-1], scale.size(-1), -1).float() * scale[..., None]  # (..., D / block, block)
+    return out.flatten(-2).to(dtype)
 
 
 class KVCache(nn.Module):
@@ -31,11 +84,17 @@ class KVCache(nn.Module):
         num_kv_heads: G (``mha.num_kv_heads``).
         head_dim: D (``mha.head_dim``), the width of each cached key head.
         v_head_dim: Dv (``mha.v_head_dim``), the width of each cached value head; default ``head_dim``.
-        dtype, device: of the buffers; must match the attention's K/V.
+        dtype: the buffers' storage: ``torch.float32`` (exact for float32 attention), ``float16``, ``bfloat16``
+            or ``"int8"`` (names as in :data:`KV_DTYPES`); see the module docstring.
+        compute_dtype: the dtype of the keys/values written and read back (the attention's); default
+            ``dtype`` when that is a float dtype, else float32.
+        device: of the buffers.
     """
 
     k: Tensor
     v: Tensor
+    k_scale: Tensor | None  # int8 only: (B, G, max_len, D / block) float32
+    v_scale: Tensor | None
 
     def __init__(
         self,
@@ -45,7 +104,8 @@ class KVCache(nn.Module):
         head_dim: int,
         *,
         v_head_dim: int | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
+        compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -59,19 +119,39 @@ class KVCache(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise TypeError(f"KVCache {name} must be a positive int, got {value!r}.")
+        storage = kv_storage_dtype(dtype)
+        self.compute_dtype = compute_dtype or (storage if storage.is_floating_point else torch.float32)
         shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, G, max_len, D)
         v_shape = (batch_size, num_kv_heads, max_len, v_head_dim)  # (B, G, max_len, Dv)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(v_shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", torch.zeros(shape, dtype=storage, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape, dtype=storage, device=device), persistent=False)
+        for name, dim in (("k_scale", head_dim), ("v_scale", v_head_dim)):
+            scales = None
+            if storage == torch.int8:  # (B, G, max_len, D / block)
+                scales = torch.zeros(*shape[:3], dim // int8_block(dim), dtype=torch.float32, device=device)
+            self.register_buffer(name, scales, persistent=False)
         self.length = 0  # filled slots in append mode
 
     @classmethod
-    def for_module(cls, mha: nn.Module, batch_size: int, max_len: int) -> KVCache:
-        """A cache sized for ``mha`` (an :class:`attnlab.MultiHeadAttention`), on its device and dtype."""
+    def for_module(
+        cls, mha: nn.Module, batch_size: int, max_len: int, *, dtype: torch.dtype | str | None = None
+    ) -> KVCache:
+        """A cache sized for ``mha`` (an :class:`attnlab.MultiHeadAttention`), on its device, computing in its dtype;
+        ``dtype`` the storage (default the module's dtype)."""
         w = next(mha.parameters())
         G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009 (nn.Module attributes are untyped)
         Dv = getattr(mha, "v_head_dim", D)
-        return cls(batch_size, max_len, int(G), int(D), v_head_dim=int(Dv), dtype=w.dtype, device=w.device)
+        storage = w.dtype if dtype is None else dtype
+        return cls(
+            batch_size,
+            max_len,
+            int(G),
+            int(D),
+            v_head_dim=int(Dv),
+            dtype=storage,
+            compute_dtype=w.dtype,
+            device=w.device,
+        )
 
     @property
     def batch_size(self) -> int:
@@ -83,8 +163,15 @@ class KVCache(nn.Module):
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token costs in this layer's cache, per sequence: K and V, G heads of D and of Dv."""
-        return self.k.size(1) * (self.k.size(3) + self.v.size(3)) * self.k.element_size()
+        """Bytes one token costs in this layer's cache, per sequence: K and V, G heads of D and of Dv (and the
+        int8 scales)."""
+        per_slot = [t[0, :, 0].nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        return sum(per_slot)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The buffers' storage dtype (``torch.int8`` for the int8 form)."""
+        return self.k.dtype
 
     def reset(self) -> None:
         """Empty the cache for reuse (the buffers are kept; stale values are never read)."""
@@ -95,7 +182,7 @@ class KVCache(nn.Module):
         v_head = f", v_head_dim={self.v.size(3)}" if self.v.size(3) != D else ""
         return (
             f"batch_size={B}, num_kv_heads={G}, max_len={L}, head_dim={D}{v_head}, dtype={self.k.dtype}, "
-            f"length={self.length}"
+            f"compute_dtype={self.compute_dtype}, length={self.length}"
         )
 
     def _check(self, k: Tensor, v: Tensor) -> None:
@@ -104,10 +191,10 @@ class KVCache(nn.Module):
                 f"kv_cache was built for batch size {self.k.size(0)} but this call has batch size "
                 f"{k.size(0)}; build a cache with KVCache.for_module(mha, batch_size={k.size(0)}, max_len=...)."
             )
-        if k.dtype != self.k.dtype or v.dtype != self.v.dtype:
+        if k.dtype != self.compute_dtype or v.dtype != self.compute_dtype:
             raise TypeError(
-                f"kv_cache holds {self.k.dtype} but this call's keys/values are {k.dtype}; build the "
-                f"cache with dtype={k.dtype} (KVCache.for_module follows the module's dtype)."
+                f"kv_cache holds {self.compute_dtype} but this call's keys/values are {k.dtype}; build the "
+                f"cache with compute_dtype={k.dtype} (KVCache.for_module follows the module's dtype)."
             )
         if k.shape[1::2] != self.k.shape[1::2] or k.device != self.k.device:
             raise ValueError(
@@ -136,19 +223,43 @@ class KVCache(nn.Module):
                     f"kv_cache overflow: {self.length} slots are filled and this call appends {T}, "
                     f"but max_len={self.max_len}; build the cache with max_len >= {end} or call reset()."
                 )
-            self.k[:, :, start:end] = k  # (B, G, T, D) written at slots [start, end)
-            self.v[:, :, start:end] = v  # (B, G, T, Dv)
+            self._write(slice(start, end), k, v)  # (B, G, T, D) written at slots [start, end)
             self.length = end
-            return self.k[:, :, :end], self.v[:, :, :end]  # (B, G, end, D): views, no copy
+            return self.read(end)  # (B, G, end, D): views, no copy, where storage = compute dtype
         if cache_positions.shape != (T,):
             raise ValueError(
                 f"cache_positions has shape {tuple(cache_positions.shape)}; expected ({T},), the slot "
                 f"of each of this call's {T} new tokens."
             )
         cache_positions = self.prepare_positions(cache_positions)  # (T,) int64 on the buffers' device
-        self.k.index_copy_(2, cache_positions, k)  # (B, G, max_len, D), slots cache_positions written
-        self.v.index_copy_(2, cache_positions, v)
-        return self.k, self.v
+        self._write(cache_positions, k, v)  # (B, G, max_len, D), slots cache_positions written
+        return self.read()
+
+    def _write(self, slots: slice | Tensor, k: Tensor, v: Tensor) -> None:
+        """``k (B, G, T, D)``, ``v (B, G, T, Dv)`` rounded to the storage and written at ``slots`` (a slice, or
+        ``(T,)`` int64 slot indices)."""
+        for buf, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if scales is not None:
+                q, sc = quantize_int8(x, x.size(-1) // scales.size(-1))  # (B, G, T, D), (B, G, T, D / block)
+                parts = [(buf, q), (scales, sc)]
+            else:  # no .to() where the dtypes agree: a traced decode step stays the ops it was
+                parts = [(buf, x if x.dtype == buf.dtype else x.to(buf.dtype))]
+            for dst, src in parts:
+                if isinstance(slots, slice):
+                    dst[:, :, slots] = src
+                else:
+                    dst.index_copy_(2, slots, src)
+
+    def read(self, end: int | None = None) -> tuple[Tensor, Tensor]:
+        """The keys ``(B, G, end, D)`` and values ``(B, G, end, Dv)`` of slots ``[0, end)`` (default all) in the compute
+        dtype: views when the storage is the compute dtype, else dequantized copies."""
+        out = []
+        for buf, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            part = buf if end is None else buf[:, :, :end]
+            if scales is not None:
+                part = dequantize_int8(part, scales if end is None else scales[:, :, :end], self.compute_dtype)
+            out.append(part if part.dtype == self.compute_dtype else part.to(self.compute_dtype))
+        return out[0], out[1]
 
     def prepare_positions(self, cache_positions: Tensor) -> Tensor:
         """``cache_positions`` ``(T,)`` as int64 on this cache's device, checked against ``max_len`` first where
@@ -201,24 +312,33 @@ class RollingKVCache(KVCache):
         head_dim: int,
         *,
         v_head_dim: int | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
+        compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(batch_size, window, num_kv_heads, head_dim, v_head_dim=v_head_dim, dtype=dtype, device=device)
+        super().__init__(
+            batch_size,
+            window,
+            num_kv_heads,
+            head_dim,
+            v_head_dim=v_head_dim,
+            dtype=dtype,
+            compute_dtype=compute_dtype,
+            device=device,
+        )
         self.register_buffer(
             "pos", torch.full((window,), EMPTY_SLOT, dtype=torch.long, device=device), persistent=False
         )
 
     @classmethod
-    def for_module(cls, mha: nn.Module, batch_size: int, max_len: int | None = None) -> RollingKVCache:
-        """A cache of ``mha.window`` slots (``max_len`` is ignored: the window bounds it)."""
+    def for_module(
+        cls, mha: nn.Module, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | str | None = None
+    ) -> RollingKVCache:
+        """A cache of ``mha.window`` slots (``max_len`` is ignored: the window bounds it); ``dtype`` the storage."""
         window = getattr(mha, "window", None)
         if not isinstance(window, int):
             raise ValueError("RollingKVCache.for_module needs a module built with window=W (a sliding-window layer).")
-        w = next(mha.parameters())
-        G, D = getattr(mha, "num_kv_heads"), getattr(mha, "head_dim")  # noqa: B009
-        Dv = getattr(mha, "v_head_dim", D)
-        return cls(batch_size, window, int(G), int(D), v_head_dim=int(Dv), dtype=w.dtype, device=w.device)
+        return cast(RollingKVCache, super().for_module(mha, batch_size, window, dtype=dtype))
 
     @property
     def window(self) -> int:
@@ -248,18 +368,17 @@ class RollingKVCache(KVCache):
         cache_positions = self.prepare_positions(cache_positions)  # (T,) int64 on the buffers' device
         if T == 1:  # decode: write the slot, attend over the window (fixed shapes: compiles once)
             slot = cache_positions % W
-            self.k.index_copy_(2, slot, k)
-            self.v.index_copy_(2, slot, v)
+            self._write(slot, k, v)
             self.pos.index_copy_(0, slot, cache_positions)
-            return self.k, self.v, self.pos
+            return *self.read(), self.pos
         # prefill: this call's queries need their own keys even where they overwrite each other's slots
-        keys = torch.cat([self.k, k], dim=2)  # (B, G, W + T, D)
-        values = torch.cat([self.v, v], dim=2)  # (B, G, W + T, Dv)
+        old_k, old_v = self.read()
+        keys = torch.cat([old_k, k], dim=2)  # (B, G, W + T, D)
+        values = torch.cat([old_v, v], dim=2)  # (B, G, W + T, Dv)
         positions = torch.cat([self.pos, cache_positions])  # (W + T,)
         keep = slice(max(0, T - W), T)  # the last W of this call's tokens stay in the buffer
         slot = cache_positions[keep] % W
-        self.k.index_copy_(2, slot, k[:, :, keep])
-        self.v.index_copy_(2, slot, v[:, :, keep])
+        self._write(slot, k[:, :, keep], v[:, :, keep])
         self.pos.index_copy_(0, slot, cache_positions[keep])
         return keys, values, positions
 
@@ -282,3 +401,28 @@ def decoder_positions(
     if positions is not None and positions.device != device:
         positions = positions.to(device)
     return positions, cache_positions
+
+
+# What ``--kv-dtype auto`` stores on a CPU where the fused C++ decode step reads the cache (SmolLM2 from its GGUF).
+# Measured (scripts/bench_decode_attention.py, AMD EPYC Zen 5, 1 thread, CPU time on a loaded machine): the step at
+# 7000 slots took 25.6 ms over float32, 20.1 over float16, 21.6 over int8 (the old kernel: 51.5); at 8192 30.9,
+# 22.2, 23.6. float16 is the fastest (int8's widening and scaling cost more than its bytes save here) and the
+# closest to float32 (scripts/kv_cache_agreement.py); int8 holds the fewest bytes, for memory.
+CPU_FUSED_KV_DTYPE: KVDtype = "float16"
+
+
+def resolve_kv_dtype(asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype") -> tuple[str | None, str]:
+    """``(storage, why)`` for a command's ``--kv-dtype``: a name of :data:`KV_DTYPES`, or None for the compute dtype.
+
+    ``auto``: on a CPU whose decode step is the fused C++ one (``fused``, it reads compact rows in their own bytes)
+    :data:`CPU_FUSED_KV_DTYPE`; elsewhere the dtype K/V are computed in, exact (a PyTorch path would only add a
+    dequantizing copy per step). Raises ``ValueError`` naming ``flag`` for anything else.
+    """
+    name = asked.strip().lower()
+    if name == "auto":
+        if fused and device.type == "cpu":
+            return CPU_FUSED_KV_DTYPE, f"{flag} auto on a CPU with the fused decode step (fewer bytes read per step)"
+        return None, f"{flag} auto: the compute dtype, exact (no compact-cache kernel on this path)"
+    if name not in KV_DTYPES:
+        raise ValueError(f"{flag} {asked!r} is not a KV-cache dtype; use auto, {', '.join(KV_DTYPES)}.")
+    return name, f"{flag} {name} asked for it"

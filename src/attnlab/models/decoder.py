@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..core.attention import ContextParallelAttention, MultiHeadAttention
 from ..core.fused import FusedLinearView, fusable
-from ..core.kv_cache import KVCache, decoder_positions
+from ..core.kv_cache import KVCache, decoder_positions, kv_storage_dtype
 from ..core.masks import decoder_masks
 from ..core.mla_cache import MLACache
 from ..core.rope import rope_cos_sin
@@ -201,9 +201,13 @@ class Decoder(nn.Module):
 
     # -- caches --------------------------------------------------------------------------------
 
-    def setup_caches(self, batch_size: int, max_len: int) -> nn.ModuleList:
+    def setup_caches(self, batch_size: int, max_len: int, kv_dtype: torch.dtype | str | None = None) -> nn.ModuleList:
         """One :class:`KVCache` per block, ``(B, G, max_len, D)`` each, on the model's device and dtype (with latent
-        attention one :class:`~attnlab.core.mla_cache.MLACache`, ``(B, max_len, kv_lora_rank + qk_rope_head_dim)``)."""
+        attention one :class:`~attnlab.core.mla_cache.MLACache`, ``(B, max_len, kv_lora_rank + qk_rope_head_dim)``).
+
+        ``kv_dtype``: the caches' storage (``"float16"``, ``"bfloat16"``, ``"int8"``, ...; see
+        :data:`attnlab.core.kv_cache.KV_DTYPES`); default the dtype K/V are computed in, exact. Reads give the
+        keys and values back in that compute dtype."""
         if max_len > self.arch.block_size:
             why = (
                 f"the model has no position beyond {self.arch.block_size - 1}"
@@ -215,7 +219,13 @@ class Decoder(nn.Module):
                 f"use max_len <= {self.arch.block_size}."
             )
         device, dtype = self._float_weight().device, self._kv_dtype()  # under autocast, what K/V come out in
+        storage = dtype if kv_dtype is None else kv_storage_dtype(kv_dtype)
         if self.arch.latent is not None:
+            if storage != dtype:
+                raise ValueError(
+                    f"kv_dtype={kv_dtype!r} with latent attention: the MLA cache holds the compute dtype {dtype}; "
+                    f"leave kv_dtype unset for this model."
+                )
             d = self.arch.latent
             return nn.ModuleList(
                 MLACache(batch_size, max_len, d.kv_lora_rank, d.qk_rope_head_dim, dtype=dtype, device=device)
@@ -229,7 +239,8 @@ class Decoder(nn.Module):
                     MultiHeadAttention, cast(Block, block).attn
                 ).num_kv_heads,  # per block: a swapped-in one may differ
                 cast(MultiHeadAttention, cast(Block, block).attn).head_dim,
-                dtype=dtype,
+                dtype=storage,
+                compute_dtype=dtype,
                 device=device,
             )
             for block in self.blocks
@@ -520,6 +531,7 @@ class Decoder(nn.Module):
             positions = cache_positions.expand(B, 1)
         pad = key_padding_mask if key_padding_mask is not None else idx.new_zeros(B, first.max_len, dtype=torch.bool)
         weights, kinds, dims = fast
+        int8 = first.k_scale is not None  # the int8 cache's scales travel beside its rows
         logits = torch.ops.attnlab_quant.llama_decode(
             idx[:, 0],
             positions.reshape(B, -1)[:, -1],
@@ -532,6 +544,9 @@ class Decoder(nn.Module):
             dims,
             self.arch.norm_eps,
             self.arch.rope_base,
+            -1,
+            [cast(KVCache, c).k_scale for c in caches] if int8 else None,
+            [cast(KVCache, c).v_scale for c in caches] if int8 else None,
         )
         return logits[:, None]  # (B, 1, V)
 

@@ -390,6 +390,7 @@ def generate_steps(
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
     threads: Threads = None,
+    kv_dtype: torch.dtype | str | None = None,
 ) -> Iterator[Step]:
     """An iterator of one :class:`Step` per new token; stops early once every row has emitted ``eos_token_id``.
 
@@ -421,6 +422,7 @@ def generate_steps(
         generator,
         key_padding_mask,
         compile,
+        kv_dtype,
         chooser,
     )
     return _threaded(steps, counts) if counts else steps
@@ -438,6 +440,7 @@ def _steps(
     generator: torch.Generator | None,
     key_padding_mask: Tensor | None,
     compile: bool,
+    kv_dtype: torch.dtype | str | None,
     chooser: ThreadChooser | None = None,
 ) -> Iterator[Step]:
     B, T = idx.shape
@@ -457,7 +460,8 @@ def _steps(
 
     with torch.no_grad():  # no_grad, not inference_mode: compiled steps mutate the cache buffers
         if use_cache:
-            caches = model.setup_caches(B, S)
+            # kv_dtype only where asked: a CausalLM's setup_caches need not take it
+            caches = model.setup_caches(B, S) if kv_dtype is None else cast(Any, model).setup_caches(B, S, kv_dtype)
             logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
         else:
             seq = idx  # (B, T), grows by one column per step
@@ -523,6 +527,7 @@ def generate(
     key_padding_mask: Tensor | None = None,
     compile: bool = False,
     threads: Threads = None,
+    kv_dtype: torch.dtype | str | None = None,
 ) -> Tensor:
     """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
 
@@ -547,6 +552,9 @@ def generate(
             and checks again from time to time (what ``attnlab generate`` does: beside other work that holds a
             core, one thread can be 10x faster than two), the prefill at torch's count. Torch's count is put
             back when the generation ends.
+        kv_dtype: the KV cache's storage, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (see
+            :class:`attnlab.KVCache`); default the dtype K/V are computed in (exact). Passed to
+            ``model.setup_caches``.
     """
     steps = [
         s.tokens
@@ -563,6 +571,7 @@ def generate(
             key_padding_mask=key_padding_mask,
             compile=compile,
             threads=threads,
+            kv_dtype=kv_dtype,
         )
     ]
     if not steps:

@@ -40,6 +40,7 @@ __all__ = [
     "build_kernels",
     "qmatmul",
     "dequantize",
+    "decode_attention",
     "ISA_NAMES",
     "TILE_ISA_NAMES",
     "SOURCE",
@@ -162,6 +163,10 @@ def _register_python_parts() -> None:
 
     torch.library.register_autograd("attnlab_quant::qmatmul_tiles", backward_tiles, setup_context=setup_tiles)
 
+    @torch.library.register_fake("attnlab_quant::decode_attention")
+    def _(q, k, v, k_scale, v_scale, pad, length: int, scale: float, isa: int = -1) -> Tensor:
+        return q.new_empty(q.shape)
+
 
 def build_kernels(quiet: bool = False) -> KernelStatus:
     """Build (if needed) and load the kernels; the result is kept for the process. Never raises."""
@@ -215,3 +220,35 @@ def dequantize(blocks: Tensor, fmt: BlockFormat, in_features: int) -> Tensor:
     if _use_kernel(blocks):
         return torch.ops.attnlab_quant.dequantize(blocks, fmt.ggml_type, in_features)
     return dequantize_blocks(blocks, fmt, in_features)
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    length: int,
+    *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    isa: int = -1,
+) -> Tensor:
+    """One query per row against slots ``[0, length)`` of a KV cache, read in its own bytes (the C++ kernel).
+
+    Args:
+        q: ``(B, H, D)`` float32, one query per head.
+        k, v: ``(B, G, S, D)`` float32, float16, bfloat16 or int8 cache rows (:attr:`attnlab.KVCache.k`), ``H % G == 0``.
+        length: slots attended, ``1 <= length <= S``.
+        k_scale, v_scale: ``(B, G, S, D / block)`` float32, the int8 cache's scales.
+        key_padding_mask: ``(B, S)`` bool, True = a padding slot (weight 0).
+        scale: of the scores; default ``1 / sqrt(D)``.
+        isa: 0 plain C++, 1 AVX2, 2 AVX-512; -1 the best this CPU has.
+
+    Returns ``(B, H, D)`` float32. Needs the compiled kernels (:func:`kernel_status`).
+    """
+    status = kernel_status()
+    if not status.available:
+        raise RuntimeError(f"decode_attention needs attnlab's compiled kernels: {status.reason}")
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    return torch.ops.attnlab_quant.decode_attention(q, k, v, k_scale, v_scale, key_padding_mask, length, scale, isa)

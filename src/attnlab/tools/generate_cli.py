@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..core.kv_cache import resolve_kv_dtype
 from ..models.generation import Step, check_count, check_temperature, generate_steps, readable_int
 from ..runtime import (
     INTERRUPTS,
@@ -206,6 +207,8 @@ class _Ask:
     compile: bool
     dtype: str  # --dtype as typed (checked by parse_weights); choose_weights makes it a WeightChoice
     threads: Threads = None  # --threads, checked: a count, "auto", or None (torch's count left alone)
+    kv_dtype: str = "auto"  # --kv-dtype as typed
+    kv_storage: str | None = None  # what the caches store, resolved once the model is loaded (None: compute dtype)
 
     def steps(self, lm: Any, ids: list[int], n: int, eos_token_id: int | None = None) -> Iterator[Step]:
         """``generate_steps`` after ``ids`` with these flags; its arguments (and the memory the K/V cache and the
@@ -229,7 +232,17 @@ class _Ask:
             generator=torch.Generator(device=self.device).manual_seed(self.seed),
             compile=self.compile,
             threads=self.threads,
+            kv_dtype=self.kv_storage,
         )
+
+    def with_kv_cache(self, lm: Any) -> tuple[_Ask, str]:
+        """These flags with ``--kv-dtype`` resolved for ``lm`` on this device, and the words the weights line adds
+        (none for a cache in the compute dtype: the exact cache says nothing, as before the flag)."""
+        try:
+            storage, why = resolve_kv_dtype(self.kv_dtype, self.device, bool(getattr(lm, "has_fused_decode", False)))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return replace(self, kv_storage=storage), f"KV cache {storage} ({why})" if storage else ""
 
 
 def generate_command(
@@ -246,6 +259,7 @@ def generate_command(
     dtype: str = "auto",
     compile: bool = False,
     threads: str = "auto",
+    kv_dtype: str = "auto",
 ) -> int:
     """Print the prompt and its continuation, token by token, from a TinyGPT checkpoint or a pretrained model.
 
@@ -263,6 +277,7 @@ def generate_command(
         dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
         compile: compile the decode step with torch.compile(fullgraph=True): off by default, because a chat-length answer does not repay the compilation (SmolLM2 float32, 100 tokens on a 2-core CPU: 8.1 s eager, 97 s compiled of which 92 s compiling; then 15.3 against 9.8 tokens/s). With --chat, compiled once per cache size (a power of two >= 64) and reused by later turns. gguf weights are already fused and run as they are.
         threads: CPU threads: a count, or auto. The count sizes torch's thread pool, which runs the prefill's matmuls and attention, torch's ops and attnlab's quantized kernels (the fused gguf decode step splits each matmul's rows and the attention heads over that many threads, with a barrier after each); the prefill runs at it. auto: torch's count for the prefill (the machine's cores) and, on a CPU, the decode at the fastest of that count, one fewer and one, timed on the first steps and checked again now and then: beside other work that keeps a core busy, 2 threads waiting at each barrier for the descheduled one decoded 7-25x slower than 1 on a 2-core machine. A count applies to the prefill and every step.
+        kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: float16 on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes; measured faster than float32 and int8 there), else the dtype K/V are computed in (exact). The weights line on stderr says which.
     """
     return run_generate(
         checkpoint=checkpoint,
@@ -278,6 +293,7 @@ def generate_command(
         dtype=dtype,
         compile=compile,
         threads=threads,
+        kv_dtype=kv_dtype,
     ).code
 
 
@@ -295,6 +311,7 @@ def run_generate(
     dtype: str = "auto",
     compile: bool = False,
     threads: str | int | None = "auto",
+    kv_dtype: str = "auto",
 ) -> Generated:
     """:func:`generate_command` with what it measured: its exit code and each stream's rates (the demo prints them)."""
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed)
@@ -326,6 +343,7 @@ def run_generate(
         compile,
         dtype,
         checked_threads,
+        kv_dtype,
     )
     if model is not None:
         kind = _pretrained(model)
@@ -389,7 +407,9 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
             ask.where, dtype=weights.dtype, device=ask.device
         )  # UsageError naming what is wrong
         release_freed_heap()  # the loading's freed temporaries, ~300 MB resident otherwise (issue 51)
-        print(weights.line(loaded_weights_detail(lm)), file=sys.stderr, flush=True)
+        ask, kv_words = ask.with_kv_cache(lm)
+        detail = ", ".join(part for part in (loaded_weights_detail(lm), kv_words) if part)
+        print(weights.line(detail), file=sys.stderr, flush=True)
         if loaded is None and _is_hf_dir(Path(ask.where)):
             raise UsageError(
                 f"--model {ask.where!r} has no tokenizer files (tokenizer.json, ...) to turn text into ids; save the "
@@ -414,8 +434,9 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
         weights = choose_weights(ask.dtype, task="generate", source=checkpoint, device=ask.device)
         lm, saved_tokenizer = load_checkpoint(checkpoint, device=ask.device)  # CheckpointError: names the file
         lm = lm.to(dtype=weights.dtype)
-        if weights.asked or weights.dtype != torch.float32:  # a lab checkpoint in float32 is what it always was
-            print(weights.line(), file=sys.stderr, flush=True)
+        ask, kv_words = ask.with_kv_cache(lm)
+        if weights.asked or weights.dtype != torch.float32 or kv_words:  # a float32 lab checkpoint as ever
+            print(weights.line(kv_words), file=sys.stderr, flush=True)
     if ask.chat:
         raise _no_chat_template(ask)
     return _generate_checkpoint(lm, saved_tokenizer, checkpoint, ask, out)

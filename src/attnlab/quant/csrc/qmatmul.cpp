@@ -891,76 +891,461 @@ void rope_row(float* v, const float* cs, const float* sn, int64_t D) {
   }
 }
 
-// Softmax over scores[0..s] in place (-inf = a padding slot, weight 0); returns 1 / the sum of the weights
-// (0 when every slot is padding: such a row attends to nothing).
-float softmax_weights(float* scores, int64_t s) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j <= s; ++j) mx = std::max(mx, scores[j]);
-  float den = 0.0f;
-  for (int64_t j = 0; j <= s; ++j) {
-    scores[j] = scores[j] == -INFINITY ? 0.0f : std::exp(scores[j] - mx);
-    den += scores[j];
+// ==== one-query decode attention over the KV cache: float32, float16, bfloat16 or int8 rows =============
+//
+// At long contexts a decode step is the read of its KV cache (SmolLM2 at 7000 tokens: 89% of the step was
+// attention), so this kernel is built around the bytes:
+// - the rep = H / G query heads of a K/V group go through the group's keys together: each cached row
+//   comes from memory once per group, not once per head;
+// - the keys are split across the workers (split-K): each takes a contiguous range of slots with its own
+//   running max m, sum l and accumulator per head, and the partial softmaxes are merged afterwards by
+//   their log-sum-exp (merge_head);
+// - keys go in blocks of kKeys = 16: the block's rows are made float32 once (float16 / bfloat16 / int8
+//   converted in registers), the rep x 16 scores come out of one transposing reduction (no horizontal
+//   sum per key), their exponentials are taken 16 lanes at a time by a polynomial (exp_avx512), and the
+//   values are added with every head's accumulator held in registers.
+// Cache rows (attnlab.KVCache): (B, G, S, D) of float32, float16, bfloat16 or int8; int8 rows carry one
+// float32 scale per qb values, (B, G, S, D / qb): value = scale * q, symmetric, as GGML's Q8_0 blocks.
+
+enum CacheKind : int64_t { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2, CACHE_I8 = 3 };
+constexpr int64_t kKeys = 16;  // keys per block
+constexpr int kHeadsMax = 4;   // query heads per pass over a block (rep = 3: one pass; rep = 8: two)
+
+// The S rows of one (row, K/V head)'s keys or values.
+struct CacheRows {
+  uint8_t* data = nullptr;
+  float* scale = nullptr;  // int8 only: D / qb per row
+  int64_t kind = CACHE_F32;
+  int64_t D = 0, qb = 0;
+  int64_t elem() const { return kind == CACHE_F32 ? 4 : kind == CACHE_I8 ? 1 : 2; }
+  CacheRows at(int64_t offset_rows) const {  // the rows from `offset_rows` on
+    CacheRows r = *this;
+    r.data += offset_rows * D * elem();
+    if (scale) r.scale += offset_rows * (D / qb);
+    return r;
   }
-  return den > 0.0f ? 1.0f / den : 0.0f;
-}
-
-// Attention of one query head over slots 0..s of its K/V head (padding slots skipped): out (D,).
-// The dot products and the weighted sum run 16 (AVX-512) or 8 (AVX2) floats at a time where D is a
-// multiple of that (every Llama's head dim), else in plain loops.
-ATTNLAB_AVX512 float dot_avx512(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-ATTNLAB_AVX512 void axpy_avx512(float e, const float* v, float* out, int64_t D) {
-  const __m512 ev = _mm512_set1_ps(e);
-  for (int64_t c = 0; c < D; c += 16)
-    _mm512_storeu_ps(out + c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(v + c), _mm512_loadu_ps(out + c)));
-}
-
-ATTNLAB_AVX2 float dot_avx2(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
-  return hsum256(acc);
-}
-
-ATTNLAB_AVX2 void axpy_avx2(float e, const float* v, float* out, int64_t D) {
-  const __m256 ev = _mm256_set1_ps(e);
-  for (int64_t c = 0; c < D; c += 8)
-    _mm256_storeu_ps(out + c, _mm256_fmadd_ps(ev, _mm256_loadu_ps(v + c), _mm256_loadu_ps(out + c)));
-}
-
-float dot_scalar(const float* a, const float* b, int64_t D) {
-  float dot = 0.0f;
-  for (int64_t c = 0; c < D; ++c) dot += a[c] * b[c];
-  return dot;
-}
-
-void axpy_scalar(float e, const float* v, float* out, int64_t D) {
-  for (int64_t c = 0; c < D; ++c) out[c] += e * v[c];
-}
-
-struct AttendOps {
-  float (*dot)(const float*, const float*, int64_t);
-  void (*axpy)(float, const float*, float*, int64_t);
 };
 
-AttendOps attend_ops(int64_t isa, int64_t D) {
-  if (isa >= AVX512 && D % 16 == 0) return {dot_avx512, axpy_avx512};
-  if (isa >= AVX2 && D % 8 == 0) return {dot_avx2, axpy_avx2};
-  return {dot_scalar, axpy_scalar};
+int64_t cache_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CACHE_F32;
+    case at::kHalf: return CACHE_F16;
+    case at::kBFloat16: return CACHE_BF16;
+    case at::kChar: return CACHE_I8;
+    default: TORCH_CHECK(false, "attnlab quant: a KV cache of ", t, " is not read by the decode kernel (float32, "
+                                "float16, bfloat16 or int8 with scales)");
+  }
+  return CACHE_F32;
 }
 
-void attend_one(const AttendOps& ops, const float* q, const float* K, const float* V, const bool* pad, int64_t s,
-                int64_t D, float scale, float* scores, float* out) {
-  for (int64_t j = 0; j <= s; ++j) scores[j] = pad[j] ? -INFINITY : ops.dot(q, K + j * D, D) * scale;
-  const float inv = softmax_weights(scores, s);
-  std::fill(out, out + D, 0.0f);
-  for (int64_t j = 0; j <= s; ++j) {
-    const float e = scores[j] * inv;
-    if (e != 0.0f) ops.axpy(e, V + j * D, out, D);
+// Row `j` written from D floats, rounded as torch rounds: float16 / bfloat16 to nearest even; int8 per block of
+// qb values, d = max|x| / 127 and q = round(x / d) (attnlab.core.kv_cache.quantize_int8 does the same).
+void write_cache_row(const CacheRows& c, int64_t j, const float* x) {
+  const int64_t D = c.D;
+  if (c.kind == CACHE_F32) {
+    std::memcpy(c.data + j * D * 4, x, D * sizeof(float));
+  } else if (c.kind == CACHE_F16) {
+    c10::Half* o = reinterpret_cast<c10::Half*>(c.data) + j * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = c10::Half(x[d]);
+  } else if (c.kind == CACHE_BF16) {
+    c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(c.data) + j * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(x[d]);
+  } else {
+    int8_t* o = reinterpret_cast<int8_t*>(c.data) + j * D;
+    for (int64_t b = 0; b < D / c.qb; ++b) {
+      float amax = 0.0f;
+      for (int64_t d = b * c.qb; d < (b + 1) * c.qb; ++d) amax = std::max(amax, std::fabs(x[d]));
+      const float scale = amax / 127.0f;
+      c.scale[j * (D / c.qb) + b] = scale;
+      for (int64_t d = b * c.qb; d < (b + 1) * c.qb; ++d)
+        o[d] = scale == 0.0f ? 0 : static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.0f, 127.0f));
+    }
   }
+}
+
+// ---- plain C++ -----------------------------------------------------------------------------------------
+
+void rows_to_float_scalar(const CacheRows& c, int64_t n, float* out) {
+  const int64_t D = c.D;
+  for (int64_t i = 0; i < n * D; ++i) {
+    switch (c.kind) {
+      case CACHE_F32: out[i] = reinterpret_cast<const float*>(c.data)[i]; break;
+      case CACHE_F16: out[i] = static_cast<float>(reinterpret_cast<const c10::Half*>(c.data)[i]); break;
+      case CACHE_BF16: out[i] = static_cast<float>(reinterpret_cast<const c10::BFloat16*>(c.data)[i]); break;
+      default: out[i] = static_cast<float>(reinterpret_cast<const int8_t*>(c.data)[i]) * c.scale[(i / D) * (D / c.qb) + (i % D) / c.qb];
+    }
+  }
+}
+
+template <int HB>
+void scores_scalar(const float* q, const float* k, int64_t n, int64_t D, float* s) {
+  for (int h = 0; h < HB; ++h)
+    for (int64_t i = 0; i < kKeys; ++i) {
+      float dot = 0.0f;
+      if (i < n)
+        for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * k[i * D + d];
+      s[h * kKeys + i] = dot;
+    }
+}
+
+// The block's weights in place of its scores s (kKeys; lanes >= n and padding slots weigh 0), and the running
+// max m and sum l updated; returns the factor exp(m_old - m_new) on the accumulator.
+float softmax_block_scalar(float* s, int64_t n, const bool* pad, float& m, float& l) {
+  float bm = -INFINITY;
+  for (int64_t i = 0; i < kKeys; ++i) {
+    if (i >= n || (pad && pad[i])) s[i] = -INFINITY;
+    bm = std::max(bm, s[i]);
+  }
+  const float mn = std::max(m, bm);
+  if (mn == -INFINITY) {  // nothing attended yet: every slot so far is padding
+    std::fill(s, s + kKeys, 0.0f);
+    return 1.0f;
+  }
+  float sum = 0.0f;
+  for (int64_t i = 0; i < kKeys; ++i) sum += (s[i] = s[i] == -INFINITY ? 0.0f : std::exp(s[i] - mn));
+  const float alpha = m == -INFINITY ? 0.0f : std::exp(m - mn);
+  l = l * alpha + sum;
+  m = mn;
+  return alpha;
+}
+
+template <int HB>
+void add_values_scalar(const float* p, const float* alpha, const float* v, int64_t n, int64_t D, float* acc) {
+  for (int h = 0; h < HB; ++h)
+    for (int64_t d = 0; d < D; ++d) {
+      float a = acc[h * D + d] * alpha[h];
+      for (int64_t i = 0; i < n; ++i) a += p[h * kKeys + i] * v[i * D + d];
+      acc[h * D + d] = a;
+    }
+}
+
+// ---- AVX-512 -----------------------------------------------------------------------------------------------
+
+// Lane j of the result = the sum of the 16 lanes of v[j]: a transposing tree of 15 adds for 16 sums.
+ATTNLAB_AVX512 inline __m512 sum16_avx512(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3, each a quarter of its sum
+    const __m512d c = _mm512_castps_pd(x[2 * i]), d = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) on 16 lanes, x <= 0 (a score minus the running max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7
+// Taylor polynomial (relative error < 1e-8 before float32 rounding), times 2^n. Below -87 (and -inf) it gives 0.
+ATTNLAB_AVX512 inline __m512 exp_avx512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: r is exact-ish
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+ATTNLAB_AVX512 float softmax_block_avx512(float* s, int64_t n, const bool* pad, float& m, float& l) {
+  __mmask16 valid = n >= kKeys ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  if (pad) {  // slots flagged True are padding: only this block's n bytes are read
+    const __m128i flags = _mm_maskz_loadu_epi8(valid, pad);
+    valid &= _mm_cmpeq_epi8_mask(flags, _mm_setzero_si128());
+  }
+  const __m512 x = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
+  const float mn = std::max(m, _mm512_reduce_max_ps(x));
+  if (mn == -INFINITY) {  // nothing attended yet: every slot so far is padding
+    _mm512_storeu_ps(s, _mm512_setzero_ps());
+    return 1.0f;
+  }
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp_avx512(_mm512_sub_ps(x, _mm512_set1_ps(mn))));
+  _mm512_storeu_ps(s, p);
+  const float alpha = m == -INFINITY ? 0.0f : std::exp(m - mn);
+  l = l * alpha + _mm512_reduce_add_ps(p);
+  m = mn;
+  return alpha;
+}
+
+
+// The scores and the values read the cache rows where they lie: each 16 values converted in registers as they
+// are used (converting a block into a buffer first cost a store and a load per value, and measured slower over
+// float16 than over float32 rows). add_rows: acc (HB, D) = alpha * acc + p (HB, kKeys) @ v (n, D), CW chunks of
+// 16 columns of every head held in registers per pass.
+template <int64_t KIND>
+ATTNLAB_AVX512 inline __m512 load16_avx512(const CacheRows& c, int64_t i, int64_t d) {
+  const int64_t at = i * c.D + d;
+  if constexpr (KIND == CACHE_F32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(c.data) + at);
+  } else if constexpr (KIND == CACHE_F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(c.data) + at)));
+  } else if constexpr (KIND == CACHE_BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(c.data) + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(c.data) + at));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[i * (c.D / c.qb) + d / c.qb]));
+  }
+}
+
+template <int HB, int64_t KIND>
+ATTNLAB_AVX512 void scores_rows_avx512(const float* q, const CacheRows& k, int64_t n, int64_t D, float* s) {
+  __m512 part[HB][kKeys];
+  for (int64_t i = 0; i < kKeys; ++i) {
+    __m512 a[HB];
+    for (int h = 0; h < HB; ++h) a[h] = _mm512_setzero_ps();
+    if (i < n)
+      for (int64_t c = 0; c < D; c += 16) {
+        const __m512 kv = load16_avx512<KIND>(k, i, c);
+        for (int h = 0; h < HB; ++h) a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c), kv, a[h]);
+      }
+    for (int h = 0; h < HB; ++h) part[h][i] = a[h];
+  }
+  for (int h = 0; h < HB; ++h) _mm512_storeu_ps(s + h * kKeys, sum16_avx512(part[h]));
+}
+
+template <int HB, int CW, int64_t KIND>
+ATTNLAB_AVX512 inline void add_rows_pass_avx512(const float* p, const float* alpha, const CacheRows& v, int64_t n,
+                                                int64_t D, float* acc, int64_t c) {
+  __m512 a[HB][CW];
+  for (int h = 0; h < HB; ++h)
+    for (int w = 0; w < CW; ++w) a[h][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c + 16 * w), _mm512_set1_ps(alpha[h]));
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 vv[CW];
+    for (int w = 0; w < CW; ++w) vv[w] = load16_avx512<KIND>(v, i, c + 16 * w);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 e = _mm512_set1_ps(p[h * kKeys + i]);
+      for (int w = 0; w < CW; ++w) a[h][w] = _mm512_fmadd_ps(e, vv[w], a[h][w]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int w = 0; w < CW; ++w) _mm512_storeu_ps(acc + h * D + c + 16 * w, a[h][w]);
+}
+
+template <int HB, int64_t KIND>
+ATTNLAB_AVX512 void add_rows_avx512(const float* p, const float* alpha, const CacheRows& v, int64_t n, int64_t D,
+                                    float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) add_rows_pass_avx512<HB, 4, KIND>(p, alpha, v, n, D, acc, c);
+  for (; c < D; c += 16) add_rows_pass_avx512<HB, 1, KIND>(p, alpha, v, n, D, acc, c);
+}
+
+// ---- AVX2 ----------------------------------------------------------------------------------------------------
+
+ATTNLAB_AVX2 void rows_to_float_avx2(const CacheRows& c, int64_t n, float* out) {
+  const int64_t D = c.D;
+  if (c.kind == CACHE_F16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data);
+    for (int64_t i = 0; i < n * D; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+  } else if (c.kind == CACHE_BF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data);
+    for (int64_t i = 0; i < n * D; i += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+      _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  } else if (c.kind == CACHE_I8) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(c.data);
+    const int64_t per_row = D / c.qb;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i * D + d))));
+        _mm256_storeu_ps(out + i * D + d, _mm256_mul_ps(x, _mm256_set1_ps(c.scale[i * per_row + d / c.qb])));
+      }
+  } else {
+    rows_to_float_scalar(c, n, out);
+  }
+}
+
+// Lane j of the result = the sum of the 8 lanes of v[j].
+ATTNLAB_AVX2 inline __m256 sum8_avx2(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // halves: keys 0-3 | 4-7, per 128 bits
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <int HB>
+ATTNLAB_AVX2 void scores_avx2(const float* q, const float* k, int64_t n, int64_t D, float* s) {
+  __m256 part[HB][kKeys];
+  for (int64_t i = 0; i < kKeys; ++i) {
+    __m256 a[HB];
+    for (int h = 0; h < HB; ++h) a[h] = _mm256_setzero_ps();
+    if (i < n)
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 kv = _mm256_loadu_ps(k + i * D + c);
+        for (int h = 0; h < HB; ++h) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + c), kv, a[h]);
+      }
+    for (int h = 0; h < HB; ++h) part[h][i] = a[h];
+  }
+  for (int h = 0; h < HB; ++h) {
+    _mm256_storeu_ps(s + h * kKeys, sum8_avx2(part[h]));
+    _mm256_storeu_ps(s + h * kKeys + 8, sum8_avx2(part[h] + 8));
+  }
+}
+
+// exp_avx512's polynomial on 8 lanes; 2^n built in the exponent bits (n >= -126 after the clamp).
+ATTNLAB_AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+ATTNLAB_AVX2 float softmax_block_avx2(float* s, int64_t n, const bool* pad, float& m, float& l) {
+  for (int64_t i = 0; i < kKeys; ++i)
+    if (i >= n || (pad && pad[i])) s[i] = -INFINITY;
+  const __m256 x0 = _mm256_loadu_ps(s), x1 = _mm256_loadu_ps(s + 8);
+  alignas(32) float mx[8];
+  _mm256_store_ps(mx, _mm256_max_ps(x0, x1));
+  const float mn = std::max(m, *std::max_element(mx, mx + 8));
+  if (mn == -INFINITY) {
+    std::fill(s, s + kKeys, 0.0f);
+    return 1.0f;
+  }
+  const __m256 p0 = exp_avx2(_mm256_sub_ps(x0, _mm256_set1_ps(mn))), p1 = exp_avx2(_mm256_sub_ps(x1, _mm256_set1_ps(mn)));
+  _mm256_storeu_ps(s, p0);
+  _mm256_storeu_ps(s + 8, p1);
+  const float alpha = m == -INFINITY ? 0.0f : std::exp(m - mn);
+  l = l * alpha + hsum256(_mm256_add_ps(p0, p1));
+  m = mn;
+  return alpha;
+}
+
+template <int HB>
+ATTNLAB_AVX2 void add_values_avx2(const float* p, const float* alpha, const float* v, int64_t n, int64_t D,
+                                  float* acc) {
+  for (int64_t c = 0; c < D; c += 16) {  // D % 16 == 0 on this path
+    __m256 a[HB][2];
+    for (int h = 0; h < HB; ++h)
+      for (int w = 0; w < 2; ++w) a[h][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c + 8 * w), _mm256_set1_ps(alpha[h]));
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 v0 = _mm256_loadu_ps(v + i * D + c), v1 = _mm256_loadu_ps(v + i * D + c + 8);
+      for (int h = 0; h < HB; ++h) {
+        const __m256 e = _mm256_set1_ps(p[h * kKeys + i]);
+        a[h][0] = _mm256_fmadd_ps(e, v0, a[h][0]);
+        a[h][1] = _mm256_fmadd_ps(e, v1, a[h][1]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int w = 0; w < 2; ++w) _mm256_storeu_ps(acc + h * D + c + 8 * w, a[h][w]);
+  }
+}
+
+// ---- dispatch and the range loop ---------------------------------------------------------------------------
+
+using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
+using ValuesFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*);
+using ScoresRowsFn = void (*)(const float*, const CacheRows&, int64_t, int64_t, float*);
+using ValuesRowsFn = void (*)(const float*, const float*, const CacheRows&, int64_t, int64_t, float*);
+
+struct AttnOps {
+  void (*to_float)(const CacheRows&, int64_t, float*) = nullptr;
+  ScoresFn scores[kHeadsMax] = {};  // [HB - 1]
+  float (*softmax)(float*, int64_t, const bool*, float&, float&) = nullptr;
+  ValuesFn values[kHeadsMax] = {};
+  ScoresRowsFn scores_rows[kHeadsMax] = {};  // AVX-512: the cache's rows read in place, in place of the three above
+  ValuesRowsFn values_rows[kHeadsMax] = {};
+};
+
+template <int64_t KIND>
+AttnOps avx512_rows_ops() {
+  AttnOps ops;
+  ops.softmax = softmax_block_avx512;
+  const ScoresRowsFn scores[kHeadsMax] = {scores_rows_avx512<1, KIND>, scores_rows_avx512<2, KIND>,
+                                          scores_rows_avx512<3, KIND>, scores_rows_avx512<4, KIND>};
+  const ValuesRowsFn values[kHeadsMax] = {add_rows_avx512<1, KIND>, add_rows_avx512<2, KIND>, add_rows_avx512<3, KIND>,
+                                          add_rows_avx512<4, KIND>};
+  std::copy(scores, scores + kHeadsMax, ops.scores_rows);
+  std::copy(values, values + kHeadsMax, ops.values_rows);
+  return ops;
+}
+
+// The vector paths need D a multiple of 16 (and int8 scale blocks of 16s); any other shape runs plain C++.
+AttnOps attn_ops(int64_t isa, int64_t D, int64_t qb, int64_t kind) {
+  const bool fits = D % 16 == 0 && qb % 16 == 0;
+  if (isa >= AVX512 && fits) {
+    switch (kind) {
+      case CACHE_F16: return avx512_rows_ops<CACHE_F16>();
+      case CACHE_BF16: return avx512_rows_ops<CACHE_BF16>();
+      case CACHE_I8: return avx512_rows_ops<CACHE_I8>();
+      default: return avx512_rows_ops<CACHE_F32>();
+    }
+  }
+  if (isa >= AVX2 && fits)
+    return {rows_to_float_avx2,
+            {scores_avx2<1>, scores_avx2<2>, scores_avx2<3>, scores_avx2<4>},
+            softmax_block_avx2,
+            {add_values_avx2<1>, add_values_avx2<2>, add_values_avx2<3>, add_values_avx2<4>}};
+  return {rows_to_float_scalar,
+          {scores_scalar<1>, scores_scalar<2>, scores_scalar<3>, scores_scalar<4>},
+          softmax_block_scalar,
+          {add_values_scalar<1>, add_values_scalar<2>, add_values_scalar<3>, add_values_scalar<4>}};
+}
+
+// Floats of scratch attend_range needs: a block of K and of V as float32, the scores and the factors.
+int64_t attend_work_floats(int64_t rep, int64_t D) { return 2 * kKeys * D + rep * (kKeys + 1); }
+
+// Slots [j0, j1) of one K/V group for its rep query heads q (rep, D), pre-scaled by the softmax scale: updates
+// the running max m (rep), sum l (rep) and accumulator acc (rep, D). pad: the group row's (S,) flags, or null.
+void attend_range(const AttnOps& ops, const float* q, int64_t rep, const CacheRows& K, const CacheRows& V,
+                  const bool* pad, int64_t j0, int64_t j1, float* m, float* l, float* acc, float* work) {
+  const int64_t D = K.D;
+  float* kb = work;
+  float* vb = kb + kKeys * D;
+  float* s = vb + kKeys * D;  // (rep, kKeys)
+  float* alpha = s + rep * kKeys;
+  for (int64_t j = j0; j < j1; j += kKeys) {
+    const int64_t n = std::min(kKeys, j1 - j);
+    const CacheRows kr = K.at(j), vr = V.at(j);
+    const bool in_place = ops.scores_rows[0] != nullptr;
+    const float* kp = in_place || kr.kind == CACHE_F32 ? reinterpret_cast<const float*>(kr.data) : (ops.to_float(kr, n, kb), kb);
+    for (int64_t h0 = 0; h0 < rep; h0 += kHeadsMax) {
+      const int64_t hb = std::min<int64_t>(kHeadsMax, rep - h0) - 1;
+      in_place ? ops.scores_rows[hb](q + h0 * D, kr, n, D, s + h0 * kKeys) : ops.scores[hb](q + h0 * D, kp, n, D, s + h0 * kKeys);
+    }
+    for (int64_t h = 0; h < rep; ++h) alpha[h] = ops.softmax(s + h * kKeys, n, pad ? pad + j : nullptr, m[h], l[h]);
+    const float* vp = in_place || vr.kind == CACHE_F32 ? reinterpret_cast<const float*>(vr.data) : (ops.to_float(vr, n, vb), vb);
+    for (int64_t h0 = 0; h0 < rep; h0 += kHeadsMax) {
+      const int64_t hb = std::min<int64_t>(kHeadsMax, rep - h0) - 1;
+      in_place ? ops.values_rows[hb](s + h0 * kKeys, alpha + h0, vr, n, D, acc + h0 * D)
+               : ops.values[hb](s + h0 * kKeys, alpha + h0, vp, n, D, acc + h0 * D);
+    }
+  }
+}
+
+// One head's output (D,) from nt workers' partial softmaxes, merged by their log-sum-exp: worker t's m, l and
+// acc (D) are at pm[t * heads + head], pl[...], pacc[(t * heads + head) * D]. No slot attended: zeros.
+void merge_head(int nt, int64_t heads, int64_t head, int64_t D, const float* pm, const float* pl, const float* pacc,
+                float* out) {
+  float mx = -INFINITY;
+  for (int t = 0; t < nt; ++t) mx = std::max(mx, pm[t * heads + head]);
+  std::fill(out, out + D, 0.0f);
+  if (mx == -INFINITY) return;
+  float den = 0.0f;
+  for (int t = 0; t < nt; ++t) {
+    const float mt = pm[t * heads + head];
+    if (mt == -INFINITY) continue;
+    const float w = std::exp(mt - mx);
+    den += w * pl[t * heads + head];
+    const float* a = pacc + (t * heads + head) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] += w * a[d];
+  }
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 // [lo, hi) of n items for worker `tid` of `nt` (the first n % nt workers take one more)
@@ -1000,9 +1385,93 @@ inline void all_workers_meet() {
 #endif
 }
 
+// The rows of (row b, K/V head g) of a (B, G, S, D) cache, with its (B, G, S, D / qb) scales when int8.
+CacheRows cache_rows(const at::Tensor& c, const at::Tensor* scale, int64_t b, int64_t g) {
+  const int64_t G = c.size(1), S = c.size(2), D = c.size(3);
+  CacheRows r;
+  r.kind = cache_kind(c.scalar_type());
+  r.D = D;
+  r.qb = D;
+  r.data = static_cast<uint8_t*>(c.data_ptr()) + (b * G + g) * S * D * r.elem();
+  if (r.kind == CACHE_I8) {
+    r.qb = D / scale->size(3);
+    r.scale = scale->data_ptr<float>() + (b * G + g) * S * (D / r.qb);
+  }
+  return r;
+}
+
+void check_cache(const at::Tensor& c, const char* name, const at::Tensor& like, const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() == 4 && c.sizes() == like.sizes() &&
+                  c.scalar_type() == like.scalar_type(),
+              "attnlab quant: decode_attention's ", name, " must be a contiguous CPU (B, G, S, D) tensor like k, got ",
+              c.scalar_type(), " of ", c.sizes());
+  cache_kind(c.scalar_type());
+  if (c.scalar_type() != at::kChar) return;
+  TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->dim() == 4 &&
+                  scale->sizes().slice(0, 3) == c.sizes().slice(0, 3) && scale->size(3) > 0 &&
+                  c.size(3) % scale->size(3) == 0,
+              "attnlab quant: an int8 ", name, " needs its float32 scales, a contiguous (B, G, S, D / block) tensor");
+}
+
+// out (B, H, D) float32: softmax(q k^T * scale) v of one query per row over slots [0, length) of the cache
+// (padding slots skipped), the query heads of K/V head g being g * H / G ... (g + 1) * H / G - 1.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                            const std::optional<at::Tensor>& pad, int64_t length, double scale, int64_t isa) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3,
+              "attnlab quant: decode_attention's q must be a (B, H, D) float32 CPU tensor, got ", q.scalar_type(),
+              " of ", q.sizes());
+  check_cache(k, "k", k, k_scale);
+  check_cache(v, "v", k, v_scale);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && G > 0 && H % G == 0, "attnlab quant: q ", q.sizes(),
+              " does not go with a cache of ", k.sizes(), " (B and D equal, H a multiple of G)");
+  TORCH_CHECK(length >= 1 && length <= S, "attnlab quant: length=", length, " must be in [1, ", S, "]");
+  at::Tensor padc;
+  if (pad.has_value()) {
+    TORCH_CHECK(pad->dim() == 2 && pad->size(0) == B && pad->size(1) == S, "attnlab quant: pad must be (B, S) = (", B,
+                ", ", S, "), got ", pad->sizes());
+    padc = pad->to(at::kBool).contiguous();
+  }
+  const at::Tensor qc = q.contiguous();
+  const float* qp = qc.data_ptr<float>();
+  const int64_t level = resolve_isa(isa), rep = H / G, heads = B * H;
+  const at::Tensor* ks = k_scale.has_value() ? &*k_scale : nullptr;
+  const at::Tensor* vs = v_scale.has_value() ? &*v_scale : nullptr;
+  const AttnOps ops = attn_ops(level, D, cache_rows(k, ks, 0, 0).qb, cache_kind(k.scalar_type()));
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<float> pm(threads * heads), pl(threads * heads), pacc(threads * heads * D);
+  int used = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+  {
+    const int tid = worker_id(), nt = worker_count();
+    if (tid == 0) used = nt;
+    std::vector<float> qs(rep * D), work(attend_work_floats(rep, D));
+    const auto [j0, j1] = share(length, tid, nt);  // split-K: this worker's slots of every row and group
+    for (int64_t bg = 0; bg < B * G; ++bg) {
+      const int64_t b = bg / G, g = bg % G, head0 = tid * heads + b * H + g * rep;
+      for (int64_t i = 0; i < rep * D; ++i) qs[i] = qp[(b * H + g * rep) * D + i] * static_cast<float>(scale);
+      std::fill(&pm[head0], &pm[head0] + rep, -INFINITY);
+      std::fill(&pl[head0], &pl[head0] + rep, 0.0f);
+      std::fill(&pacc[head0 * D], &pacc[head0 * D] + rep * D, 0.0f);
+      attend_range(ops, qs.data(), rep, cache_rows(k, ks, b, g), cache_rows(v, vs, b, g),
+                   padc.defined() ? padc.data_ptr<bool>() + b * S : nullptr, j0, j1, &pm[head0], &pl[head0],
+                   &pacc[head0 * D], work.data());
+    }
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  for (int64_t head = 0; head < heads; ++head)
+    merge_head(used, heads, head, D, pm.data(), pl.data(), pacc.data(), out.data_ptr<float>() + head * D);
+  return out;
+}
+
 at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::Tensor& slot, const at::Tensor& pad,
                         at::TensorList k_caches, at::TensorList v_caches, at::TensorList weights,
-                        at::IntArrayRef kinds, at::IntArrayRef dims, double eps, double rope_base, int64_t isa) {
+                        at::IntArrayRef kinds, at::IntArrayRef dims, double eps, double rope_base, int64_t isa,
+                        std::optional<at::TensorList> k_scales_opt, std::optional<at::TensorList> v_scales_opt) {
+  const at::TensorList k_scales = k_scales_opt.value_or(at::TensorList()), v_scales = v_scales_opt.value_or(at::TensorList());
   TORCH_CHECK(dims.size() == 7, "attnlab quant: dims = [n_layer, H, G, D, E, F, V]");
   const int64_t L = dims[0], H = dims[1], G = dims[2], D = dims[3], E = dims[4], Fh = dims[5], V = dims[6];
   const int64_t B = tok.size(0), S = pad.size(1);
@@ -1013,11 +1482,26 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
               "attnlab quant: one K and one V cache per block");
   TORCH_CHECK(G > 0 && H % G == 0 && D % 2 == 0 && E % kBlock == 0 && Fh % kBlock == 0,
               "attnlab quant: dims ", dims, " are not a Llama the fused step runs");
+  const bool int8_cache = k_caches[0].scalar_type() == at::kChar;
+  TORCH_CHECK(!int8_cache || (static_cast<int64_t>(k_scales.size()) == L && static_cast<int64_t>(v_scales.size()) == L),
+              "attnlab quant: an int8 KV cache needs one K and one V scale tensor per block");
   for (int64_t l = 0; l < L; ++l)
-    for (const at::Tensor& c : {k_caches[l], v_caches[l]})
-      TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.sizes() == at::IntArrayRef({B, G, S, D}),
-                  "attnlab quant: block ", l, "'s K/V cache must be a contiguous float32 (", B, ", ", G, ", ", S, ", ",
-                  D, ") tensor, got ", c.scalar_type(), " of ", c.sizes());
+    for (int kv = 0; kv < 2; ++kv) {
+      const at::Tensor& c = kv ? v_caches[l] : k_caches[l];
+      TORCH_CHECK(c.scalar_type() == k_caches[0].scalar_type() && c.is_contiguous() &&
+                      c.sizes() == at::IntArrayRef({B, G, S, D}),
+                  "attnlab quant: block ", l, "'s K/V cache must be a contiguous (", B, ", ", G, ", ", S, ", ", D,
+                  ") tensor of ", k_caches[0].scalar_type(), " (float32, float16, bfloat16 or int8), got ",
+                  c.scalar_type(), " of ", c.sizes());
+      cache_kind(c.scalar_type());
+      if (int8_cache) {
+        const at::Tensor& sc = kv ? v_scales[l] : k_scales[l];
+        TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 4 &&
+                        sc.sizes().slice(0, 3) == c.sizes().slice(0, 3) && sc.size(3) > 0 && D % sc.size(3) == 0,
+                    "attnlab quant: block ", l, "'s int8 cache scales must be a contiguous float32 (", B, ", ", G,
+                    ", ", S, ", D / block) tensor, got ", sc.scalar_type(), " of ", sc.sizes());
+      }
+    }
   for (int64_t i = 0; i < static_cast<int64_t>(weights.size()); ++i) {
     const bool norm = i < 6 * L ? (i % 6 == 0 || i % 6 == 3) : i == 6 * L;
     const at::Tensor& w = weights[i];
@@ -1033,7 +1517,8 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
   const int64_t KV = G * D, QKV = E + 2 * KV, rep = H / G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t level = resolve_tile_isa(isa);
-  const AttendOps attend = attend_ops(level == TILES_SCALAR ? SCALAR : best_isa(), D);
+  const int64_t qb = cache_rows(k_caches[0], int8_cache ? &k_scales[0] : nullptr, 0, 0).qb;
+  const AttnOps attend = attn_ops(level == TILES_SCALAR ? SCALAR : best_isa(), D, qb, cache_kind(k_caches[0].scalar_type()));
   const auto rows_of = [&](int64_t i) { return weights[i].size(0); };  // padded to 16
   const int64_t ldqkv = rows_of(1), ldo = rows_of(2), ldgu = rows_of(4), lddn = rows_of(5), ldv = rows_of(6 * L + 1);
   for (int64_t l = 0; l < L; ++l)
@@ -1054,26 +1539,26 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
     }
   // Buffers shared by the workers; each matmul writes its own, so that no worker overwrites what another
   // may still be reading between two barriers.
-  std::vector<float> qkv(B * ldqkv), ctx(B * E), o(B * ldo), gu(B * ldgu), act(B * Fh), dn(B * lddn);
+  std::vector<float> qkv(B * ldqkv), o(B * ldo), gu(B * ldgu), act(B * Fh), dn(B * lddn);
   at::Tensor logits = at::empty({B, ldv}, at::TensorOptions().dtype(at::kFloat));
   QuantBuf act_q(B, Fh);
   const bool* pp = padc.data_ptr<bool>();
   const float* x0 = x.data_ptr<float>();
   float* lp = logits.data_ptr<float>();
-  std::vector<float*> kc(L), vc(L);
-  for (int64_t l = 0; l < L; ++l) kc[l] = k_caches[l].data_ptr<float>(), vc[l] = v_caches[l].data_ptr<float>();
+  // every worker's partial softmax of every head (split-K attention, merged by each worker after a barrier)
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<float> pm(threads * B * H), pl(threads * B * H), pacc(threads * B * H * D);
 
   // One team of workers for the whole step (waking threads per matmul cost more than the small matmuls
   // gained, measured). Each worker keeps its own copy of the residual stream and of the rounded inputs:
   // they are the same floats in every worker (the same operations on the same data), so only the
   // matmuls, the attention heads and the SwiGLU are split, and a barrier follows each of those.
-  const int threads = std::max(1, at::get_num_threads());
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
   {
     const int tid = worker_id(), nt = worker_count();
-    std::vector<float> xr(x0, x0 + B * E), h(B * E), scores(S), q(D);
+    std::vector<float> xr(x0, x0 + B * E), h(B * E), ctx(B * E), qs(rep * D), kv(2 * D), work(attend_work_floats(rep, D));
     QuantBuf hq(B, E), cq(B, E);
     const auto norm_and_round = [&](const float* w) {
       for (int64_t b = 0; b < B; ++b) {
@@ -1087,24 +1572,36 @@ at::Tensor llama_decode(const at::Tensor& tok, const at::Tensor& pos, const at::
       norm_and_round(w[0].data_ptr<float>());
       tiles_share(w[1], k[0], level, hq, B, qkv.data(), ldqkv, tid, nt);
       all_workers_meet();
-      // attention, split by (row, K/V head): RoPE on its query heads and its K, the cache write, attend
-      const auto [g0, g1] = share(B * G, tid, nt);
-      for (int64_t bg = g0; bg < g1; ++bg) {
-        const int64_t b = bg / G, g = bg % G;
+      // attention, split over the slots 0..s of every (row, K/V head) (split-K, see attend_range); the worker
+      // whose range ends at slot s writes the new K and V there, and is the only one to read them this step
+      const auto [j0, j1] = share(s + 1, tid, nt);
+      for (int64_t bg = 0; bg < B * G; ++bg) {
+        const int64_t b = bg / G, g = bg % G, head0 = tid * B * H + b * H + g * rep;
         const float* row = qkv.data() + b * ldqkv;
-        float* kdst = kc[l] + ((b * G + g) * S + s) * D;
-        std::memcpy(kdst, row + E + g * D, D * sizeof(float));
-        rope_row(kdst, &cs[b * D], &sn[b * D], D);
-        std::memcpy(vc[l] + ((b * G + g) * S + s) * D, row + E + KV + g * D, D * sizeof(float));
-        const float* K = kc[l] + (b * G + g) * S * D;
-        const float* Vv = vc[l] + (b * G + g) * S * D;
-        for (int64_t hh = g * rep; hh < (g + 1) * rep; ++hh) {
-          std::memcpy(q.data(), row + hh * D, D * sizeof(float));
-          rope_row(q.data(), &cs[b * D], &sn[b * D], D);
-          attend_one(attend, q.data(), K, Vv, pp + b * S, s, D, scale, scores.data(), ctx.data() + b * E + hh * D);
+        const CacheRows K = cache_rows(k_caches[l], int8_cache ? &k_scales[l] : nullptr, b, g);
+        const CacheRows Vr = cache_rows(v_caches[l], int8_cache ? &v_scales[l] : nullptr, b, g);
+        if (j0 < j1 && j1 == s + 1) {
+          std::memcpy(kv.data(), row + E + g * D, D * sizeof(float));
+          rope_row(kv.data(), &cs[b * D], &sn[b * D], D);
+          std::memcpy(kv.data() + D, row + E + KV + g * D, D * sizeof(float));
+          write_cache_row(K, s, kv.data());
+          write_cache_row(Vr, s, kv.data() + D);
         }
+        for (int64_t i = 0; i < rep; ++i) {
+          float* qh = qs.data() + i * D;
+          std::memcpy(qh, row + (g * rep + i) * D, D * sizeof(float));
+          rope_row(qh, &cs[b * D], &sn[b * D], D);
+          for (int64_t d = 0; d < D; ++d) qh[d] *= scale;
+        }
+        std::fill(&pm[head0], &pm[head0] + rep, -INFINITY);
+        std::fill(&pl[head0], &pl[head0] + rep, 0.0f);
+        std::fill(&pacc[head0 * D], &pacc[head0 * D] + rep * D, 0.0f);
+        attend_range(attend, qs.data(), rep, K, Vr, pp + b * S, j0, j1, &pm[head0], &pl[head0], &pacc[head0 * D],
+                     work.data());
       }
       all_workers_meet();
+      for (int64_t head = 0; head < B * H; ++head)  // every worker merges every head: no second barrier
+        merge_head(nt, B * H, head, D, pm.data(), pl.data(), pacc.data(), ctx.data() + head * D);
       for (int64_t b = 0; b < B; ++b) cq.quantize(ctx.data(), b, 0, E / kBlock, level);
       tiles_share(w[2], k[1], level, cq, B, o.data(), ldo, tid, nt);
       all_workers_meet();
@@ -1147,7 +1644,11 @@ TORCH_LIBRARY(attnlab_quant, m) {
   m.def("cpu_tile_isa() -> int", &cpu_tile_isa);
   m.def(
       "llama_decode(Tensor tok, Tensor pos, Tensor slot, Tensor pad, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-      "Tensor[] weights, int[] kinds, int[] dims, float eps, float rope_base, int isa=-1) -> Tensor");
+      "Tensor[] weights, int[] kinds, int[] dims, float eps, float rope_base, int isa=-1, Tensor[]? k_scales=None, "
+      "Tensor[]? v_scales=None) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor? pad, int length, "
+      "float scale, int isa=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_quant, CPU, m) {
@@ -1157,5 +1658,6 @@ TORCH_LIBRARY_IMPL(attnlab_quant, CPU, m) {
   m.impl("dequantize_tiles", dequantize_tiles);
   m.impl("qmatmul_tiles", qmatmul_tiles);
   m.impl("llama_decode", llama_decode);
+  m.impl("decode_attention", decode_attention);
   m.impl("quantize_x", quantize_x);
 }
