@@ -113,7 +113,6 @@ def test_a_real_mistake_is_named_before_a_hardening_weakness(module_file):
     assert "parity_self" in {r.name for r in report.failures}
 
 
-
 def test_a_note_has_its_own_status_and_raise_if_failed_follows_strict(module_file):
     """A hardening note is status "note", not "fail": raise_if_failed() passes it, raise_if_failed(strict=True)
     fails on it as ``attnlab check --strict`` does, and a strict run's rows are failures however it is asked."""
@@ -149,6 +148,7 @@ def test_a_failing_report_does_not_call_its_attention_right(module_file, capsys,
     assert code == 1 and "FAILED: 1 passed, 1 failed, 0 skipped; and 1 hardening note (--strict fails on it)" in flat
     assert "Hardening notes (robustness a textbook module is not written for; --strict fails on them)" in flat
     assert "computes is right" not in flat and "computes attention correctly" not in flat
+
 
 # -- the trial's mistakes, each recognised by recomputation --------------------------------------
 @pytest.mark.parametrize("mistake", ["padding_mask_added", "rows_misassigned"])
