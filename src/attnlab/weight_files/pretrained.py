@@ -450,7 +450,7 @@ def from_pretrained(
 
     Example::
 
-        model, tok = from_pretrained("smollm2")  # gguf on a CPU, as attnlab generate; dtype="float32": the exact model
+        model, tok = from_pretrained("smollm2", dtype="float32")  # the exact model; the default: what generate runs
         chat = [{"role": "user", "content": "What is the capital of France?"}]
         idx = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
         out = generate(model, idx, 32, temperature=0, eos_token_id=tok.eos_token_id)
