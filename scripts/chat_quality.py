@@ -81,11 +81,11 @@ class Path_:
     top_k: int | None = None
 
 
-PATHS = [
+PATHS = [  # the chosen default first, then the references, then the other candidates
+    Path_("gguf T=0.2 p=0.9 rp=1.1", "gguf", 0.2, 0.9, 1.1),
     Path_("gguf greedy", "gguf", 0.0),
     Path_("float32 greedy", "float32", 0.0),
     Path_("gguf T=0.2 p=0.9", "gguf", 0.2, 0.9),
-    Path_("gguf T=0.2 p=0.9 rp=1.1", "gguf", 0.2, 0.9, 1.1),
     Path_("gguf T=0.2 p=0.9 rp=1.2", "gguf", 0.2, 0.9, 1.2),
 ]
 
@@ -149,11 +149,23 @@ def answer(model: torch.nn.Module, ids: list[int], path: Path_, n: int, eos: int
 
 
 def llama_answers(python: str, prompts: list[list[int]], n: int, eos: int, seed: int) -> dict[str, list[list[int]]]:
-    job = {"path": str(smollm2_path()), "prompts": prompts, "n": n, "eos": eos, "seed": seed, "threads": 2}
+    job = {"path": str(smollm2_path()), "prompts": prompts, "n": n, "eos": eos, "seed": seed, "threads": 1}
     done = subprocess.run(
         [python, "-c", LLAMA_SIDE], input=json.dumps(job), capture_output=True, text=True, check=True, timeout=1800
     )
     return json.loads(done.stdout)
+
+
+def chat_ids(tok: object, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as one user turn in the model's chat template, the assistant's turn opened."""
+    return [
+        list(
+            tok.apply_chat_template(  # type: ignore[attr-defined]
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for p in prompts
+    ]
 
 
 def cpu_name() -> str:
@@ -178,25 +190,43 @@ def main() -> int:
         help="a Python with llama-cpp-python; 'none' leaves llama.cpp out",
     )
     ap.add_argument("--reuse", action="store_true", help="keep the answers --out already holds; run only the others")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--llama-only",
+        action="store_true",
+        help="run only llama.cpp's answers, into OUT.llama.json (a process of its own, beside the attnlab paths)",
+    )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llama_file = args.out.with_suffix(".llama.json")
+    if args.llama_only:
+        from attnlab.weight_files import gguf
+
+        tok = gguf.tokenizer_from_gguf(gguf.open_gguf(smollm2_path()))
+        got = llama_answers(
+            args.llama_python,
+            chat_ids(tok, PROMPTS[: args.limit]),
+            args.max_new_tokens,
+            int(tok.eos_token_id),
+            args.seed,
+        )
+        llama_file.write_text(
+            json.dumps({"llama.cpp greedy": got["greedy"], "llama.cpp default sampling": got["default"]})
+        )
+        return 0
     f32, tok = attnlab.from_pretrained("smollm2", dtype="float32")
     q, _ = attnlab.from_pretrained("smollm2", dtype="gguf")
     models = {"float32": f32, "gguf": q}
     eos = int(tok.eos_token_id)
     prompts = PROMPTS[: args.limit]
-    ids = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for p in prompts
-    ]
+    ids = chat_ids(tok, prompts)
     answers: dict[str, list[list[int]]] = {}
     seconds: dict[str, float] = {}
-    if args.reuse and args.out.is_file():
-        old = json.loads(args.out.read_text())
-        answers, seconds = old["ids"], {r["path"]: r["seconds"] for r in old["rows"]}
+    partial = args.out.with_suffix(".partial.json")
+    if args.reuse and partial.is_file():
+        old = json.loads(partial.read_text())
+        answers, seconds = old["ids"], old["seconds"]
     for path in PATHS:
         if path.name in answers:
             continue
@@ -204,6 +234,11 @@ def main() -> int:
         answers[path.name] = [answer(models[path.weights], x, path, args.max_new_tokens, eos, args.seed) for x in ids]
         seconds[path.name] = time.perf_counter() - start
         print(f"chat_quality: {path.name}: {seconds[path.name]:.0f} s", file=sys.stderr, flush=True)
+        partial = args.out.with_suffix(".partial.json")  # what a stopped run keeps: --reuse reads it back
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"ids": answers, "seconds": seconds}))
+    if llama_file.is_file():  # written by a --llama-only run
+        answers.update(json.loads(llama_file.read_text()))
     if "llama.cpp greedy" in answers:
         pass
     elif args.llama_python != "none" and Path(args.llama_python).is_file():
@@ -225,9 +260,9 @@ def main() -> int:
             n += 1
         return n
 
-    g, f = answers["gguf greedy"], answers["float32 greedy"]
-    prefix = [agree(a, b) for a, b in zip(g, f, strict=True)]
-    span = [min(AGREE_TOKENS, len(a), len(b)) for a, b in zip(g, f, strict=True)]  # both stop at eos
+    g, f = answers.get("gguf greedy", []), answers.get("float32 greedy", [])
+    prefix = [agree(a, b) for a, b in zip(g, f, strict=False)]
+    span = [min(AGREE_TOKENS, len(a), len(b)) for a, b in zip(g, f, strict=False)]  # both stop at eos
     whole = [p >= n for p, n in zip(prefix, span, strict=True)]
     rows = []
     for name, outs in answers.items():
@@ -255,7 +290,8 @@ def main() -> int:
         "degenerate_threshold": DEGENERATE,
         "greedy_agreement": {
             "tokens": AGREE_TOKENS,
-            "mean_common_prefix_share": sum(p / max(n, 1) for p, n in zip(prefix, span, strict=True)) / len(prefix),
+            "mean_common_prefix_share": sum(p / max(n, 1) for p, n in zip(prefix, span, strict=True))
+            / max(len(prefix), 1),
             "prompts_identical": sum(whole),
             "common_prefix_per_prompt": prefix,
         },
@@ -268,7 +304,7 @@ def main() -> int:
     print(f"CPU: {report['cpu']}")
     print(
         f"greedy gguf vs float32, first {AGREE_TOKENS} tokens: common prefix {report['greedy_agreement']['mean_common_prefix_share']:.0%} "
-        f"on average, identical on {sum(whole)} of {len(prompts)} prompts"
+        f"on average, identical on {sum(whole)} of {len(prefix)} prompts"
     )
     print(f"{'path':32} degenerate  LL/token (fluent)  LL/token (all)  rep4  tokens  ended")
     for r in rows:

@@ -139,3 +139,24 @@ def test_a_loaded_model_without_a_tokenizer_is_refused(smollm2):
     model, _ = smollm2
     with pytest.raises(UsageError, match=r"^stream\(\) got a loaded Llama and no tokenizer; pass tokenizer=tok"):
         attnlab.stream(model, "hi")
+
+
+def test_the_cli_chat_prints_what_the_python_stream_yields_with_the_same_weights_line(smollm2, capsys):
+    """``attnlab generate --chat`` and ``attnlab.stream(..., chat=True)``: the same defaults (weights, sampling,
+    seed), so the same answer, and the same weights line (the flag named as each spells it)."""
+    from attnlab.cli import main
+
+    model, tok = smollm2
+    question = "What is the capital of France?"
+    assert main(["generate", "--model", "smollm2", "--chat", "--prompt", question, "--max-new-tokens", "16"]) == 0
+    out, err = capsys.readouterr()
+    s = attnlab.stream(model, question, tokenizer=tok, chat=True, max_new_tokens=16)
+    assert out == s.read() + "\n"
+    cli_line = next(line for line in err.splitlines() if line.startswith("attnlab: weights "))
+    assert cli_line.replace("--dtype", "dtype") == s.weights_line
+    assert (
+        main(["generate", "--model", "smollm2", "--chat", "--prompt", question, "--max-new-tokens", "8", "--greedy"])
+        == 0
+    )
+    greedy = attnlab.stream(model, question, tokenizer=tok, chat=True, max_new_tokens=8, greedy=True)
+    assert capsys.readouterr().out == greedy.read() + "\n"

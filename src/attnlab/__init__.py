@@ -28,9 +28,9 @@ from .models.generation import generate, generate_steps, left_pad
 from .models.gpt import GPTConfig, TinyGPT
 from .models.llama import Llama
 from .models.llama_config import LlamaConfig
+from .tools.stream import Stream, StreamEvent, stream
 from .weight_files.pretrained import from_pretrained
 from .weight_files.saved_model import load_checkpoint, save_checkpoint
-from .tools.stream import Stream, StreamEvent, stream
 from .weight_files.tokenizer import ByteTokenizer, CharTokenizer
 
 __all__ = [

@@ -41,7 +41,14 @@ from ..core.variants import Structure
 from ..runtime.optional import import_failure, installed_version
 from .routing import attnlab_mask
 
-__all__ = ["ATTENTION_NAME", "LAST_BACKEND", "attnlab_attention_forward", "backends_used", "hf_mask_to_keep", "register"]
+__all__ = [
+    "ATTENTION_NAME",
+    "LAST_BACKEND",
+    "attnlab_attention_forward",
+    "backends_used",
+    "hf_mask_to_keep",
+    "register",
+]
 
 ATTENTION_NAME = "attnlab"
 LAST_BACKEND = "last_backend"  # the attribute each HF attention layer gets: the attnlab backend its last call ran
@@ -251,7 +258,9 @@ def attnlab_attention_forward(
         context, weights = _attend_variants(
             query, key, value, masks, softcap, sinks, scale=scale, dropout_p=dropout, need_weights=need_weights
         )
-        ran = "variants (" + " and ".join(n for n, on in (("softcap", softcap), ("sinks", sinks)) if on is not None) + ")"
+        ran = (
+            "variants (" + " and ".join(n for n, on in (("softcap", softcap), ("sinks", sinks)) if on is not None) + ")"
+        )
     else:
         backend = "math" if need_weights else "sdpa"
         context, weights, adapted = attend(
