@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ import torch
 
 import attnlab
 from attnlab.models.generation import generate_steps
+from attnlab.runtime.devices import cpu_info
 from attnlab.weight_files.pretrained import smollm2_path
 
 PROMPTS = [
@@ -168,16 +168,6 @@ def chat_ids(tok: object, prompts: list[str]) -> list[list[int]]:
     ]
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/chat_quality.json"))
@@ -281,8 +271,9 @@ def main() -> int:
                 "seconds": seconds.get(name),
             }
         )
+    cpu = cpu_info()
     report = {
-        "cpu": cpu_name(),
+        "cpu": f"{cpu['model']} (family {cpu['family']}, model {cpu['model_number']}), {os.cpu_count()} cores",
         "torch": torch.__version__,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
