@@ -62,7 +62,11 @@ def backends_used(model: nn.Module) -> dict[str, str]:
     The backend is ``"sdpa"`` (with how SDPA was adapted, when it was), ``"math"`` (the weights were asked
     for: ``output_attentions=True``), or ``"variants (softcap)"`` / ``"variants (sinks)"`` (Gemma 2, gpt-oss).
     """
-    return {name: m.__dict__[LAST_BACKEND] for name, m in model.named_modules() if LAST_BACKEND in m.__dict__}
+    return {
+        name: getattr(m, LAST_BACKEND)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, LAST_BACKEND, None), str)
+    }
 
 
 def hf_mask_to_keep(mask: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -267,7 +271,7 @@ def attnlab_attention_forward(
             backend, query, key, value, masks, scale=scale, dropout_p=dropout, need_weights=need_weights
         )  # (B, H, T_q, D), (B, H, T_q, T_k) or None
         ran = backend + (f" ({adapted})" if adapted else "")
-    module.__dict__[LAST_BACKEND] = ran  # a plain attribute: no nn.Module bookkeeping on the hot path
+    setattr(module, LAST_BACKEND, ran)  # a plain str attribute (torch.compile traces a module's setattr)
     return context.transpose(1, 2).contiguous(), weights  # (B, T_q, H, D), as HF's layers reshape it
 
 
