@@ -1,6 +1,6 @@
 """How well SmolLM2 answers in chat, on each path: attnlab's gguf weights, its float32 weights, and llama.cpp on the
 same GGUF file, greedy and sampled. The figures that chose ``attnlab generate --chat``'s sampling defaults
-(``docs/howto/generate.md``, "Chat sampling").
+(``docs/howto/real-models.md``, "Chat sampling").
 
 On a fixed set of 22 prompts (12 English, 10 Chinese) in SmolLM2's chat template, every path answers with up to
 ``--max-new-tokens`` tokens (64), stopping at the end-of-sequence token. Then:

@@ -10,7 +10,7 @@ Sampling (:func:`sampling`): a chat answer samples as SmolLM2's model card recom
 0.9; neither its ``generation_config.json`` nor its GGUF file carries sampling values) with a repetition penalty
 of 1.1 (:data:`CHAT_SAMPLING`); a continuation samples at temperature 0.8 among the top 200 tokens, as
 ``attnlab generate`` always has (:data:`CONTINUE_SAMPLING`); ``greedy=True`` (or temperature 0) is plain argmax.
-``scripts/chat_quality.py`` measured the choice (``docs/howto/generate.md``, "Chat sampling").
+``scripts/chat_quality.py`` measured the choice (``docs/howto/real-models.md``, "Chat sampling").
 """
 
 from __future__ import annotations
