@@ -40,8 +40,8 @@ def require_smollm2() -> None:
 
 @functools.cache
 def attnlab_smollm2() -> tuple[Any, Any]:
-    """``(attnlab Llama in fp32, its tokenizer)`` from ``from_pretrained("smollm2")``."""
-    return from_pretrained("smollm2")
+    """``(attnlab Llama in fp32, its tokenizer)`` from ``from_pretrained("smollm2", dtype="float32")``."""
+    return from_pretrained("smollm2", dtype="float32")
 
 
 @functools.cache

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab import MultiHeadAttention
-from attnlab.check.suite import SEQ_LEN
 from attnlab.check import CHECKS, ModuleAdapter, TorchMHAAdapter, run_checks
+from attnlab.check.suite import SEQ_LEN
 from attnlab.cli import main
 from check_factories import TinyAttention
 
@@ -150,7 +150,7 @@ def test_broken_module_is_caught_by_its_check(broken, check, device_with_float64
     torch.manual_seed(0)
     bad = run_checks(broken().to(device_with_float64), checks=[check])[check]
     assert good.status == "pass", good
-    assert bad.status == "fail", bad
+    assert bad.status == "fail" or (bad.status == "note" and bad.hardening), bad  # NaN on fully masked rows: a note
 
 
 def test_broken_modules_fail_parity_too(device_with_float64):
@@ -200,11 +200,13 @@ def test_torch_mha_findings(batch_first):
     statuses = {r.name: r.status for r in report.results}
     # Found: with need_weights=True (torch's default) a fully masked query row is NaN, with or
     # without autograd (pytorch issues 41508, 152028). Everything else agrees with the reference.
-    assert statuses.pop("fully_masked_rows") == "fail"
+    assert statuses.pop("fully_masked_rows") == "note"  # a hardening note: the attention is right
     # Found: NaN or inf in a padded key/value row makes every output NaN, padded or not: the padded
     # key's score is NaN before the -inf of key_padding_mask is added, and NaN + -inf = NaN.
-    assert statuses.pop("padded_kv_nonfinite") == "fail"
-    assert "nan self: 320 NaN/inf outputs" in report["padded_kv_nonfinite"].detail  # all 10 real queries (T=7), E=16, 2 modes
+    assert statuses.pop("padded_kv_nonfinite") == "note"
+    assert (
+        "nan self: 320 NaN/inf outputs" in report["padded_kv_nonfinite"].detail
+    )  # all 10 real queries (T=7), E=16, 2 modes
     nan_row = 2 * 16  # query 2 of both sequences, all E=16 features: exactly the fully masked row
     assert (
         report["fully_masked_rows"].detail == f"autograd: {nan_row} NaN/inf outputs; no_grad: {nan_row} NaN/inf outputs"
@@ -223,7 +225,7 @@ def test_torch_mha_fully_masked_rows_without_weights():
     torch.manual_seed(0)
     m = nn.MultiheadAttention(16, 4, batch_first=True)
     row = run_checks(TorchMHAAdapter(m, need_weights=False), checks=["fully_masked_rows"])["fully_masked_rows"]
-    assert row.status == "fail"
+    assert row.status == "note" and row.hardening  # missed its bound; a hardening note, not a failure
     assert row.detail.startswith("autograd: finite, err ")
     assert row.detail.endswith("no_grad: 32 NaN/inf outputs")  # query 2 of B=2 sequences, E=16
 

@@ -219,7 +219,7 @@ def test_gguf_matches_transformers_loading_the_same_file(tmp_path, tied, add_bos
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_order = write_llama_gguf(tmp_path / "tiny.gguf", tied=tied, add_bos=add_bos)
-    model, tokenizer = from_pretrained(tmp_path / "tiny.gguf")
+    model, tokenizer = from_pretrained(tmp_path / "tiny.gguf", dtype="float32")  # the float model, as HF reads it
     assert model.config.tie_embeddings is tied and model.config.n_kv_head == 2
     for name, weight in hf_order.items():  # Q/K rows back in HF's rotary order, exactly
         assert torch.equal(model.get_parameter(name), torch.from_numpy(weight.astype(np.float32))), name

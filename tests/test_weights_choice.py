@@ -173,10 +173,14 @@ def test_from_pretrained_takes_the_names_and_refuses_an_unknown_one_before_looki
 def test_from_pretrained_auto_is_generates_default_and_names_are_torch_dtypes(monkeypatch, kernels):
     require_smollm2()
     seen = []
-    monkeypatch.setattr(pretrained, "_from_gguf", lambda path, dtype, device: seen.append(dtype) or ("m", "t"))
+    monkeypatch.setattr(
+        pretrained, "_from_gguf", lambda path, dtype, device: seen.append(dtype) or (torch.nn.Identity(), "t")
+    )
     for given in ("auto", "gguf", "bfloat16", torch.float16, "fp32"):
         pretrained.from_pretrained("smollm2", dtype=given)
-    assert seen == ["gguf", "gguf", torch.bfloat16, torch.float16, torch.float32]
+    model, _ = pretrained.from_pretrained("smollm2")  # the default is "auto": what attnlab generate runs
+    assert seen == ["gguf", "gguf", torch.bfloat16, torch.float16, torch.float32, "gguf"]
+    assert model.weights_line.startswith("attnlab: weights gguf: generate's default for a GGUF file on a CPU")
 
 
 # -- the commands: the default path, the flag, the line -------------------------------------------------------------

@@ -28,13 +28,15 @@ from .core.kv_cache import KVCache
 from .core.mla import MultiHeadLatentAttention
 from .core.mla_cache import MLACache
 from .heads.report import HeadReport, inspect
+from .hf.autoregister import install as _install_hf_register
 from .models.config import DecoderConfig
 from .models.decoder import Decoder
 from .models.deepseek import DeepSeekV3, DeepSeekV3Config
-from .models.generation import generate, left_pad
+from .models.generation import generate, generate_steps, left_pad
 from .models.gpt import GPTConfig, TinyGPT
 from .models.llama import Llama
 from .models.llama_config import LlamaConfig
+from .tools.stream import Stream, StreamEvent, stream
 from .weight_files.pretrained import from_pretrained
 from .weight_files.saved_model import load_checkpoint, save_checkpoint
 from .weight_files.tokenizer import ByteTokenizer, CharTokenizer
@@ -54,6 +56,10 @@ __all__ = [
     "inspect",
     "HeadReport",
     "generate",
+    "generate_steps",
+    "stream",
+    "Stream",
+    "StreamEvent",
     "left_pad",
     "load_checkpoint",
     "save_checkpoint",
@@ -67,6 +73,8 @@ __all__ = [
     "sdpa_attention",
 ]
 __version__ = "0.1.0"
+
+_install_hf_register()  # attn_implementation="attnlab" works once transformers' models import; transformers not imported now
 
 
 def swap(model: Any, **kwargs: Any) -> SwapReport:

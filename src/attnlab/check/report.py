@@ -14,8 +14,8 @@ _STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow", "note": "yellow
 
 
 def _status(r: CheckResult, strict: bool) -> str:
-    """``pass``, ``fail``, ``skip``, or ``note``: a failing row that only hardening causes explain."""
-    return "note" if r.status == "fail" and r.hardening and not strict else r.status
+    """The row's status as the verdict counts it: a note (a row only hardening causes explain) is ``fail`` when strict."""
+    return "fail" if r.status == "note" and strict else r.status
 
 
 def _figure(value: float | str | None) -> str:
@@ -163,9 +163,10 @@ def _print_diagnosis(console: object, report: Report) -> None:
             continue
         console.print()
         if title == "Hardening notes":
+            # "the attention is right" only when it is: with a failure above, the notes say what they are and no more
+            right = "the attention it computes is right, and " if report.ok else ""
             console.print(
-                "[bold]Hardening notes[/] (robustness a textbook module is not written for; the attention it "
-                "computes is right, and --strict fails on them)"
+                f"[bold]Hardening notes[/] (robustness a textbook module is not written for; {right}--strict fails on them)"
             )
         else:
             console.print(f"[bold]{title}[/]" + (" (most likely first)" if len(causes) > 1 else ""))

@@ -6,7 +6,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-Status = Literal["pass", "fail", "skip"]
+# "note": a row that missed its bound where only hardening causes explain it (Report.apply_diagnosis marks it so,
+# unless the run is strict): the attention is right, and strict runs and raise_if_failed(strict=True) fail on it.
+Status = Literal["pass", "fail", "skip", "note"]
 
 __all__ = ["Cause", "CheckError", "CheckResult", "Report", "Status"]
 
@@ -30,8 +32,9 @@ class CheckResult:
     tolerance: float | str | None = None  # the bound the figure had to meet
     detail: str = ""  # how it was measured, or why it was skipped
     data: dict = field(default_factory=dict, compare=False)  # figures the diagnosis reads (JSON too)
-    # A failing row that only hardening causes explain (NaN in padded values, fully masked rows, a fill
-    # float16 cannot hold, float32 inside a float64 run): a note, not a failure, unless the run is strict.
+    # A row that missed its bound where only hardening causes explain it (NaN in padded values, fully masked
+    # rows, a fill float16 cannot hold, float32 inside a float64 run): its status is "note", not "fail", unless
+    # the run is strict (then it stays "fail", and this flag still says why).
     hardening: bool = False
 
 
@@ -59,40 +62,45 @@ class Report:
     config: dict = field(default_factory=dict)  # dims, seed, torch version: what reproduces the run
     diagnosis: list[Cause] = field(default_factory=list)  # most likely cause first; empty when nothing failed
     partial: str | None = None  # why the run stopped early ("interrupted (SIGTERM) after 5 of 32 checks"), or None
-    strict: bool = False  # hardening notes count as failures (attnlab check --strict)
+    strict: bool = False  # hardening notes count as failures (attnlab check --strict; run_checks(strict=True))
 
     @property
     def failing(self) -> list[CheckResult]:
-        """Every row whose figure missed its bound, hardening notes included."""
-        return [r for r in self.results if r.status == "fail"]
+        """Every row whose figure missed its bound: the failures and the hardening notes."""
+        return [r for r in self.results if r.status in ("fail", "note")]
 
     @property
     def failures(self) -> list[CheckResult]:
-        """The rows that fail the target: every failing row but the hardening notes (all of them when strict)."""
-        return [r for r in self.failing if self.strict or not r.hardening]
+        """The rows that fail the target: status ``"fail"``, and the notes too when the report is strict."""
+        return [r for r in self.results if r.status == "fail" or (self.strict and r.status == "note")]
 
     @property
     def notes(self) -> list[CheckResult]:
-        """The hardening notes: failing rows that only hardening causes explain (none when strict)."""
-        return [r for r in self.failing if r.hardening and not self.strict]
+        """The hardening notes: rows of status ``"note"``, failing only what only hardening causes explain
+        (none when strict: they are failures then)."""
+        return [] if self.strict else [r for r in self.results if r.status == "note"]
 
     @property
     def ok(self) -> bool:
-        """True when the module computes attention correctly: no check failed but hardening notes (skips do not
-        count against the target)."""
+        """True when the module computes attention correctly: no row failed; hardening notes do not count (unless
+        the report is strict), nor do skips."""
         return not self.failures
 
     def apply_diagnosis(self, causes: list[Cause]) -> None:
-        """Record ``causes`` and mark as hardening each failing row that only hardening causes explain.
+        """Record ``causes`` and mark each failing row that only hardening causes explain: ``hardening=True``,
+        and status ``"note"`` unless the report is strict.
 
         A row no cause explains stays a failure: a note is a finding named and understood, never a guess."""
         self.diagnosis = causes
         hardening = {n for c in causes if c.hardening for n in c.explains}
         real = {n for c in causes if not c.hardening for n in c.explains}
-        self.results = [
-            replace(r, hardening=r.status == "fail" and r.name in hardening and r.name not in real)
-            for r in self.results
-        ]
+        rows = []
+        for r in self.results:
+            missed = r.status in ("fail", "note")
+            only_hardening = missed and r.name in hardening and r.name not in real
+            status = r.status if not missed else "note" if only_hardening and not self.strict else "fail"
+            rows.append(replace(r, status=status, hardening=only_hardening))
+        self.results = rows
 
     def is_note(self, cause: Cause) -> bool:
         """Whether ``cause`` is a hardening note: hardening, and every row it explains a note (strict: never)."""
@@ -128,8 +136,29 @@ class Report:
             "partial": self.partial,
         }
 
-    def raise_if_failed(self) -> None:
-        """For a user's pytest suite: ``run_checks(my_module).raise_if_failed()``."""
-        if self.failures:
-            lines = [f"  {r.name}: measured {r.measured}, tolerance {r.tolerance}; {r.detail}" for r in self.failures]
-            raise AssertionError(f"{self.target} failed {len(lines)} attention check(s):\n" + "\n".join(lines))
+    def raise_if_failed(self, strict: bool | None = None) -> None:
+        """For a user's pytest suite: ``run_checks(my_module).raise_if_failed()`` raises ``AssertionError`` naming
+        every failing row.
+
+        Args:
+            strict: whether hardening notes (rows of status ``"note"``: NaN in padded values, fully masked rows,
+                a mask fill float16 cannot hold, float32 inside a float64 run) fail too, as ``attnlab check
+                --strict`` fails on them. ``None`` (the default): as the report was run
+                (``run_checks(..., strict=...)``, False unless asked); ``True`` raises on the notes of a report
+                run without it; ``False`` ignores them even in a strict report.
+        """
+        strict = self.strict if strict is None else strict
+        # a strict report's notes have status "fail" and hardening=True: strict=False leaves them out again
+        failed = [r for r in self.results if r.status in ("fail", "note") and (strict or not r.hardening)]
+        if failed:
+            lines = [
+                f"  {r.name}: measured {r.measured}, tolerance {r.tolerance}; {r.detail}"
+                + (" (a hardening note, failed because strict)" if r.hardening else "")
+                for r in failed
+            ]
+            raise AssertionError(
+                f"{self.target} failed {len(lines)} attention check(s)"
+                + (", hardening notes included (strict)" if strict and any(r.hardening for r in failed) else "")
+                + ":\n"
+                + "\n".join(lines)
+            )

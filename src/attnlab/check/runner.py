@@ -48,13 +48,16 @@ def run_checks(
             to flash-attention's rule, 2x plain PyTorch's error in that dtype
             (:meth:`attnlab.check.suite.Context.tol`). A device or dtype this machine cannot check
             on raises :class:`attnlab.runtime.UsageError` (a ``ValueError``) saying what it has.
-        strict: count hardening notes as failures (see :class:`Report`).
+        strict: count hardening notes as failures, as ``attnlab check --strict`` does: their rows get
+            status ``"fail"`` (not ``"note"``), ``report.ok`` is False and ``report.raise_if_failed()``
+            raises on them. Without it they are rows of status ``"note"``, listed in ``report.notes``;
+            ``report.raise_if_failed(strict=True)`` fails on them later all the same.
 
     Returns:
         A :class:`Report`; ``report.ok`` is False when the module does not compute attention
-        correctly; a failing row that only hardening causes explain (NaN in padded values, fully
-        masked rows, a fill float16 cannot hold, float32 inside float64) is a note in
-        ``report.notes`` instead, unless ``strict``. ``report.diagnosis`` names the likely causes,
+        correctly; a row that missed its bound where only hardening causes explain it (NaN in padded
+        values, fully masked rows, a fill float16 cannot hold, float32 inside float64) has status
+        ``"note"`` and is in ``report.notes`` instead, unless ``strict``. ``report.diagnosis`` names the likely causes,
         most likely first. The target is left in eval mode, and the global RNG state is untouched.
 
     Raises:

@@ -41,9 +41,32 @@ from ..core.variants import Structure
 from ..runtime.optional import import_failure, installed_version
 from .routing import attnlab_mask
 
-__all__ = ["ATTENTION_NAME", "register", "attnlab_attention_forward", "hf_mask_to_keep"]
+__all__ = [
+    "ATTENTION_NAME",
+    "LAST_BACKEND",
+    "attnlab_attention_forward",
+    "backends_used",
+    "hf_mask_to_keep",
+    "register",
+]
 
 ATTENTION_NAME = "attnlab"
+LAST_BACKEND = "last_backend"  # the attribute each HF attention layer gets: the attnlab backend its last call ran
+
+
+def backends_used(model: nn.Module) -> dict[str, str]:
+    """``{layer name: attnlab backend its last forward ran}`` for every attention layer of an HF ``model`` that
+    attnlab's attention ran in (``attn_implementation="attnlab"``); empty before the first forward, or when
+    attnlab never ran there (another implementation, or a model whose attention is inline).
+
+    The backend is ``"sdpa"`` (with how SDPA was adapted, when it was), ``"math"`` (the weights were asked
+    for: ``output_attentions=True``), or ``"variants (softcap)"`` / ``"variants (sinks)"`` (Gemma 2, gpt-oss).
+    """
+    return {
+        name: getattr(m, LAST_BACKEND)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, LAST_BACKEND, None), str)
+    }
 
 
 def hf_mask_to_keep(mask: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -239,11 +262,16 @@ def attnlab_attention_forward(
         context, weights = _attend_variants(
             query, key, value, masks, softcap, sinks, scale=scale, dropout_p=dropout, need_weights=need_weights
         )
+        ran = (
+            "variants (" + " and ".join(n for n, on in (("softcap", softcap), ("sinks", sinks)) if on is not None) + ")"
+        )
     else:
         backend = "math" if need_weights else "sdpa"
-        context, weights, _ = attend(
+        context, weights, adapted = attend(
             backend, query, key, value, masks, scale=scale, dropout_p=dropout, need_weights=need_weights
         )  # (B, H, T_q, D), (B, H, T_q, T_k) or None
+        ran = backend + (f" ({adapted})" if adapted else "")
+    setattr(module, LAST_BACKEND, ran)  # a plain str attribute (torch.compile traces a module's setattr)
     return context.transpose(1, 2).contiguous(), weights  # (B, T_q, H, D), as HF's layers reshape it
 
 

@@ -248,12 +248,21 @@ def sample_next(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    repetition_penalty: float = 1.0,
+    seen: Tensor | None = None,
 ) -> Tensor:
     """Next token ``(B,)`` from logits ``(B, V)``: greedy at ``temperature == 0``, else sampled.
 
     ``top_k`` keeps the k most likely tokens; ``top_p`` keeps the smallest set of most likely
     tokens whose probability reaches p (nucleus). Both may be combined (top-k first).
+    ``repetition_penalty`` p > 1 makes each token of ``seen`` ``(B, V)`` bool (the tokens so far) less
+    likely, as transformers' ``repetition_penalty`` does (CTRL, Keskar et al. 2019): its logit divided
+    by p when positive, multiplied by p when negative; applied before greedy's argmax too.
     """
+    if repetition_penalty != 1.0 and seen is not None:
+        logits = logits.float()
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)  # (B, V)
+        logits = torch.where(seen, penalized, logits)
     if temperature == 0:
         return logits.argmax(dim=-1)  # (B,)
     logits = logits.float() / temperature  # (B, V)
@@ -329,6 +338,7 @@ def _check_generate_args(
     top_k: int | None,
     top_p: float | None,
     key_padding_mask: Tensor | None,
+    repetition_penalty: float = 1.0,
 ) -> None:
     """Every argument checked once per call, before the first step: the per-token loop checks nothing.
 
@@ -346,6 +356,7 @@ def _check_generate_args(
         check_count("top_k", top_k, low=1, hint="or None for no limit")
     if top_p is not None:
         check_range("top_p", top_p, low=0, high=1, low_inclusive=False, hint="or None for no limit")
+    check_range("repetition_penalty", repetition_penalty, low=0, low_inclusive=False, hint="1.0 is none")
     T, block = idx.size(1), model.config.block_size
     if T + max_new_tokens > block:
         fixes = []  # only the fixes that work alone: one that cannot fit is no advice
@@ -391,6 +402,7 @@ def generate_steps(
     compile: bool = False,
     threads: Threads = None,
     kv_dtype: torch.dtype | str | None = None,
+    repetition_penalty: float = 1.0,
 ) -> Iterator[Step]:
     """An iterator of one :class:`Step` per new token; stops early once every row has emitted ``eos_token_id``.
 
@@ -402,7 +414,7 @@ def generate_steps(
     after the first step would save that, but the stance is process-global: another thread's
     compiled code would run unguarded meanwhile, so attnlab does not use it.
     """
-    _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, key_padding_mask)
+    _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, key_padding_mask, repetition_penalty)
     threads = check_threads("threads", threads)
     if compile and not use_cache:
         raise ValueError(
@@ -424,6 +436,7 @@ def generate_steps(
         compile,
         kv_dtype,
         chooser,
+        repetition_penalty,
     )
     return _threaded(steps, counts) if counts else steps
 
@@ -442,6 +455,7 @@ def _steps(
     compile: bool,
     kv_dtype: torch.dtype | str | None,
     chooser: ThreadChooser | None = None,
+    repetition_penalty: float = 1.0,
 ) -> Iterator[Step]:
     B, T = idx.shape
     device = idx.device
@@ -477,9 +491,23 @@ def _steps(
     step_fn = compiled_decode_step(device) if compile else decode_step
     graphs = compile and decode_compile_mode(device) == "reduce-overhead"
     slots = torch.arange(S, device=device)  # (S,): each step's slot is a view, never a new host tensor
+    seen = None  # (B, V) bool: the tokens of each row so far (the prompt's real ones, then the new), for the penalty
+    if repetition_penalty != 1.0:
+        real = (~prompt_pad).to(torch.int32)  # (B, T)
+        seen = torch.zeros(B, logits.size(-1), dtype=torch.int32, device=device).scatter_add_(1, idx, real) > 0
 
     for i in range(max_new_tokens):
-        tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (B,)
+        tok = sample_next(
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+            repetition_penalty=repetition_penalty,
+            seen=seen,
+        )  # (B,)
+        if seen is not None:
+            seen.scatter_(1, tok[:, None], True)
         if eos_token_id is not None:
             tok = tok.masked_fill(finished, eos_token_id)  # a finished row keeps emitting eos
             finished = finished | (tok == eos_token_id)
@@ -528,6 +556,7 @@ def generate(
     compile: bool = False,
     threads: Threads = None,
     kv_dtype: torch.dtype | str | None = None,
+    repetition_penalty: float = 1.0,
 ) -> Tensor:
     """Continue ``idx``; returns ``(B, T + n)`` ids: the prompt (with its padding), then the new tokens.
 
@@ -555,6 +584,8 @@ def generate(
         kv_dtype: the KV cache's storage, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (see
             :class:`attnlab.KVCache`); default the dtype K/V are computed in (exact). Passed to
             ``model.setup_caches``.
+        repetition_penalty: > 1 makes every token already in the row (prompt or new) less likely
+            (:func:`sample_next`); 1.0, the default, is none.
     """
     steps = [
         s.tokens
@@ -572,6 +603,7 @@ def generate(
             compile=compile,
             threads=threads,
             kv_dtype=kv_dtype,
+            repetition_penalty=repetition_penalty,
         )
     ]
     if not steps:

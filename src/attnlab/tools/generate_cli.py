@@ -46,10 +46,10 @@ from ..weight_files import pretrained
 from ..weight_files.precision import choose_weights, loaded_weights_detail, parse_weights
 from ..weight_files.saved_model import load_checkpoint
 from ..weight_files.tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
+from .stream import DEFAULT_NEW_TOKENS, Sampling, events, sampling
 from .terminal import Stdout, Turns, check_text
 from .text_stream import PerToken, TextStream, Utf8Text, hf_text
 
-DEFAULT_NEW_TOKENS = 200  # what --max-new-tokens asks for when it is not given, if the model has room
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed's largest seed (it reads a negative one as 2**64 + seed)
 LONG_PROMPT = 200  # characters: a suggested command would repeat a longer prompt, so the message names the flag
 MAX_PENDING = 3  # tokens a character can still be arriving over: UTF-8 is at most 4 bytes, a token adds at least 1
@@ -143,12 +143,20 @@ def _fit_prompt(prompt: str, tokenizer: Tokenizer | _IdText, limit: int) -> str:
 
 
 def _check_flags(
-    max_new_tokens: int | None, temperature: float, top_k: int | None, top_p: float | None, seed: int
+    max_new_tokens: int | None,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int,
+    repetition_penalty: float | None = None,
 ) -> None:
     """Each number flag at its bounds: the checks of ``attnlab.generate`` for the same mistakes, named as flags."""
     if max_new_tokens is not None:
         check_count("--max-new-tokens", max_new_tokens, low=1, hint="or leave it out for all that fit")
-    check_temperature("--temperature", temperature, hint="0 is greedy, 0.8 the default")
+    if temperature is not None:
+        check_temperature("--temperature", temperature, hint="0 is greedy, 0.8 the default")
+    if repetition_penalty is not None:
+        check_range("--repetition-penalty", repetition_penalty, low=0, low_inclusive=False, hint="1 is none")
     if top_k is not None:
         check_count("--top-k", top_k, low=1, hint="or pass --top-k None for no limit")
     if top_p is not None:
@@ -200,9 +208,7 @@ class _Ask:
     chat: bool
     max_new_tokens: int | None
     device: torch.device
-    temperature: float
-    top_k: int | None
-    top_p: float | None
+    sampling: Sampling  # --temperature, --top-k, --top-p, --repetition-penalty, --greedy, defaults filled in
     seed: int
     compile: bool
     dtype: str  # --dtype as typed (checked by parse_weights); choose_weights makes it a WeightChoice
@@ -225,9 +231,10 @@ class _Ask:
             lm,
             idx,
             n,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
+            temperature=self.sampling.temperature,
+            top_k=self.sampling.top_k,
+            top_p=self.sampling.top_p,
+            repetition_penalty=self.sampling.repetition_penalty,
             eos_token_id=eos_token_id,
             generator=torch.Generator(device=self.device).manual_seed(self.seed),
             compile=self.compile,
@@ -251,9 +258,11 @@ def generate_command(
     prompt: str = "",
     chat: bool = False,
     max_new_tokens: int | None = None,
-    temperature: float = 0.8,
+    temperature: float | None = None,
     top_k: int | None = 200,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    greedy: bool = False,
     seed: int = 1337,
     device: str = "auto",
     dtype: str = "auto",
@@ -269,9 +278,11 @@ def generate_command(
         prompt: text to continue (UTF-8), in the checkpoint's alphabet; without a tokenizer, UTF-8 text (256+ ids) or token ids such as '3 14 15'. Empty: one symbol of the model's alphabet (a newline if it has one, else its first; '0' for ids); with --model, --prompt or --chat is needed.
         chat: wrap --prompt in the model's chat template as one user turn and print the answer; without --prompt, a conversation: one user turn per line of stdin (UTF-8), until an empty line or end of input, the history kept. Without a terminal, stdin must hold at least one line.
         max_new_tokens: tokens to generate (per answer with --chat); prompt (or conversation) + new tokens must fit in the model's block_size. None: 200, or as many as fit when fewer do (a note on stderr says so).
-        temperature: 0 is greedy; otherwise at least 1e-6, and higher is more random.
+        temperature: 0 is greedy; otherwise at least 1e-6, and higher is more random. None: 0.8, and with --chat 0.2, SmolLM2-Instruct's recommended value (docs/howto/real-models.md, "Chat sampling", has the figures).
         top_k: sample among the k most likely tokens only (None: all).
-        top_p: sample within the smallest set of tokens whose probability reaches p, 0 < p <= 1 (None: all).
+        top_p: sample within the smallest set of tokens whose probability reaches p, 0 < p <= 1 (1: all). None: all, and with --chat 0.9, SmolLM2-Instruct's recommended value.
+        repetition_penalty: > 1 makes every token already in the conversation less likely (transformers' repetition_penalty); 1 is none. None: 1, and with --chat 1.1 when sampling, which stopped every looping answer of the 22-prompt set (scripts/chat_quality.py). Greedy decoding takes none unless it is given.
+        greedy: always the most likely token, with no repetition penalty unless --repetition-penalty is given: the same as --temperature 0.
         seed: seed of the sampling generator, 0 .. 2**64 - 1; the same seed gives the same text.
         device: auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps.
         dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
@@ -288,6 +299,8 @@ def generate_command(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        greedy=greedy,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -303,9 +316,11 @@ def run_generate(
     prompt: str = "",
     chat: bool = False,
     max_new_tokens: int | None = None,
-    temperature: float = 0.8,
+    temperature: float | None = None,
     top_k: int | None = 200,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    greedy: bool = False,
     seed: int = 1337,
     device: str = "auto",
     dtype: str = "auto",
@@ -314,7 +329,9 @@ def run_generate(
     kv_dtype: str = "auto",
 ) -> Generated:
     """:func:`generate_command` with what it measured: its exit code and each stream's rates (the demo prints them)."""
-    _check_flags(max_new_tokens, temperature, top_k, top_p, seed)
+    _check_flags(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
+    if greedy and temperature not in (None, 0, 0.0):
+        raise UsageError(f"--greedy and --temperature {temperature} contradict each other; pass one of them.")
     parse_weights(dtype, "--dtype")
     checked_threads = check_threads("--threads", threads)
     check_text(prompt, "--prompt")
@@ -336,9 +353,14 @@ def run_generate(
         chat,
         max_new_tokens,
         resolve_device(device),
-        temperature,
-        top_k,
-        top_p,
+        sampling(
+            chat,
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+        ),
         seed,
         compile,
         dtype,
@@ -685,20 +707,20 @@ class _Streamed:
 
 
 def _print_steps(steps: Iterator[Step], text: TextStream, out: Stdout) -> _Streamed:
-    """Print each step's text as it becomes whole characters; what was generated and printed, and when."""
+    """Print each step's text as it becomes whole characters (:func:`.stream.events`, as ``attnlab.stream``
+    yields them); what was generated and printed, and when."""
     run = _Streamed(start=time.perf_counter())
     run.first = run.second = run.start
     pieces: list[str] = []
-    for step in steps:
-        run.tokens.append(int(step.tokens[0]))  # reads the token back: the step has finished, on any device
-        if len(run.tokens) == 1:
-            run.first = time.perf_counter()
-        elif len(run.tokens) == 2:
-            run.second = time.perf_counter()
-        piece = text.push(run.tokens[-1])
-        out.write(piece)
-        pieces.append(piece)
-        out.tokens, out.held = len(run.tokens) - text.held, text.held
+    for event in events(steps, text, run.start):
+        run.tokens.append(event.token_id)
+        if event.tokens == 1:
+            run.first = run.start + event.elapsed_s
+        elif event.tokens == 2:
+            run.second = run.start + event.elapsed_s
+        out.write(event.text)
+        pieces.append(event.text)
+        out.tokens, out.held = event.tokens - event.held, event.held
     run.end = time.perf_counter()
     run.text = "".join(pieces)
     return run

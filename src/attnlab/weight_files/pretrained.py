@@ -24,6 +24,7 @@ one slice of rows) at a time, so that loading peaks near the model's own size, n
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -51,7 +52,7 @@ from .file_checks import (
     safetensors_header,
     safetensors_metadata,
 )
-from .precision import choose_weights, parse_weights
+from .precision import choose_weights, loaded_weights_detail, parse_weights
 from .saved_model import FORMAT, load_checkpoint
 
 __all__ = ["from_pretrained", "smollm2_path", "SMOLLM2_INSTALL"]
@@ -413,7 +414,7 @@ def locate(source: str | os.PathLike) -> Path:
 
 
 def from_pretrained(
-    source: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    source: str | os.PathLike, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, Any]:
     """``(model in eval mode, tokenizer or None)`` from a name, a GGUF file or a checkpoint directory.
 
@@ -422,18 +423,22 @@ def from_pretrained(
             (``config.json`` + ``*.safetensors``, model_type llama or gpt2), or an attnlab
             checkpoint directory (``save_checkpoint``'s).
         dtype: of the weights, by the names every command's ``--dtype`` takes (or a torch dtype):
-            ``"float32"`` (the exact float model, trainable; the default), ``"bfloat16"`` (half the memory
+            ``"auto"``, the default: what ``attnlab generate`` runs on ``device`` (one rule,
+            :func:`attnlab.weight_files.precision.choose_weights`: gguf for a GGUF file on a CPU, bfloat16
+            on CUDA, float32 otherwise), so that Python and the shell answer alike;
+            ``"float32"`` (the exact float model, trainable), ``"bfloat16"`` (half the memory
             and bytes per token), ``"float16"``, ``"float64"``; ``"gguf"`` for a GGUF file: its
             Q4_0/Q4_1/Q8_0 tensors stay as the file stores them (:mod:`attnlab.quant`; 5.6x less memory
-            for SmolLM2), computed on in float32 by compiled CPU kernels, the other tensors as float32;
-            ``"auto"``: what ``attnlab generate`` runs on ``device``, the fastest for generation (gguf for
-            a GGUF file on a CPU, bfloat16 on CUDA; :mod:`attnlab.weight_files.precision` says why).
+            for SmolLM2), computed on in float32 by compiled CPU kernels, the other tensors as float32.
+            The model's ``weights_line`` says which ran and why, as ``attnlab generate`` prints it (and
+            the ``attnlab`` logger logs it at INFO).
         device: where the weights live (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``, ...); one this
             torch build and machine have.
 
     Returns:
         A :class:`~attnlab.models.llama.Llama` (GGUF, HF Llama) or :class:`~attnlab.TinyGPT` (HF
-        GPT-2, attnlab checkpoint), and its tokenizer: a ``transformers`` tokenizer for GGUF and HF
+        GPT-2, attnlab checkpoint), with ``model.weights_line`` (``"attnlab: weights gguf (Q8_0 and Q4_1
+        blocks as stored, ...): generate's default for a GGUF file on a CPU: ..."``), and its tokenizer: a ``transformers`` tokenizer for GGUF and HF
         sources (None when an HF directory has no tokenizer files), attnlab's for its checkpoints.
 
     Raises:
@@ -445,7 +450,7 @@ def from_pretrained(
 
     Example::
 
-        model, tok = from_pretrained("smollm2")  # float32, the exact model; dtype="auto": generation's fastest
+        model, tok = from_pretrained("smollm2", dtype="float32")  # the exact model; the default: what generate runs
         chat = [{"role": "user", "content": "What is the capital of France?"}]
         idx = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
         out = generate(model, idx, 32, temperature=0, eos_token_id=tok.eos_token_id)
@@ -456,7 +461,15 @@ def from_pretrained(
     path = locate(source)
     if path.is_file() and path.suffix.lower() != ".gguf" and path.name in ("config.json", "model.safetensors"):
         raise UsageError(f"source {str(path)!r} is a file of a checkpoint; pass its directory, {str(path.parent)!r}.")
-    weights = choose_weights(dtype, task="generate", source=path, device=device, flag="dtype").dtype
+    choice = choose_weights(dtype, task="generate", source=path, device=device, flag="dtype")
+    model, tokenizer = _load(path, choice.dtype, device)
+    line = choice.line(loaded_weights_detail(model))  # what attnlab generate prints: which weights ran, and why
+    setattr(model, "weights_line", line)  # noqa: B010  (a plain attribute, which nn.Module's typing does not declare)
+    logging.getLogger("attnlab").info(line)
+    return model, tokenizer
+
+
+def _load(path: Path, weights: torch.dtype | str, device: torch.device) -> tuple[nn.Module, Any]:
     if path.is_file():
         return _from_gguf(path, weights, device)
     dtype = weights
