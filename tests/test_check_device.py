@@ -201,9 +201,9 @@ def test_the_table_says_where_it_ran_when_not_the_default(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # the caption on one line
     assert main(["check", "--backend", "math", "--dtype", "float64", "--checks", "parity_self"]) == 0
     out = capsys.readouterr().out
-    assert "B=2 T=8 seed=0 on cpu in float64 torch " in out
+    assert "B=2 T=7 seed=0 on cpu in float64 torch " in out
     assert main(["check", "--backend", "math", "--checks", "parity_self"]) == 0
-    assert "B=2 T=8 seed=0 torch " in capsys.readouterr().out  # cpu and float32: nothing to say
+    assert "B=2 T=7 seed=0 torch " in capsys.readouterr().out  # cpu and float32: nothing to say
 
 
 def test_build_target_and_diagnose_take_the_same_arguments():

@@ -894,7 +894,14 @@ class ProbedAdapter(AttentionAdapter):
                 b = _first(self._invoke(moved, moved, moved, {arg: m}))
                 return float((a - b)[:, 1:].abs().max()) <= EXACT * float(a.abs().max().clamp_min(1e-12))
 
-            return not hides(first) and hides(~first)
+            def sees_others(m: Tensor) -> bool:  # the keys it keeps reach the other queries: a key mask
+                other = x.clone()
+                other[:, 2] += 2.0
+                a = _first(self._invoke(x, x, x, {arg: m}))
+                b = _first(self._invoke(other, other, other, {arg: m}))
+                return float((a - b)[:, [1, 3, 4, 5]].abs().max()) > SEEN * float(a.abs().max().clamp_min(1e-12))
+
+            return not hides(first) and hides(~first) and sees_others(~first)
         except Exception:
             return False
         finally:
