@@ -47,6 +47,56 @@ WILD_STAGES: dict[str, set[str]] = {
 }
 
 
+# What check does not yet get right on this corpus, by cause (measured 7 December 2026; each an expected failure,
+# strict: one that starts passing fails here until it is taken off the list)
+NOT_YET: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "karpathy_correct",
+            "karpathy_causal_reversed_repaired",
+            "karpathy_scale_embed_dim_repaired",
+            "karpathy_v_uses_q_proj_repaired",
+            "karpathy_v_uses_q_proj",
+        ),
+        "its causal buffer's length is a module global (block_size 16): the 32-token low-precision rows crash",
+    ),
+    **dict.fromkeys(
+        ("labml_correct", "labml_scale_missing_repaired", "labml_softmax_query_axis_repaired"),
+        "a time-first module's masks are time-first too ((T_q, T_k, B)): the mask probe has no such layout",
+    ),
+    **dict.fromkeys(
+        (
+            "flashattn_padding_inverted",
+            "opennmt_padding_inverted",
+            "espnet_padding_inverted",
+            "torchfunc_padding_inverted",
+            "xtransformers_padding_on_queries",
+        ),
+        "a key padding mask's polarity is read as the module's convention: an inverted one reads as the other "
+        "convention (flash-attn's True = keep), so nothing says it is a mistake",
+    ),
+    **dict.fromkeys(
+        ("clip_mask_ignored", "falcon_bool_mask_added", "swin_rows_misassigned", "torchfunc_batch_seq_swapped"),
+        "the masks reach the module in a form under which the mistake does not show",
+    ),
+    **dict.fromkeys(
+        (
+            "mistral_rotary_on_values",
+            "mistral_rotary_q_only",
+            "neox_rotary_q_only",
+            "falcon_rotary_on_values",
+            "lucidrotary_rotary_wrong_axis",
+            "mistral_gqa_kv_heads_tiled",
+        ),
+        "a rotary mistake (or GQA beside rotary) leaves a position map the data flow cannot fit: no rotary reference",
+    ),
+    **dict.fromkeys(
+        ("fairseq_split_without_transpose", "clip_merge_without_transpose", "xtransformers_softmax_head_axis"),
+        "the mistake departs at a stage, but another catalogued cause is named first or none",
+    ),
+}
+
+
 def _quick(path: Path) -> bool:
     """Each style's correct module and its first mistake (by name) run in ``make test``; the rest are slow."""
     style = path.stem.split("_")[0]
@@ -55,7 +105,14 @@ def _quick(path: Path) -> bool:
     return path.stem == f"{style}_correct" or (bool(mistakes) and path == mistakes[0])
 
 
-CASES = [pytest.param(p, id=p.stem, marks=() if _quick(p) else pytest.mark.slow) for p in FILES]
+def _marks(path: Path) -> list[pytest.MarkDecorator]:
+    marks = [] if _quick(path) else [pytest.mark.slow]
+    if path.stem in NOT_YET:
+        marks.append(pytest.mark.xfail(strict=True, reason=NOT_YET[path.stem]))
+    return marks
+
+
+CASES = [pytest.param(p, id=p.stem, marks=_marks(p)) for p in FILES]
 
 
 @pytest.mark.parametrize("path", CASES)

@@ -718,6 +718,15 @@ class ProbedAdapter(AttentionAdapter):
         made = self._build(embed_dim, num_heads, num_kv_heads)
         if not isinstance(made, nn.Module):
             return _same_size(_wrap(made), embed_dim, num_heads, num_kv_heads)
+        x = torch.zeros(1, 3, embed_dim, dtype=next((p.dtype for p in made.parameters()), torch.float32))
+        try:  # a width fixed inside (a module-level n_embd) cannot follow the sizes it was built with
+            with torch.no_grad():
+                _call(made.eval(), self.form, (x, x, x), {})
+        except Exception as e:
+            raise Unsupported(
+                f"{self.name} rebuilt at E={embed_dim}, H={num_heads} does not run at that width "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): a size fixed in its code"
+            ) from None
         # the same code at another size: its call form and mask reading are the same; its data flow is read again
         built = ProbedAdapter(
             made,
