@@ -36,7 +36,7 @@ def test_every_matrix_kept_as_stored_and_prefill_equals_the_float_model(tmp_path
     path = tmp_path / "q.gguf"
     write_llama_gguf(path, tied=True, all_quantized=qtype)
     mq, _ = from_pretrained(path, dtype="gguf")
-    mf, _ = from_pretrained(path)
+    mf, _ = from_pretrained(path, dtype="float32")  # the float model (the default on a CPU with kernels is gguf)
     assert isinstance(mq, Llama) and mq.quantized and not mf.quantized
     kept = [m for m in mq.modules() if isinstance(m, (QuantLinear, QuantEmbedding)) and not m.is_fusion]
     assert len(kept) == 1 + 7 * 2  # the embedding (tied head) and every projection of the 2 blocks
@@ -129,7 +129,7 @@ def test_mixed_file_keeps_the_quantized_tensors_and_floats_the_rest(tmp_path):
     path = tmp_path / "mixed.gguf"
     write_llama_gguf(path, tied=True)  # q/k/up F32, v/out/gate Q4_1, down Q8_0, embedding Q8_0
     mq, _ = from_pretrained(path, dtype="gguf")
-    mf, _ = from_pretrained(path)
+    mf, _ = from_pretrained(path, dtype="float32")  # the float model (the default on a CPU with kernels is gguf)
     block = mq.layers[0]
     assert isinstance(block.attn.q_proj, torch.nn.Linear) and isinstance(block.mlp.up_proj, torch.nn.Linear)
     assert isinstance(block.attn.v_proj, QuantLinear) and block.attn.v_proj.fmt.name == "Q4_1"
@@ -164,7 +164,7 @@ def test_smollm2_as_stored_memory_decode_logits_and_fast_path(monkeypatch):
     except Exception as err:
         pytest.skip(str(err))
     mq, tok = from_pretrained("smollm2", dtype="gguf")
-    mf, _ = from_pretrained("smollm2")
+    mf, _ = from_pretrained("smollm2", dtype="float32")  # the float model
     assert mq.weight_bytes() <= 1.2 * file_tensor_bytes(path)  # 96.6 MB for a 96.6 MB file (fp32: 538 MB)
     assert mf.weight_bytes() / mq.weight_bytes() > 5
     text = "The capital of France is Paris. It is known for the Eiffel Tower, museums and its long history."

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.core.kv_cache import kv_cache_choice
 from attnlab.models.generation import Step, sample_next
 from attnlab.runtime import UsageError
 from attnlab.tools.stream import CHAT_SAMPLING, CONTINUE_SAMPLING, Sampling, events, sampling
@@ -113,7 +114,9 @@ def test_streams_a_chinese_answer_with_no_broken_character(smollm2):
     assert s.text == (decoded.rstrip("\ufffd") if s.held else decoded)  # a character cut at the end is left out
     assert any("\u4e00" <= c <= "\u9fff" for c in s.text), s.text  # it answered in Chinese characters
     assert any(e.held and not e.text for e in got), "no character was split over tokens: the test tests nothing"
-    assert s.prompt_ids and s.sampling == CHAT_SAMPLING and s.weights_line == model.weights_line
+    _, kv_words = kv_cache_choice("auto", torch.device("cpu"), model.has_fused_decode, "kv_dtype")
+    line = model.weights_line.replace("): ", f", {kv_words}): ", 1) if kv_words else model.weights_line
+    assert s.prompt_ids and s.sampling == CHAT_SAMPLING and s.weights_line == line  # the KV cache generate runs
     assert got[-1].tokens == len(s.token_ids) and got[-1].tokens_per_s > 0
 
 
@@ -148,14 +151,33 @@ def test_the_cli_chat_prints_what_the_python_stream_yields_with_the_same_weights
 
     model, tok = smollm2
     question = "What is the capital of France?"
-    assert main(["generate", "--model", "smollm2", "--chat", "--prompt", question, "--max-new-tokens", "16"]) == 0
+    # the stream runs at torch's thread count; the CLI's --threads auto picks the decode's count by timing steps, and
+    # a count changes the float sums (1 and 2 threads sample different answers here), so the CLI is given torch's
+    threads = ["--threads", str(torch.get_num_threads())]
+    assert (
+        main(["generate", "--model", "smollm2", "--chat", "--prompt", question, "--max-new-tokens", "16", *threads])
+        == 0
+    )
     out, err = capsys.readouterr()
     s = attnlab.stream(model, question, tokenizer=tok, chat=True, max_new_tokens=16)
     assert out == s.read() + "\n"
     cli_line = next(line for line in err.splitlines() if line.startswith("attnlab: weights "))
-    assert cli_line.replace("--dtype", "dtype") == s.weights_line
+    assert cli_line.replace("--kv-dtype", "kv_dtype").replace("--dtype", "dtype") == s.weights_line
     assert (
-        main(["generate", "--model", "smollm2", "--chat", "--prompt", question, "--max-new-tokens", "8", "--greedy"])
+        main(
+            [
+                "generate",
+                "--model",
+                "smollm2",
+                "--chat",
+                "--prompt",
+                question,
+                "--max-new-tokens",
+                "8",
+                "--greedy",
+                *threads,
+            ]
+        )
         == 0
     )
     greedy = attnlab.stream(model, question, tokenizer=tok, chat=True, max_new_tokens=8, greedy=True)

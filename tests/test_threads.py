@@ -13,6 +13,7 @@ from attnlab.models.decoder import Decoder
 from attnlab.models.llama_config import LlamaConfig
 from attnlab.runtime import UsageError
 from attnlab.runtime.threads import ThreadChooser, candidate_threads, check_threads, free_cpus, resolve_threads
+from attnlab.tools.stream import Sampling
 
 
 class FakeLoad:
@@ -178,9 +179,8 @@ def test_cli_threads_flag_reaches_generate(monkeypatch):
         return iter(())
 
     monkeypatch.setattr(generate_cli, "generate_steps", fake_steps)
-    ask = generate_cli._Ask(
-        "--checkpoint", "x", "", False, 3, torch.device("cpu"), 0.0, None, None, 0, False, "auto", threads=1
-    )
+    greedy = Sampling(temperature=0.0, top_k=None, top_p=None, repetition_penalty=1.0)
+    ask = generate_cli._Ask("--checkpoint", "x", "", False, 3, torch.device("cpu"), greedy, 0, False, "auto", threads=1)
     model = tiny_llama()
     list(ask.steps(model, [1, 2, 3], 3))
     assert got["threads"] == 1

@@ -47,12 +47,12 @@ from ..runtime import (
     resolve_device,
     resolve_dtype,
 )
-from .decode import copy_bandwidth
 from .memory import PeakMemory
 from .output import check_room, save_png
 from .partial import PromptStop, carried_by_interrupts, drop_partial, save_partial
 from .seed_module import SeedMultiHeadAttention
 from .table import aligned, terminal_width, wrap
+from .timing import copy_bandwidth
 
 RUNNERS = ("attnlab", "attnlab-math", "attnlab-compiled", "torch-mha", "floor", "seed-000", "flash-attn")
 

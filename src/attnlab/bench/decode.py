@@ -14,7 +14,6 @@ import copy
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -44,21 +43,13 @@ from ..runtime import (
 from ..weight_files.file_checks import gpt_weight_count
 from ..weight_files.gguf import open_gguf
 from ..weight_files.precision import choose_weights, is_gguf_source, parse_weights, weights_name
-from .decode_lengths import bench_decode_lengths, parse_lengths
+from .decode_lengths import bench_decode_lengths, gguf_source, parse_lengths
 from .decode_mla import DEFAULT_MLA_CONFIG, MLABenchConfig, bench_decode_mla
 from .llama_cpp import llama_cpp_runner as _llama_cpp_runner  # tests stand in for it here
 from .output import check_room, save_png
 from .table import aligned, terminal_width, wrap
-
-
-def _time(fn: Callable[[int], torch.Tensor], n: int, device: torch.device) -> tuple[float, torch.Tensor]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn(n)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
+from .timing import copy_bandwidth
+from .timing import timed as _time  # a module name of its own here: tests stand in for it
 
 
 def _validate(
@@ -525,15 +516,6 @@ def cpu_report() -> dict[str, Any]:
     return info | {"flags": [f for f in _CPU_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx"))}
 
 
-def _gguf_source(source: str) -> Path | None:
-    """The GGUF file ``source`` names ("smollm2" or a .gguf path), or None for another kind of source."""
-    from ..weight_files.pretrained import smollm2_path
-
-    if source.lower() == "smollm2":
-        return smollm2_path()
-    return Path(source) if source.lower().endswith(".gguf") else None
-
-
 def _llama_cpp_available() -> str | None:
     """None when ``llama_cpp`` (llama-cpp-python) imports, else why not (the note in the report)."""
     try:
@@ -541,22 +523,6 @@ def _llama_cpp_available() -> str | None:
     except Exception as err:  # not installed, or a build that does not load
         return f"llama_cpp not importable ({type(err).__name__}); `pip install 'attnlab[bench]'` builds it (~15 min)"
     return None
-
-
-def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second of ``dst.copy_(src)`` on ``megabytes`` of float32, reads plus writes (best of ``repeats``).
-
-    The bandwidth limit of a decode step is its bytes read over this rate: what this machine
-    moves through memory in one plain streaming kernel, measured in the same run as the model.
-    """
-    n = megabytes * 2**20 // 4
-    src = torch.ones(n, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first copy faults the pages in
-        t, _ = _time(lambda _n: dst.copy_(src), 0, device)
-        best = min(best, t)
-    return 2 * n * 4 / best
 
 
 def _load_hf(source: str, dtype: torch.dtype, device: torch.device) -> Any:
@@ -639,7 +605,7 @@ def bench_decode_model(
     hf_base = _load_hf(source, torch.float32, device) if hf else None
     failures: dict[str, str] = {}  # runner -> why it did not run
     # The same GGUF as stored (dtype="gguf") and llama.cpp on it, beside the float32 runners
-    gguf_path = _gguf_source(source) if device.type == "cpu" else None
+    gguf_path = gguf_source(source) if device.type == "cpu" else None
     extra: dict[str, Any] = {}
     if gguf_path is not None:
         extra["gguf_model"], _ = from_pretrained(gguf_path, dtype="gguf", device=device)

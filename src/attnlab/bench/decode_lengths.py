@@ -12,7 +12,7 @@ runner alike. Per length and runner:
   prefill's work memory; an attnlab process also holds torch, a llama.cpp process neither torch nor attnlab);
 * the bytes a decode step reads (the weights as stored, plus the K/V cache at the mean context of the decode:
   attnlab's cache at its dtype, llama.cpp's in float16) over the step time, as a share of the copy rate of a
-  256 MB tensor measured just before that length (:func:`attnlab.bench.decode.copy_bandwidth`);
+  256 MB tensor measured just before that length (:func:`attnlab.bench.timing.copy_bandwidth`);
 * greedy agreement with attnlab: the share of new tokens equal to attnlab's, position by position.
 """
 
@@ -30,6 +30,7 @@ import torch
 
 from ..runtime import UsageError, atomic_write_text, check_range, check_writable_dir, cpu_info
 from .table import terminal_width, wrap
+from .timing import copy_bandwidth
 
 __all__ = ["RUNNERS", "Worker", "bench_decode_lengths", "parse_lengths"]
 
@@ -52,15 +53,22 @@ def parse_lengths(values: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def gguf_source(source: str) -> Path | None:
+    """The GGUF file ``source`` names ("smollm2" or a .gguf path), or None for another kind of source."""
+    from ..weight_files.pretrained import smollm2_path
+
+    if source.lower() == "smollm2":
+        return smollm2_path()
+    return Path(source) if source.lower().endswith(".gguf") else None
+
+
 class Worker:
     """A runner's process: one JSON command a line in, one answer a line out (see :mod:`lengths_worker`)."""
 
     def __init__(self, name: str, python: str, model: Path, threads: str, n_ctx: int) -> None:
-        import attnlab
-
         script = Path(__file__).with_name("lengths_worker.py")
         env = dict(os.environ)
-        src = str(Path(attnlab.__file__).resolve().parent.parent)  # where this attnlab is imported from
+        src = str(Path(__file__).resolve().parents[2])  # where this attnlab is imported from (src/attnlab/bench/..)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.name = name
         self.proc = subprocess.Popen(
@@ -116,9 +124,8 @@ def bench_decode_lengths(
     decode_lengths.json and decode_lengths.md in ``out_dir``."""
     from ..weight_files.gguf import open_gguf
     from ..weight_files.pretrained import from_pretrained
-    from .decode import _gguf_source, copy_bandwidth
 
-    path = _gguf_source(source)
+    path = gguf_source(source)
     if path is None:
         raise UsageError(
             f"--prompt-lengths compares with llama.cpp on the same GGUF file; --model {source!r} is not one: pass "

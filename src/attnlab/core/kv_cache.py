@@ -426,3 +426,11 @@ def resolve_kv_dtype(asked: str, device: torch.device, fused: bool, flag: str = 
     if name not in KV_DTYPES:
         raise ValueError(f"{flag} {asked!r} is not a KV-cache dtype; use auto, {', '.join(KV_DTYPES)}.")
     return name, f"{flag} {name} asked for it"
+
+
+def kv_cache_choice(asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype") -> tuple[str | None, str]:
+    """``(storage, words)``: :func:`resolve_kv_dtype`, and what the weights line adds for it (``"KV cache float16
+    (why)"``; none for a cache in the compute dtype: the exact cache says nothing). ``attnlab generate`` and
+    ``attnlab.stream`` both choose here, so that they run the same cache and print the same line."""
+    storage, why = resolve_kv_dtype(asked, device, fused, flag)
+    return storage, f"KV cache {storage} ({why})" if storage else ""

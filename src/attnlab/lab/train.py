@@ -139,7 +139,7 @@ def import_writers() -> None:
     try:
         import safetensors.torch  # noqa: F401
 
-        from . import plots  # noqa: F401
+        from .plots import plot_run  # noqa: F401  (the module, not the package: no cycle with lab/__init__)
     except (ImportError, MemoryError, OSError) as err:
         import resource
 

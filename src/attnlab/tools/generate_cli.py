@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..core.kv_cache import resolve_kv_dtype
+from ..core.kv_cache import kv_cache_choice
 from ..models.generation import Step, check_count, check_temperature, generate_steps, readable_int
 from ..runtime import (
     INTERRUPTS,
@@ -246,10 +246,10 @@ class _Ask:
         """These flags with ``--kv-dtype`` resolved for ``lm`` on this device, and the words the weights line adds
         (none for a cache in the compute dtype: the exact cache says nothing, as before the flag)."""
         try:
-            storage, why = resolve_kv_dtype(self.kv_dtype, self.device, bool(getattr(lm, "has_fused_decode", False)))
+            storage, words = kv_cache_choice(self.kv_dtype, self.device, bool(getattr(lm, "has_fused_decode", False)))
         except ValueError as err:
             raise UsageError(str(err)) from None
-        return replace(self, kv_storage=storage), f"KV cache {storage} ({why})" if storage else ""
+        return replace(self, kv_storage=storage), words
 
 
 def generate_command(
@@ -423,8 +423,8 @@ def _nothing_to_answer(model: str) -> UsageError:
 def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, out: Stdout) -> int:
     lm: Any  # TinyGPT or Llama: each has config.block_size and config.vocab_size
     if ask.source == "--model":
+        _check_gguf_fits(ask.where)  # first: choosing the weights may compile the kernels (~15 s) for nothing
         weights = choose_weights(ask.dtype, task="generate", source=ask.where, device=ask.device)
-        _check_gguf_fits(ask.where)
         lm, loaded = pretrained.from_pretrained(
             ask.where, dtype=weights.dtype, device=ask.device
         )  # UsageError naming what is wrong

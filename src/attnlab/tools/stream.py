@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.kv_cache import kv_cache_choice
 from ..models.generation import Step, generate_steps
 from ..runtime import LimitError, UsageError
-from ..weight_files.precision import loaded_weights_detail, weights_name
+from ..weight_files.precision import WeightChoice, loaded_weights_detail, weights_name
 from ..weight_files.pretrained import from_pretrained
 from .text_stream import TextStream, hf_text
 
@@ -147,14 +148,15 @@ class Stream:
         return self.text
 
 
-def _weights_line(model: nn.Module) -> str:
-    """The weights line of a model from :func:`from_pretrained` (it says why), or what a given model holds."""
-    line = getattr(model, "weights_line", None)
-    if isinstance(line, str):
-        return line
-    detail = loaded_weights_detail(model)
+def _weights_line(model: nn.Module, kv_words: str) -> str:
+    """The weights line of a model from :func:`from_pretrained` (it says why), or what a given model holds; with
+    ``kv_words`` (the KV cache's, from :func:`kv_cache_choice`) among the details, as ``attnlab generate`` says it."""
+    detail = ", ".join(part for part in (loaded_weights_detail(model), kv_words) if part)
+    choice = getattr(model, "weights_choice", None)
+    if isinstance(choice, WeightChoice):
+        return choice.line(detail)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    what = "gguf" if detail else weights_name(dtype)
+    what = "gguf" if loaded_weights_detail(model) else weights_name(dtype)
     return f"attnlab: weights {what}{f' ({detail})' if detail else ''}: the model as it was given"
 
 
@@ -173,6 +175,7 @@ def stream(
     seed: int = 1337,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
+    kv_dtype: str = "auto",
 ) -> Stream:
     """Generate from ``prompt`` and yield the text as it comes, as ``attnlab generate --model`` prints it.
 
@@ -193,6 +196,9 @@ def stream(
         seed: of the sampling generator; the same seed gives the same text.
         dtype, device: as :func:`attnlab.from_pretrained` takes them (``"auto"``: generate's default, the
             GGUF's blocks as stored on a CPU).
+        kv_dtype: what the KV cache stores, as ``attnlab generate --kv-dtype`` takes it (``"auto"``: generate's
+            default, float16 on a CPU with the fused gguf decode step, else the compute dtype; ``"float32"``,
+            ``"float16"``, ``"bfloat16"``, ``"int8"``); the weights line names a compact cache.
 
     Returns:
         A :class:`Stream` of :class:`StreamEvent` (``event.text``, ``event.token_id``, ``event.tokens_per_s``),
@@ -252,6 +258,10 @@ def stream(
         chat, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
     )
     dev = next(lm.parameters()).device
+    try:
+        kv_storage, kv_words = kv_cache_choice(kv_dtype, dev, bool(getattr(lm, "has_fused_decode", False)), "kv_dtype")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     steps = generate_steps(
         lm,
         torch.tensor([ids], dtype=torch.long, device=dev),
@@ -262,5 +272,7 @@ def stream(
         repetition_penalty=how.repetition_penalty,
         eos_token_id=tokenizer.eos_token_id,
         generator=torch.Generator(device=dev).manual_seed(seed),
+        kv_dtype=kv_storage,
     )
-    return Stream(steps, hf_text(tokenizer), prompt_ids=ids, weights_line=_weights_line(lm), sampling=how)
+    line = _weights_line(lm, kv_words)
+    return Stream(steps, hf_text(tokenizer), prompt_ids=ids, weights_line=line, sampling=how)

@@ -465,6 +465,7 @@ def from_pretrained(
     model, tokenizer = _load(path, choice.dtype, device)
     line = choice.line(loaded_weights_detail(model))  # what attnlab generate prints: which weights ran, and why
     setattr(model, "weights_line", line)  # noqa: B010  (a plain attribute, which nn.Module's typing does not declare)
+    setattr(model, "weights_choice", choice)  # noqa: B010  (attnlab.stream adds its KV cache's words to the line)
     logging.getLogger("attnlab").info(line)
     return model, tokenizer
 
