@@ -28,21 +28,21 @@ import attnlab
 
 PACKAGE_DIR = Path(attnlab.__file__).parent
 LAYERS = {
-    "runtime": 0,
-    "core": 0,
-    "quant": 0,
-    "models": 1,
-    "weight_files": 2,
-    "compat": 3,
-    "hf": 3,
-    "heads": 3,
-    "distributed": 3,
-    "check": 4,
-    "lab": 4,
-    "bench": 5,
-    "tools": 6,
+    "runtime": 0,  # what every command shares about the machine (disks, locks, streams): below the kernels' build
+    "core": 1,
+    "quant": 1,
+    "models": 2,
+    "weight_files": 3,
+    "compat": 4,
+    "hf": 4,
+    "heads": 4,
+    "distributed": 4,
+    "check": 5,
+    "lab": 5,
+    "bench": 6,
+    "tools": 7,
 }
-ROOT_LAYER = 7  # attnlab/__init__.py, cli.py, __main__.py
+ROOT_LAYER = 8  # attnlab/__init__.py, cli.py, __main__.py
 # What reading or writing a file takes. A module of models/ that imports one of these, or makes one of
 # FILE_CALLS, loads or saves weights, and belongs in weight_files/.
 FILE_MODULES = frozenset(
@@ -181,8 +181,8 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
         ["attnlab.core.masks", "attnlab.models.gpt"],
     ]
     assert upward_imports(fake) == [
-        "attnlab.core.masks (layer 0) imports attnlab.models.gpt (layer 1)",
-        "attnlab.lab.train (layer 4) imports attnlab.check.suite (layer 4)",
+        "attnlab.core.masks (layer 1) imports attnlab.models.gpt (layer 2)",
+        "attnlab.lab.train (layer 5) imports attnlab.check.suite (layer 5)",
     ]
 
 

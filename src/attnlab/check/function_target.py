@@ -41,12 +41,12 @@ from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .catalogue import MISTAKES, S_MASK, S_SCALE, S_WALK, Mistake, by_id
 from .result import Cause, CheckError, CheckResult, Report
 from .suite import GRAD_TOL, LOW_PRECISION_FACTOR, LOW_PRECISION_FLOOR, PARITY_TOL, _rel
-from .target import ALIASES, TargetError, load_object
+from .target import TargetError, is_attention_function, load_object
 
 __all__ = [
     "FunctionTarget",
@@ -1316,25 +1316,6 @@ def _shown(x: float | str | None) -> str:
 
 
 # -- entry points ----------------------------------------------------------------------------------------------
-def is_attention_function(obj: object) -> bool:
-    """Whether ``obj`` may be an attention function (then :func:`attention_function` decides by experiment): a
-    callable that is neither a class nor a module, whose first three positional arguments have no default, none
-    of its arguments a module's width or head count (a factory such as ``make(embed_dim, num_heads)`` is built, not called on q, k, v)."""
-    if inspect.isclass(obj) or isinstance(obj, nn.Module) or not callable(obj):
-        return False
-    try:
-        params = list(inspect.signature(obj).parameters.values())
-    except (TypeError, ValueError):
-        return True  # a builtin (torch's scaled_dot_product_attention): the experiment decides
-    widths = set(ALIASES["embed_dim"]) | set(ALIASES["num_heads"]) | {"config", "cfg"}
-    if any(p.name in widths for p in params):
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) >= 3:
-        return all(p.default is p.empty for p in positional[:3])  # q, k, v have no defaults
-    return any(p.kind == p.VAR_POSITIONAL for p in params)
-
-
 def interpret_triton(device: torch.device | str) -> None:
     """On the CPU, ``TRITON_INTERPRET=1`` when it is unset, before a target file is imported: a Triton kernel
     is then run by Triton's interpreter, as ``@triton.jit`` reads the variable when the file defines the kernel."""

@@ -499,6 +499,25 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
     return kwargs
 
 
+def is_attention_function(obj: object) -> bool:
+    """Whether ``obj`` may be an attention function (then :func:`attention_function` decides by experiment): a
+    callable that is neither a class nor a module, whose first three positional arguments have no default, none
+    of its arguments a module's width or head count (a factory such as ``make(embed_dim, num_heads)`` is built, not called on q, k, v)."""
+    if inspect.isclass(obj) or isinstance(obj, nn.Module) or not callable(obj):
+        return False
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        return True  # a builtin (torch's scaled_dot_product_attention): the experiment decides
+    widths = set(ALIASES["embed_dim"]) | set(ALIASES["num_heads"]) | {"config", "cfg"}
+    if any(p.name in widths for p in params):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3:
+        return all(p.default is p.empty for p in positional[:3])  # q, k, v have no defaults
+    return any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
 def build_target(
     spec: str,
     *,
@@ -530,8 +549,6 @@ def build_target(
         built: object = obj
         factory = None
     elif callable(obj):
-        from .function_target import is_attention_function  # imported here: function_target imports this module
-
         if is_attention_function(obj):
             raise TargetError(
                 f"--target {spec!r}: {attr} is an attention function f(q, k, v, ...), not a module to build; "
