@@ -606,8 +606,8 @@ def _read(
             feats[role] += [per_b[:, h].double() for h in range(n)]
     H = len(feats["q"])
     D = feats["q"][0].size(-1)
-    if H * B < D + 2 and batch == PROBE_B:  # a position map is fitted over the probe's sequences and heads
-        return _read(module, call, E, seed, batch=-(-(D + 2) // H) + 1)
+    if H * B < 2 * D + 8 and batch == PROBE_B:  # a position map is fitted over the probe's sequences and heads:
+        return _read(module, call, E, seed, batch=-(-(2 * D + 8) // H) + 1)  # twice the unknowns, well conditioned
     x0 = x[:, 0].double()  # (B, E)
     bank = _Bank(probe, E, "rows")
     sources: dict[str, RowSource] = {}
