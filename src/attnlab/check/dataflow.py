@@ -35,7 +35,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -143,7 +143,6 @@ class Reading:
     out: RowSource | None  # None: nothing after the context is a projection of the parameters
     rotary: Rotary | None = None
     rotary_roles: tuple[str, ...] = ()  # which of q, k, v carry a position map
-    notes: list[str] = field(default_factory=list)
     unused: tuple[str, ...] = ()  # 2-D parameters that no role uses
 
     def describe(self) -> str:
@@ -300,10 +299,9 @@ def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
                 )
             )
         elif op.func in _SOFTMAX or op.func == "exp":
-            if op.func == "exp" and (not sites or True):
-                # a manual softmax: exp of the scores minus their max, then divided by the sum
-                if not any(o.func in ("sum",) for o in ops[n + 1 : n + 4]):
-                    continue
+            # a manual softmax: exp of the scores minus their max, then divided by their sum
+            if op.func == "exp" and not any(o.func == "sum" for o in ops[n + 1 : n + 4]):
+                continue
             sp = _score_product(ops, n)
             q, k, _ = _product_sides(ops[sp], ops, inputs, first_is_weights=False)
             below = _descendants(ops, n)
@@ -338,30 +336,23 @@ def _batch_rows(first: Tensor, moved: Tensor, B: int) -> Tensor | None:
 
 
 class _Bank:
-    """Every row and column of the module's 2-D parameters, unit-normalised, for matching by direction."""
+    """Every input-weight row of the module's 2-D parameters (rows of ``nn.Linear``'s ``(out, in)``, columns of a
+    weight stored ``(in, out)`` as GPT-2's ``Conv1D``), for matching features by their values over a probe."""
 
-    def __init__(self, module: nn.Module, width: int, along: str) -> None:
-        self.entries: list[tuple[str, bool, int]] = []
+    def __init__(self, module: nn.Module, width: int) -> None:
+        self.entries: list[tuple[str, bool, int]] = []  # (path, stored transposed, row)
         vecs = []
         for path, p in module.named_parameters():
             if p.dim() != 2 or not p.is_floating_point():
                 continue
             w = p.detach().double()
-            if along == "rows" and w.size(1) == width:  # nn.Linear (out, in): rows are input weights
+            if w.size(1) == width:
                 vecs.append(w)
                 self.entries += [(path, False, r) for r in range(w.size(0))]
-            if along == "rows" and w.size(0) == width:  # stored (in, out): GPT-2's Conv1D
+            if w.size(0) == width:
                 vecs.append(w.t())
                 self.entries += [(path, True, r) for r in range(w.size(1))]
-            # the output projection (E, H*D): its columns, kept as rows of W^T (so ``transposed``)
-            if along == "cols" and w.size(0) == width:
-                vecs.append(w.t())
-                self.entries += [(path, True, c) for c in range(w.size(1))]
-            if along == "cols" and w.size(1) == width:  # stored (H*D, E): GPT-2's Conv1D
-                vecs.append(w)
-                self.entries += [(path, False, c) for c in range(w.size(0))]
         self.raw = torch.cat(vecs) if vecs else torch.zeros(0, width, dtype=torch.float64)
-        self.unit = self.raw / self.raw.norm(dim=1, keepdim=True).clamp_min(1e-300)
 
     def match_all(
         self, feats: Tensor, x0: Tensor, tol: float
@@ -609,7 +600,7 @@ def _read(
     if H * B < 2 * D + 8 and batch == PROBE_B:  # a position map is fitted over the probe's sequences and heads:
         return _read(module, call, E, seed, batch=-(-(2 * D + 8) // H) + 1)  # twice the unknowns, well conditioned
     x0 = x[:, 0].double()  # (B, E)
-    bank = _Bank(probe, E, "rows")
+    bank = _Bank(probe, E)
     sources: dict[str, RowSource] = {}
     matched: dict[str, list[tuple[str, bool, int]]] = {}
     for role in ("q", "k", "v"):
