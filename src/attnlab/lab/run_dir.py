@@ -47,7 +47,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..runtime import RunLock, UsageError, check_writable_dir
+from ..runtime import RunLock, UsageError, check_writable_dir, missing_dirs, remove_if_empty
 from .config import (
     RENAMED_KEYS,
     FieldError,
@@ -204,25 +204,6 @@ def clear_run(directory: Path) -> None:
 
 
 # --- one process per run folder ---------------------------------------------------------------------------------
-
-
-def missing_dirs(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, deepest first: what ``check_writable_dir`` creates."""
-    missing = []
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing.append(p)
-    return missing
-
-
-def remove_if_empty(created: list[Path]) -> None:
-    """Remove the directories a command created (deepest first), as long as they are empty."""
-    for p in created:
-        try:
-            p.rmdir()
-        except OSError:
-            return
 
 
 def _stderr(line: str) -> None:
