@@ -330,9 +330,8 @@ class MultiheadAttention(nn.Module):
             nested input).
         """
         if isinstance(query, Tensor) and query.is_nested:  # the one check the padded path pays
-            return self._forward_nested(
-                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-            )
+            self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)  # no masks: lengths
+            return self._forward_nested(query, key, value, need_weights, average_attn_weights)
         return self._forward_padded(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
@@ -391,20 +390,12 @@ class MultiheadAttention(nn.Module):
 
     # -- nested tensors: padded once, attended by the padded path, nested again ----------------
     def _forward_nested(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        need_weights: bool,
-        attn_mask: Tensor | None,
-        average_attn_weights: bool,
-        is_causal: bool,
+        self, query: Tensor, key: Tensor, value: Tensor, need_weights: bool, average_attn_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         """NestedTensor inputs, each ``(B, T_b, width)``: zero-padded once to ``(B, T, width)``, the key
         lengths becoming a ``key_padding_mask``; the padded path attends, and the output is nested again
-        in the query's layout (strided or jagged) with the query's lengths. Weights stay padded."""
-        self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)
+        in the query's layout (strided or jagged) with the query's lengths. Weights stay padded. ``forward``
+        has checked the inputs (:meth:`_check_nested`), and that no mask came with them."""
         q_pad, q_len = _unnest(query)  # (B, T, E), (B,)
         k_pad, k_len = (q_pad, q_len) if key is query else _unnest(key)  # (B, S, kdim), (B,)
         if value is key or value is query:

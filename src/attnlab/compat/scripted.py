@@ -610,9 +610,8 @@ class ScriptableMultiheadAttention(nn.Module):
         """torch.nn.MultiheadAttention's forward; shapes and masks as in compat.MultiheadAttention."""
         if torch.jit.is_scripting():
             if query.is_nested:
-                return self._nested_forward(
-                    query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-                )
+                self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)  # no masks: lengths
+                return self._nested_forward(query, key, value, need_weights, average_attn_weights)
             return self._padded_forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
@@ -723,20 +722,11 @@ class ScriptableMultiheadAttention(nn.Module):
 
     # -- nested tensors (strided, as nn.TransformerEncoder makes them): padded, attended, nested again ----
     def _nested_forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        need_weights: bool,
-        attn_mask: Tensor | None,
-        average_attn_weights: bool,
-        is_causal: bool,
+        self, query: Tensor, key: Tensor, value: Tensor, need_weights: bool, average_attn_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         """The eager module's nested path: inputs ``(B, T_b, width)`` zero-padded to ``(B, T, width)``,
         the key lengths becoming a ``key_padding_mask``, the output nested again with the query's
-        lengths; weights stay padded, zero on padded query rows."""
-        self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)
+        lengths; weights stay padded, zero on padded query rows. ``forward`` has checked the inputs."""
         q_pad = query.to_padded_tensor(0.0)  # (B, T, E)
         q_len = query._nested_tensor_size()[:, 0]  # (B,): host metadata, no sync
         k_pad, k_len = q_pad, q_len
