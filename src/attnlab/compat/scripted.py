@@ -608,49 +608,26 @@ class ScriptableMultiheadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """torch.nn.MultiheadAttention's forward; shapes and masks as in compat.MultiheadAttention."""
-        if torch.jit.is_scripting():
-            if query.is_nested:
-                self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)  # no masks: lengths
-                return self._nested_forward(query, key, value, need_weights, average_attn_weights)
-            return self._padded_forward(
+        if not torch.jit.is_scripting():  # TorchScript compiles none of this block
+            # Called eagerly: the source module runs, with this twin's training mode and backend (a parent's
+            # .train()/.eval() reaches the twin, not the source).
+            source = self._source[0]
+            if source.training != self.training:
+                source.train(self.training)
+            if source.backend != self.backend:
+                source.backend = self.backend  # validated by the source's setter
+            out: tuple[Tensor, Tensor | None] = source(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
-        return self._source_forward(
+            if not torch.compiler.is_compiling():
+                self.__dict__["last_backend"] = source.last_backend
+            return out
+        if query.is_nested:
+            self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)  # no masks: lengths
+            return self._nested_forward(query, key, value, need_weights, average_attn_weights)
+        return self._padded_forward(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
-
-    @torch.jit.unused
-    def _source_forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        need_weights: bool,
-        attn_mask: Tensor | None,
-        average_attn_weights: bool,
-        is_causal: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Eager calls run the source module, with this twin's training mode and backend (a parent's
-        ``.train()``/``.eval()`` reaches the twin, not the source)."""
-        source = self._source[0]
-        if source.training != self.training:
-            source.train(self.training)
-        if source.backend != self.backend:
-            source.backend = self.backend  # validated by the source's setter
-        out: tuple[Tensor, Tensor | None] = source(
-            query,
-            key,
-            value,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
-        if not torch.compiler.is_compiling():
-            self.__dict__["last_backend"] = source.last_backend
-        return out
 
     def merge_masks(
         self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
