@@ -361,17 +361,9 @@ class MultiheadAttention(nn.Module):
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
 
+        separate = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)  # None with in_proj_weight
         q, k, v = _project(
-            q_in,
-            k_in,
-            v_in,
-            self.in_proj_weight,
-            self.in_proj_bias,
-            self.q_proj_weight,
-            self.k_proj_weight,
-            self.v_proj_weight,
-            self.embed_dim,
-            self.kv_dim,
+            q_in, k_in, v_in, self.in_proj_weight, self.in_proj_bias, separate
         )  # (B, T, E), (B, S, G*D), (B, S, G*D): in as few GEMMs as the inputs allow
         q, k, v = _split_heads(
             q, k, v, self.bias_k, self.bias_v, self.add_zero_attn, H, G, D

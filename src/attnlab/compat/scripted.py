@@ -405,13 +405,18 @@ def _project(
     value: Tensor,
     in_proj_weight: Tensor | None,
     in_proj_bias: Tensor | None,
-    q_proj_weight: Tensor | None,
-    k_proj_weight: Tensor | None,
-    v_proj_weight: Tensor | None,
-    E: int,
-    KV: int,
+    separate: tuple[Tensor | None, Tensor | None, Tensor | None],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Q, K, V: (B, T, E), (B, S, G*D), (B, S, G*D), in as few GEMMs as the inputs allow (``KV`` = G*D)."""
+    """Q, K, V: (B, T, E), (B, S, G*D), (B, S, G*D), in as few GEMMs as the inputs allow: ``in_proj_weight``
+    ``(3E, E)`` packed (then K and V have E = G*D rows), or else ``separate`` = ``(q_proj_weight (E, E),
+    k_proj_weight (G*D, kdim), v_proj_weight (G*D, vdim))``; ``in_proj_bias`` ``(E + 2*G*D,)`` or None."""
+    w = in_proj_weight
+    wq, wk, wv = separate[0], separate[1], separate[2]
+    if w is not None:  # packed only when kdim == vdim == E and there is no GQA: K and V have E rows each
+        E, KV = w.size(1), w.size(1)
+    else:
+        assert wq is not None and wk is not None
+        E, KV = wq.size(0), wk.size(0)
     b = in_proj_bias
     bq: Tensor | None = None
     bk: Tensor | None = None
@@ -419,9 +424,7 @@ def _project(
     if b is not None:
         parts = b.split([E, KV, KV])  # (E,), (G*D,), (G*D,)
         bq, bk, bv = parts[0], parts[1], parts[2]
-    w = in_proj_weight
     if w is None:  # separate weights: kdim/vdim differ from E, or GQA
-        wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
         assert wq is not None and wk is not None and wv is not None
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)  # (B, T, E), (B, S, G*D) x2
     if key is query and value is query:  # self-attention: one GEMM for Q, K and V
@@ -664,17 +667,9 @@ class ScriptableMultiheadAttention(nn.Module):
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
 
+        separate = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)  # None with in_proj_weight
         q, k, v = _project(
-            q_in,
-            k_in,
-            v_in,
-            self.in_proj_weight,
-            self.in_proj_bias,
-            self.q_proj_weight,
-            self.k_proj_weight,
-            self.v_proj_weight,
-            self.embed_dim,
-            self.kv_dim,
+            q_in, k_in, v_in, self.in_proj_weight, self.in_proj_bias, separate
         )  # (B, T, E), (B, S, G*D), (B, S, G*D)
         q, k, v = _split_heads(
             q, k, v, self.bias_k, self.bias_v, self.add_zero_attn, H, G, D
