@@ -43,7 +43,7 @@ from ..models.weight_maps import GGUF_BLOCK_NAMES, llama_name_from_gguf, unpermu
 from ..quant import FORMATS, QuantEmbedding, QuantLinear
 from ..quant import dequantize as dequantize_kept
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
-from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
+from .file_checks import FP16_MAX, check_complete, check_gguf_layout, check_values, field_error
 
 if TYPE_CHECKING:  # annotations only: gguf and transformers are imported when a file is read
     from gguf import GGUFReader, ReaderField, ReaderTensor
@@ -383,12 +383,8 @@ def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[Reade
             )
         plan.append((tensor, params[name]))
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise GGUFError(
-            f"{path!r} lacks {len(missing)} tensor(s) its metadata implies, e.g. {missing[:3]}; it is incomplete: "
-            f"copy it again, or convert the model again with llama.cpp's convert_hf_to_gguf.py."
-        )
+    fix = "copy it again, or convert the model again with llama.cpp's convert_hf_to_gguf.py"
+    check_complete(params, loaded, repr(path), "metadata", fix, GGUFError)
     return plan
 
 

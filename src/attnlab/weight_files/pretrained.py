@@ -43,6 +43,7 @@ from . import gguf, hf_gpt2, hf_llama
 from .file_checks import (
     SAFETENSORS_TORCH_DTYPES,
     SafetensorsHeader,
+    check_complete,
     check_fits_in_memory,
     check_values,
     field_error,
@@ -122,12 +123,7 @@ def _copy_into(model: nn.Module, tensors: Iterable[tuple[str, Tensor]], source: 
             )
         params[name].copy_(tensor)
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ModelFileError(
-            f"{source} lacks {len(missing)} tensor(s) its config.json implies, e.g. {missing[:3]}; it is incomplete: "
-            f"{_FIX_HF}."
-        )
+    check_complete(params, loaded, source, "config.json", _FIX_HF, ModelFileError)
 
 
 def _from_gguf(path: Path, dtype: torch.dtype | str, device: torch.device) -> tuple[Llama, Any]:
