@@ -156,14 +156,22 @@ def _describe(field: ReaderField) -> str:
     return f"the {types[0]} {shown}"
 
 
+def _checked_field(reader: GGUFReader, key: str, kind: str) -> Any:
+    """Metadata field ``key`` (its value not yet decoded), refused unless it holds ``kind`` ("int", "str[]", ...);
+    None if absent."""
+    field = reader.fields.get(key)
+    matches, words = _KINDS[kind]
+    if field is not None and not matches([int(t) for t in field.types]):
+        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
+    return field
+
+
 def _field(reader: GGUFReader, key: str, kind: str, default: Any = None) -> Any:
     """The value of metadata ``key`` if it holds ``kind`` ("int", "str[]", ...), ``default`` if absent."""
-    field = reader.fields.get(key)
+    field = _checked_field(reader, key, kind)
     if field is None:
         return default
-    matches, words = _KINDS[kind]
-    if not matches([int(t) for t in field.types]):
-        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
+    words = _KINDS[kind][1]  # what the field should hold, in words
     try:
         return field.contents()
     except UnicodeDecodeError as e:
@@ -174,13 +182,8 @@ def _field(reader: GGUFReader, key: str, kind: str, default: Any = None) -> Any:
 
 def _array_length(reader: GGUFReader, key: str, kind: str) -> int | None:
     """The length of array field ``key`` if it holds ``kind``, without decoding its values; None if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    matches, words = _KINDS[kind]
-    if not matches([int(t) for t in field.types]):
-        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
-    return len(field.data)
+    field = _checked_field(reader, key, kind)
+    return None if field is None else len(field.data)
 
 
 def _positive(reader: GGUFReader, key: str, why: str, default: int | None = None) -> int:
