@@ -590,8 +590,8 @@ def _trace_call(
         trace_.matched = [s for s in STAGES if any(op.stage == s for op in ops)]
         trace_.error = _raised(error, module)
         return trace_
-    trace_.matched, missing, at = _first_departure(ops, stages, verdicts, masked=bool(masks))
-    trace_.departure = _departure(ops, stages, missing, at, adapter.scale)
+    trace_.matched, missing, at, view = _first_departure(ops, stages, verdicts, sites, given_inputs, masked=bool(masks))
+    trace_.departure = _departure(ops, stages, missing, at, adapter.scale, view)
     return trace_
 
 
@@ -826,9 +826,16 @@ def _label(
 
 
 def _first_departure(
-    ops: list[Op], stages: dict[str, Tensor], verdicts: list[_FlowVerdict], *, masked: bool
-) -> tuple[list[str], str | None, Op | None]:
-    """(the stages matched, the first stage not matched, the op that should have produced it).
+    ops: list[Op],
+    stages: dict[str, Tensor],
+    verdicts: list[_FlowVerdict],
+    sites: list[_FlowSite],
+    inputs: list[Tensor],
+    *,
+    masked: bool,
+) -> tuple[list[str], str | None, Op | None, Tensor | None]:
+    """(the stages matched, the first stage not matched, the op that should have produced it, and that op's
+    tensor in the reference's layout where the data flow reads it so: the softmax's, ``(1, L, T_q, T_k)``).
 
     As :func:`attnlab.check.capture.first_departure`, with what the data flow tells: Q, K or V that the module
     never holds whole (a fused ``(B, T, H, 3, D)`` projection) is vouched for by its heads; and what reaches
@@ -851,6 +858,8 @@ def _first_departure(
     def vouched(stage: str) -> bool:
         if stage in ("q", "k", "v") and f"{stage}_heads" in matched:
             return True
+        if stage in ("q", "k", "q_heads", "k_heads") and verdicts:  # Q K^T is the reference's (up to a factor):
+            return True  # so are Q and K, wherever each head's were computed (a list of head modules)
         if stage in ("scaled", "masked") and verdicts:
             return wrong is None or (stage == "scaled" and wrong.scale_right)
         # a later stage vouches for a missing one only if it is computed from it: the scores and weights from Q
@@ -860,9 +869,13 @@ def _first_departure(
 
     missing = next((s for s in required if s not in matched and not vouched(s)), None)
     if missing is None:
-        return matched, None, None
+        return matched, None, None, None
     if missing in ("scaled", "masked") and wrong is not None:
-        return matched, missing, ops[wrong.op]
+        return matched, missing, ops[wrong.op], None
+    for site in sites if missing == "weights" else []:
+        if site.softmax is not None and ops[site.softmax].stage is None:
+            rows = _score_rows(ops, site, ops[site.softmax].out, inputs)  # (L, T_q, T_k)
+            return matched, missing, ops[site.softmax], None if rows is None else rows[None]
     before = STAGES[: STAGES.index(missing)]
     floats = [op for op in ops if op.out.is_floating_point()]
     last = max((n for n, op in enumerate(floats) if op.stage in before), default=-1)
@@ -870,11 +883,16 @@ def _first_departure(
     candidate = next((op for op in floats[last + 1 :] if stage_error(op.out, want) is not None), None)
     if candidate is None:  # computed inside a fused kernel (SDPA): the stage never leaves it, the kernel is the place
         candidate = next((op for op in floats[last + 1 :] if op.func in FUSED), None)
-    return matched, missing, candidate
+    return matched, missing, candidate, None
 
 
 def _departure(
-    ops: list[Op], stages: dict[str, Tensor], missing: str | None, op: Op | None, scale: float
+    ops: list[Op],
+    stages: dict[str, Tensor],
+    missing: str | None,
+    op: Op | None,
+    scale: float,
+    view: Tensor | None = None,
 ) -> Departure | None:
     """``missing`` (see :func:`attnlab.check.capture.first_departure`) as a departure, at the op where it should have been."""
     if missing is None:
@@ -882,9 +900,8 @@ def _departure(
     if op is None:
         return Departure(missing, list(stages[missing].shape), None, None, None)
     at = next(i for i, o in enumerate(ops, 1) if o is op)  # `is`: an Op holds tensors, == would compare them
-    return Departure(
-        missing, list(stages[missing].shape), at, op.func, op.shape, departure_hint(missing, op, stages, scale)
-    )
+    hint = departure_hint(missing, op if view is None else replace(op, out=view), stages, scale)
+    return Departure(missing, list(stages[missing].shape), at, op.func, op.shape, hint)
 
 
 def _may_mask_itself(adapter: AttentionAdapter) -> bool:
@@ -943,6 +960,7 @@ def trace_command(
     sinks: bool = False,
     qk_norm: bool = False,
     target: str | None = None,
+    exercise: bool = True,
     mla: bool = False,
     path: Literal["naive", "absorbed", "both"] = "both",
     hidden_size: int = 896,
@@ -975,6 +993,7 @@ def trace_command(
         sinks: a learned sink logit per head in the softmax denominator (gpt-oss; traced with values 0).
         qk_norm: RMSNorm on each head's q and k (Qwen 3).
         target: trace your own attention module, 'path/to/mine.py:Name' or 'package.module:Name' (a class, a factory or an instance), built at --embed-dim/--num-heads/--num-kv-heads: every op it runs on its inputs, each matched with the reference's stages, and the first stage it never produces marked. Default: attnlab's MultiHeadAttention.
+        exercise: with --target: when the call traced (no --pad, no --causal) reproduces every stage, trace it again with what the module's forward also takes (key padding on the first sequence's last keys, causal where it takes a flag, a separate context where it takes one), and show the first call that departs; --no-exercise: the one call only.
         mla: trace MultiHeadLatentAttention (DeepSeek-V2/V3's MLA) instead, sized by the DeepSeek-named flags below and --num-heads (defaults: V3's shapes, scaled down); both paths, then the cache per token of MHA, GQA, MQA and MLA, and the path 'auto' picks. --num-kv-heads sets the GQA row's G.
         path: with --mla: naive (the paper's form: latents expanded into per-head keys and values), absorbed (W_UK folded into the query, attention over the latents), or both.
         hidden_size: with --mla: E (DeepSeek-V3: 7168).
@@ -1055,7 +1074,10 @@ def trace_command(
             dropout,
             json,
             seed,
+            exercise,
         )
+    if not exercise:
+        raise UsageError("--no-exercise applies to a traced --target (the calls added to it); drop it.")
     torch.manual_seed(seed)
     try:
         mha = MultiHeadAttention(
@@ -1121,6 +1143,7 @@ def _trace_target(
     dropout: float,
     json: bool,
     seed: int,
+    exercise: bool = True,
 ) -> int:
     """Build ``--target``, trace one call on random input, print it; 1 when the module raised."""
     torch.manual_seed(seed)
@@ -1142,7 +1165,9 @@ def _trace_target(
         kpm = torch.zeros(batch_size, t_k, dtype=torch.bool, device=w.device)  # (B, T_k), True = padding
         kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
     try:
-        traced = trace_module(adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=target)
+        traced = trace_module(
+            adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=target, exercise=exercise
+        )
     except Unsupported as err:
         flags = [f for f, on in (("--context-len", context_len), ("--causal", causal), ("--pad", pad)) if on]
         raise UsageError(f"--target {target!r}: {err}; drop {' / '.join(flags) or 'the masks'}.") from None
