@@ -642,7 +642,6 @@ def _in_convention(adapter: AttentionAdapter) -> Iterator[None]:
         masks is None
         or convention is None
         or masks.use not in ("bool", "int", "float01")
-        or masks.bool_reading is None
         or masks.polarity == convention
     ):
         yield
@@ -934,7 +933,8 @@ def _mask_form(adapter: AttentionAdapter) -> str:
         want = "may attend" if expected == "keep" else "blocked"
         return (
             f"{masks.describe()}: the reverse of the True = {want} that a module of this form takes (attnlab check "
-            "names it mask_polarity; the masks traced here are given in the module's own reading)"
+            f"names it mask_polarity; the masks traced here are given as True = {want}, so the trace departs where its "
+            "reading differs)"
         )
     return masks.describe()
 
