@@ -620,7 +620,9 @@ def _own_context(adapter: AttentionAdapter, query: Tensor, key: Tensor, value: T
     if key is not query or value is not query or not getattr(adapter, "supports_cross_attention", False):
         return None
     g = torch.Generator().manual_seed(1)
-    return torch.randn(query.shape, generator=g, dtype=torch.float64).to(query)  # (B, T_k = T_q, E)
+    width = int(getattr(adapter, "kdim", None) or query.size(-1))  # the context's own width, where it has one
+    shape = (query.size(0), query.size(1), width)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(query)  # (B, T_k = T_q, kdim)
 
 
 def _added_text(added: dict[str, Any]) -> str:
