@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from attnlab.check.catalogue import _EXAMPLE, MISTAKES, Mistake, gallery_markdown
+from attnlab.check.catalogue import MISTAKES, gallery_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ ZH_INTRO = """# `attnlab check` 能指出的错误 {{#the-mistakes-attnlab-check
 共 {count} 种错误。`tests/mistake_corpus/` 中的每个模块犯其中一种（或者一种都不犯），并且必须被第一个指出来。
 """
 
-HOW_ZH = {"recipe": "带着这个错误重新计算", "behaviour": "直接探测", "crash": "它抛出的异常"}
+HOW_ZH = {"recomputed with the mistake": "带着这个错误重新计算", "probed": "直接探测", "its exception": "它抛出的异常"}
 
 # Each mistake's failing rows, in Chinese. A symptom that only names rows (``determinism, dropout_off_in_eval``)
 # needs no entry: the names stay, joined by 、.
@@ -75,14 +75,14 @@ SYMPTOMS_ZH = {
 ROW_NAMES = re.compile(r"[a-z_]+(?:\[\w]+\])?(?:, [a-z_]+(?:\[\w]+\])?)*")
 
 
-def symptom_zh(m: Mistake) -> str:
-    """``m``'s failing rows in Chinese; SystemExit naming the mistake when :data:`SYMPTOMS_ZH` lacks them."""
-    if m.symptom in SYMPTOMS_ZH:
-        return SYMPTOMS_ZH[m.symptom]
-    if ROW_NAMES.fullmatch(m.symptom):
-        return "、".join(m.symptom.split(", "))
+def symptom_zh(mistake: str, symptom: str) -> str:
+    """A mistake's failing rows in Chinese; SystemExit naming the mistake when :data:`SYMPTOMS_ZH` lacks them."""
+    if symptom in SYMPTOMS_ZH:
+        return SYMPTOMS_ZH[symptom]
+    if ROW_NAMES.fullmatch(symptom):
+        return "、".join(symptom.split(", "))
     raise SystemExit(
-        f"scripts/check_gallery.py: mistake {m.id!r} fails {m.symptom!r}, which SYMPTOMS_ZH does not say in Chinese; "
+        f"scripts/check_gallery.py: mistake {mistake!r} fails {symptom!r}, which SYMPTOMS_ZH does not say in Chinese; "
         f"add it there, then rerun."
     )
 
@@ -105,23 +105,39 @@ def posts_zh(text: str) -> str:
 
 
 def gallery_markdown_zh(examples: dict[str, list[str]]) -> str:
-    """docs/check_gallery.zh.md: :func:`gallery_markdown`'s entries, with the Chinese page's words."""
+    """docs/check_gallery.zh.md: :func:`gallery_markdown`'s page, entry by entry, with the Chinese page's words: its
+    own introduction, each field's label and value in Chinese where they are prose, what check prints as it prints
+    it. A field the English page gains without a Chinese label here stops the script, naming it."""
+    english = gallery_markdown(examples)
     lines = [ZH_INTRO.format(count=len(MISTAKES))]
-    for m in MISTAKES:
-        lines += [
-            f"## `{m.id}` {{#{m.id}}}",
-            "",
-            f"- **check 的说法**：{posts_zh(m.text('found', _EXAMPLE))}",
-            f"- **失败的行**：{symptom_zh(m)}",
-            f"- **识别方式**：{HOW_ZH[m.kind]}",
-            *(["- **结论**：加固提示（检查通过；`--strict` 时失败）"] if m.hardening else []),
-            f"- **修复**：{posts_zh(m.text('fix', _EXAMPLE))}",
-            f"- **出处**：{seed_zh(m.seed)}",
-        ]
-        if examples.get(m.id):
-            lines.append("- **错误写法见**：" + ", ".join(f"`{f}`" for f in sorted(examples[m.id])))
-        lines.append("")
-    return "\n".join(lines)
+    mistake = ""
+    for line in english[english.index("\n## ") + 1 :].splitlines():
+        field = re.fullmatch(r"- \*\*(.+?):\*\* (.*)", line)
+        if line.startswith("## `"):
+            mistake = line[4:-1]
+            lines.append(f"{line} {{#{mistake}}}")
+        elif field is None:
+            lines.append(line)
+        elif field[1] not in FIELDS_ZH:
+            raise SystemExit(
+                f"scripts/check_gallery.py: the gallery's field {field[1]!r} has no Chinese label in FIELDS_ZH."
+            )
+        else:
+            label, say = FIELDS_ZH[field[1]]
+            lines.append(f"- **{label}**：{say(mistake, field[2])}")
+    return "\n".join(lines) + "\n" * english.endswith("\n")
+
+
+# each field of an English entry: its Chinese label, and its value in Chinese (given the mistake's id)
+FIELDS_ZH = {
+    "check says": ("check 的说法", lambda _, text: posts_zh(text)),
+    "rows that fail": ("失败的行", symptom_zh),
+    "recognised by": ("识别方式", lambda _, how: HOW_ZH[how]),
+    "verdict": ("结论", lambda _, __: "加固提示（检查通过；`--strict` 时失败）"),
+    "fix": ("修复", lambda _, text: posts_zh(text)),
+    "see": ("出处", lambda _, where: seed_zh(where)),
+    "written wrong in": ("错误写法见", lambda _, files: files),
+}
 
 
 def main() -> int:

@@ -56,17 +56,13 @@ def test_the_gallery_twin_is_the_scripts():
     assert "种子" not in shown and "seed 0" not in shown  # the posts are 博文 000 / 002 on the Chinese pages
 
 
-def test_a_symptom_without_chinese_stops_the_gallery_naming_the_mistake():
+def test_what_has_no_chinese_stops_the_gallery_naming_it():
     gallery = load_script("check_gallery")
-    m = gallery.MISTAKES[0]
-    import dataclasses
-
-    new = dataclasses.replace(m, symptom="every row, said in a way nobody translated")
-    with pytest.raises(SystemExit, match=rf"mistake '{m.id}' fails 'every row, said in a way nobody translated'"):
-        gallery.symptom_zh(new)
-    assert gallery.symptom_zh(dataclasses.replace(m, symptom="determinism, dropout_off_in_eval")) == (
-        "determinism、dropout_off_in_eval"
-    )
+    with pytest.raises(SystemExit, match=r"mistake 'scale_missing' fails 'every row, said in a way nobody translated'"):
+        gallery.symptom_zh("scale_missing", "every row, said in a way nobody translated")
+    assert gallery.symptom_zh("x", "determinism, dropout_off_in_eval") == "determinism、dropout_off_in_eval"
+    with pytest.raises(SystemExit, match=r"no Chinese for where 'a talk, slide 3' points"):
+        gallery.seed_zh("a talk, slide 3")
 
 
 @pytest.mark.parametrize("folder", ["bench", "bench/amd_epyc_zen3"])
