@@ -15,6 +15,7 @@ Notation: b batch, h query heads, g key/value heads, i query positions, j key po
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -66,8 +67,6 @@ class HFAttentionCall:
     def to_text(self, width: int | None = None) -> str:
         """A table, one line per stage, then the backend and the reference's verdict; ``width`` wraps the
         last two lines (``None``: no limit)."""
-        import textwrap
-
         body = [(str(n), r.stage, "-" if r.shape is None else str(r.shape), r.what) for n, r in enumerate(self.rows, 1)]
         head = ("#", "stage", "shape", "what")
         widths = [max(len(row[c]) for row in [head, *body]) for c in range(3)]
@@ -131,7 +130,8 @@ def trace_hf(model: nn.Module, layer: int | None = None) -> Iterator[list[HFAtte
 
     Each recorded call also runs once more on the math backend in float64 (and, in fp16/bf16, in its own
     dtype, for the allowed error): a tiny model's layers cost nothing, a large model's call ``T_q x T_k``
-    scores more, so pass ``layer`` to trace one.
+    scores more, so pass ``layer`` to trace one. The reference runs without dropout: trace a model in eval mode
+    (``model.eval()``), or the error is the dropout's.
 
     Raises:
         ValueError: ``model`` is a transformers model that does not run attnlab's attention (the message names the
