@@ -54,6 +54,7 @@ from ..check.probe import ProbedAdapter, as_adapter
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
+from ..hf.trace import hf_attention_route, trace_hf
 from ..runtime import UsageError, check_range
 from .trace_mla import trace_mla_command
 from .trace_rows import AttentionTrace, TraceRow, aligned
@@ -227,7 +228,14 @@ def trace(model: nn.Module) -> Iterator[list[AttentionTrace]]:
         with attnlab.trace(model) as calls:
             model(x)
         print(calls[0].to_text())
+
+    A Hugging Face model running ``attn_implementation="attnlab"`` is traced by :func:`attnlab.hf.trace.trace_hf`:
+    one :class:`attnlab.hf.trace.HFAttentionCall` per layer's call, beside the float64 reference.
     """
+    if hf_attention_route(model):  # a transformers model with no attnlab module in it: its layers' attnlab calls
+        with trace_hf(model) as hf_calls:
+            yield cast(list[AttentionTrace], hf_calls)  # HFAttentionCall: the same to_text() and to_dict()
+        return
     calls: list[AttentionTrace] = []
     active: list[_Recorder] = []
     handles = []
