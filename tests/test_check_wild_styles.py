@@ -52,20 +52,6 @@ WILD_STAGES: dict[str, set[str]] = {
 NOT_YET: dict[str, str] = {
     **dict.fromkeys(
         (
-            "karpathy_correct",
-            "karpathy_causal_reversed_repaired",
-            "karpathy_scale_embed_dim_repaired",
-            "karpathy_v_uses_q_proj_repaired",
-            "karpathy_v_uses_q_proj",
-        ),
-        "its causal buffer's length is a module global (block_size 16): the 32-token low-precision rows crash",
-    ),
-    **dict.fromkeys(
-        ("labml_correct", "labml_scale_missing_repaired", "labml_softmax_query_axis_repaired"),
-        "a time-first module's masks are time-first too ((T_q, T_k, B)): the mask probe has no such layout",
-    ),
-    **dict.fromkeys(
-        (
             "flashattn_padding_inverted",
             "opennmt_padding_inverted",
             "espnet_padding_inverted",

@@ -304,12 +304,18 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
     return form
 
 
-_Layout = Literal["b1qk", "bhqk", "bqk", "per_sequence", "b11k", "b1k", "bk", "lens", "lens_q"]
-_PER_KEY = ("b11k", "b1k", "bk", "lens")  # one mask per key: what differs between queries cannot go through
+_Layout = Literal[
+    "b1qk", "bhqk", "hbqk", "bqk", "qkb", "per_sequence", "b11k", "b1k", "bk", "bh1k", "kb", "lens", "lens_q"
+]  # fmt: skip
+_PER_KEY = ("b11k", "b1k", "bk", "bh1k", "kb", "lens")  # one mask per key: what differs between queries cannot go through
 _SHAPES = {
     "b1qk": "(B, 1, T_q, T_k)",
     "bhqk": "(B*H, T_q, T_k)",
+    "hbqk": "(H*B, T_q, T_k), head-major",
     "bqk": "(B, T_q, T_k)",
+    "qkb": "(T_q, T_k, B), time-first",
+    "bh1k": "(B*H, 1, T_k), one mask per key",
+    "kb": "(T_k, B), time-first, one mask per key",
     "per_sequence": "one call per sequence",
     "b11k": "(B, 1, 1, T_k), one mask per key",
     "b1k": "(B, 1, T_k), one mask per key",
@@ -349,6 +355,8 @@ class MaskForm:
         return f"{what}; per-sequence masks as {_SHAPES[self.layout]}"
 
 
+# The longest sequence any check runs (odd_lengths' 1024): a module that runs it has no maximum length to find.
+LONGEST = 1024
 EXACT = 1e-5  # relative change of the other queries' outputs when a hidden key's input changes: rounding only
 SEEN = 1e-4  # a visible key's input changing moves the outputs by more than this (relative)
 
@@ -367,6 +375,7 @@ class _Probed:
     qkv_order: tuple[str, ...] | None
     reading: Reading | None = None  # the data flow, at this size (another size reads it again)
     padding_keeps: bool = False  # its key padding mask reads True = a real token (flash-attn's, HF's)
+    max_len: int | None = None  # the longest sequence it runs (a causal buffer of fixed length); None: any
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -391,7 +400,8 @@ class ProbedAdapter(AttentionAdapter):
 
     Attributes found by experiment: ``always_causal`` (the output at t never depends on later tokens),
     ``qkv_order`` (a fused projection's thirds in their order of use, e.g. ``("k", "q", "v")``; None when
-    the projections are separate or the experiment could not tell), ``lazy`` (weights made by one call).
+    the projections are separate or the experiment could not tell), ``lazy`` (weights made by one call),
+    ``max_len`` (the longest sequence it runs, a causal buffer's length; None when it runs ``LONGEST``).
     """
 
     def __init__(
@@ -468,6 +478,7 @@ class ProbedAdapter(AttentionAdapter):
         self.padding_keeps = False  # until probed
         if _forms is None:
             self.form = form
+            self.max_len = self.probe_max_len()
             self.convention: Literal["keep", "block"] = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
             self.always_causal = self.probe_causal()
@@ -480,7 +491,7 @@ class ProbedAdapter(AttentionAdapter):
                     self.bool_mask_convention = self.convention
         else:
             self.form, self.masks = _forms.form, _forms.masks
-            self.padding_keeps = _forms.padding_keeps
+            self.padding_keeps, self.max_len = _forms.padding_keeps, _forms.max_len
             self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
             self.convention = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
@@ -499,7 +510,9 @@ class ProbedAdapter(AttentionAdapter):
         return None if found is None else self.module.get_submodule(found)  # type: ignore[return-value]
 
     def _probed(self) -> _Probed:
-        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps)
+        return _Probed(
+            self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps, self.max_len
+        )
 
     def describe(self) -> str:
         """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
@@ -512,7 +525,15 @@ class ProbedAdapter(AttentionAdapter):
         mask = "no mask argument" if f.mask_arg is None else f"{f.mask_arg}: {self.masks.describe()}"
         via = f"; {' and '.join(folded)} through {f.mask_arg}" if folded and f.mask_arg else ""
         causal = "; always causal" if self.always_causal else ""
-        return f"called as {f.describe()}; {mask}{via}{causal}; {self.describe_weights()}"
+        return f"called as {f.describe()}; {mask}{via}{causal}{self._longest()}; {self.describe_weights()}"
+
+    def _longest(self) -> str:
+        if self.max_len is None:
+            return ""
+        return (
+            f"; runs at most {self.max_len} tokens (longer inputs raise: a maximum length, found by experiment; "
+            f"every check stays within it)"
+        )
 
     def describe_call(self) -> str | None:
         """One line: the call form, the mask convention found, causality, and where the weights came from."""
@@ -527,6 +548,8 @@ class ProbedAdapter(AttentionAdapter):
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
             parts.append("no attention-mask argument" if f.padding_arg else "no mask argument")
+        if self.max_len is not None:
+            parts.append(self._longest().removeprefix("; "))
         parts.append(self.describe_weights())
         return "; ".join(parts)
 
@@ -834,6 +857,10 @@ class ProbedAdapter(AttentionAdapter):
             return m[:, None]  # (B, 1, T_q, T_k)
         if layout == "bhqk":
             return m.repeat_interleave(self.num_heads, dim=0)  # (B*H, T_q, T_k), batch-major
+        if layout == "hbqk":
+            return m.repeat(self.num_heads, 1, 1)  # (H*B, T_q, T_k), head-major
+        if layout == "qkb":
+            return m.permute(1, 2, 0)  # (T_q, T_k, B)
         if layout in ("bqk", "per_sequence"):
             return m  # (B, T_q, T_k)
         if not bool((m == m[:, :1]).all()):
@@ -847,6 +874,10 @@ class ProbedAdapter(AttentionAdapter):
             return per_key[:, None, None]  # (B, 1, 1, T_k)
         if layout == "b1k":
             return per_key[:, None]  # (B, 1, T_k)
+        if layout == "bh1k":
+            return per_key.repeat_interleave(self.num_heads, dim=0)[:, None]  # (B*H, 1, T_k)
+        if layout == "kb":
+            return per_key.t()  # (T_k, B)
         return per_key  # (B, T_k)
 
     def _lengths(self, keep: Tensor) -> Tensor:
@@ -913,6 +944,41 @@ class ProbedAdapter(AttentionAdapter):
             return not hides(first) and hides(~first) and sees_others(~first)
         except Exception:
             return False
+        finally:
+            self.module.train(training)
+
+    @torch.no_grad()
+    def probe_max_len(self) -> int | None:
+        """The longest self-attention input it runs, by experiment; None when it runs ``LONGEST`` tokens.
+
+        A causal buffer sized by a module global (Karpathy's ``tril`` of ``block_size``) caps the length: that
+        is a maximum, not a mistake, and the checks keep every row within it. The longest length that runs is
+        found by bisection between 8 tokens (which must run: else there is no maximum to speak of, and the
+        checks show what fails) and ``LONGEST``; it must run at every length probed below it."""
+        w = self.projections().q_weight
+        g = torch.Generator().manual_seed(4323)
+
+        def runs(T: int) -> bool:
+            x = torch.randn(1, T, self.embed_dim, generator=g).to(w)  # (1, T, E)
+            try:
+                out = self._plain(x)
+            except Exception:
+                return False
+            return isinstance(out, Tensor) and out.shape == x.shape
+
+        training = self.module.training
+        self.module.eval()
+        try:
+            if runs(LONGEST) or not runs(8):
+                return None
+            lo, hi = 8, LONGEST  # runs(lo), not runs(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+            # a maximum, not a length the module happens to fail at: shorter lengths all run
+            if not all(runs(T) for T in {lo - 1, lo // 2 + 1, (lo + 8) // 2}):
+                return None
+            return lo
         finally:
             self.module.train(training)
 
@@ -1074,7 +1140,7 @@ class ProbedAdapter(AttentionAdapter):
         self.masks = MaskForm(weak, "bool", self.convention, "b1qk", (note + "; " if note else "") + seemed)
         return replace(self.masks, layout=self._probe_layout(x, hide))
 
-    def _probe_layout(self, x: Tensor, hide: Tensor) -> Literal["b1qk", "bhqk", "bqk", "per_sequence"]:
+    def _probe_layout(self, x: Tensor, hide: Tensor) -> _Layout:
         """The first per-sequence layout for which each sequence gets its own mask."""
         other = hide.clone()
         other[:, 0], other[:, 2] = False, True  # (T, T): a second mask, key 0 hidden instead
@@ -1087,7 +1153,7 @@ class ProbedAdapter(AttentionAdapter):
                 _first(self._invoke(x1, x1, x1, {arg: self._mask(other)})),
             ]
         )  # (B, T, E): each sequence alone, with its 2-D mask
-        layouts: tuple[Literal["b1qk", "bhqk", "bqk"], ...] = ("b1qk", "bhqk", "bqk")
+        layouts: tuple[_Layout, ...] = ("b1qk", "bhqk", "bqk", "hbqk", "qkb")
         for layout in layouts:
             self.masks = replace(self.masks, layout=layout)
             try:
@@ -1186,9 +1252,10 @@ class ProbedAdapter(AttentionAdapter):
             # 0/1 numbers are Hugging Face's documented attention_mask; elsewhere a module that only runs on
             # them rejects the bool mask its signature promises (a finding: mask_dtype_error), so none are tried
             values = [(use, pol) for use, pol in values if use in ("bool", "float")]
+        # batch-first layouts first; a time-first module's masks may be time-first too (labml's (T_q, T_k, B))
         tries: list[tuple[tuple[_Layout, ...], Tensor]] = [
-            (("bqk", "b1qk", "bhqk"), full),
-            (("b11k", "b1k", "bk"), per_key),
+            (("bqk", "b1qk", "bhqk", "hbqk", "qkb"), full),
+            (("b11k", "b1k", "bk", "bh1k", "kb"), per_key),
         ]
         for layouts, keep in tries:
             # one mask per key, (B, T_k): Hugging Face's 0/1 attention_mask before an additive reading of it
@@ -1294,6 +1361,28 @@ def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) ->
     return found, not all(any(u == n or u.startswith(n + ".") for n in named) for u in used)
 
 
+def _per_part_spares(src: RowSource, role: str, spare: list[str], params: dict[str, Tensor]) -> list[str]:
+    """For a role made of whole per-head weights (Karpathy's ``heads.i.query``), the unused weight beside each
+    part that names ``role`` (``heads.i.value``), in the parts' order; [] unless every part has one."""
+    picks: list[str] = []
+    for path, transposed, rows in src.parts:
+        whole = not transposed and rows == tuple(range(params[path].size(0)))
+        parent = path.rsplit(".", 2)[0] if path.count(".") >= 2 else ""
+        fits = [
+            n
+            for n in spare
+            if whole
+            and n not in picks
+            and params[n].shape == params[path].shape
+            and name_hint(n) == role
+            and (n.rsplit(".", 2)[0] if n.count(".") >= 2 else "") == parent
+        ]
+        if not fits:
+            return []
+        picks.append(fits[0])
+    return picks
+
+
 def _read_projections(module: nn.Module, r: Reading, found: _Found | None) -> Projections:
     """The weights as the data flow reads them; a role made with another role's weights while a weight of
     that shape goes unused takes the unused one (the module's mistake then shows against it)."""
@@ -1309,16 +1398,15 @@ def _read_projections(module: nn.Module, r: Reading, found: _Found | None) -> Pr
             continue  # its own weight: the other role borrowed it
         fits = [n for n in spare if params[n].shape[0] == src.rows and name_hint(n) in (role, None)]
         pick = next((n for n in fits if name_hint(n) == role), fits[0] if fits else None)
-        if pick is not None:
-            owner = pick.rsplit(".", 1)[0] if "." in pick else ""
-            bias = f"{owner}.bias" if owner else "bias"
-            has_bias = bias in params and params[bias].dim() == 1
-            roles[role] = RowSource(
-                ((pick, False, tuple(range(src.rows))),),
-                ((bias, tuple(range(src.rows))),) if has_bias else None,
-                1.0,
-            )
-            spare.remove(pick)
+        picks = [pick] if pick is not None else _per_part_spares(src, role, spare, params)
+        if picks:
+            parts = tuple((n, False, tuple(range(params[n].size(0)))) for n in picks)
+            biases = [f"{n.rsplit('.', 1)[0]}.bias" if "." in n else "bias" for n in picks]
+            has_bias = all(b in params and params[b].dim() == 1 for b in biases)
+            bias_parts = tuple((b, tuple(range(params[b].size(0)))) for b in biases) if has_bias else None
+            roles[role] = RowSource(parts, bias_parts, 1.0)
+            for n in picks:
+                spare.remove(n)
     wq, wk, wv = (roles[x].weight(module) for x in ("q", "k", "v"))
     bq, bk, bv = (roles[x].bias_of(module) for x in ("q", "k", "v"))
     if r.out is not None:
