@@ -56,13 +56,12 @@ NOT_YET: dict[str, str] = {
             "opennmt_padding_inverted",
             "espnet_padding_inverted",
             "torchfunc_padding_inverted",
-            "xtransformers_padding_on_queries",
         ),
         "a key padding mask's polarity is read as the module's convention: an inverted one reads as the other "
         "convention (flash-attn's True = keep), so nothing says it is a mistake",
     ),
     **dict.fromkeys(
-        ("clip_mask_ignored", "falcon_bool_mask_added", "swin_rows_misassigned", "torchfunc_batch_seq_swapped"),
+        ("swin_rows_misassigned", "torchfunc_batch_seq_swapped"),
         "the masks reach the module in a form under which the mistake does not show",
     ),
     **dict.fromkeys(

@@ -162,6 +162,9 @@ class CallForm:
     keyword_only: bool = False
     # forward(x, context=None): self-attention is the call without a context (its own route, masks included)
     context_optional: bool = False
+    # the key padding argument reaches self-attention only (x-transformers' mask; its cross route has context_mask):
+    # cross-attention calls fold key padding into the attention mask
+    padding_self_only: bool = False
 
     def describe(self) -> str:
         sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
@@ -484,7 +487,10 @@ class ProbedAdapter(AttentionAdapter):
             self.always_causal = self.probe_causal()
             self.qkv_order = None if self.use_reading else self.probe_qkv_order()
             self.masks = self.probe_masks()
+            self.form, self.masks = self.probe_ignored_mask()
             self.padding_keeps = self.probe_padding()
+            if self.form.padding_arg is None:
+                self.form, self.padding_keeps = self.probe_padding_arg()
             if mask_convention is None and self.convention == "keep" and self.masks.bool_reading == "block":
                 if not self._compares_mask():  # masked_fill(mask, -inf): True = blocked is its own convention
                     self.convention = "block"
@@ -543,7 +549,9 @@ class ProbedAdapter(AttentionAdapter):
             if self.masks.note:
                 parts.append(self.masks.note)
         if f.padding_arg is not None:
-            parts.append(f"key padding: {f.padding_arg} (True = padding)")
+            own = "a real token" if self.padding_keeps else "padding"
+            apart = ", self-attention only (cross-attention folds it into the mask)" if f.padding_self_only else ""
+            parts.append(f"key padding: {f.padding_arg} (True = {own}{apart})")
         if self.always_causal:
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
@@ -638,17 +646,14 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name}.forward takes no attention mask")
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
+        if not mf.two_d:
+            mask = self._shaped(mask.expand(query.size(0), *mask.shape))  # (B, ...) in its layout
+        # A module that only adds what it is handed takes additive masks by design; one that converts it
+        # (attention_mask * 1.0, .float(), masked_fill) takes bools, whatever its argument's name
         if mf.use == "float" and mf.bool_reading is None and not self._converts_bool_mask(query, mask):
             raise Unsupported(
                 f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes"
             )
-        if mf.use == "float" and name_key(arg) == "attentionmask":
-            raise Unsupported(
-                f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "
-                f"is not what it takes"
-            )
-        if not mf.two_d:
-            mask = self._shaped(mask.expand(query.size(0), *mask.shape))  # (B, ...) in its layout
         if mf.use in ("int", "float01"):
             mask = mask.long() if mf.use == "int" else mask.to(query.dtype)
         return _first(self._invoke(query, query, query, {arg: mask}))
@@ -797,8 +802,10 @@ class ProbedAdapter(AttentionAdapter):
             if weights and form.average_arg is not None:
                 kwargs[form.average_arg] = False  # per-head weights
         keep: Tensor | None = keep_mask  # (T_q, T_k) or (B, T_q, T_k), True = may attend
+        cross = key is not query
         if key_padding_mask is not None:
-            if form.padding_arg is not None:  # in its own polarity: True = padding, or True = a real token
+            if form.padding_arg is not None and not (cross and form.padding_self_only):
+                # in its own polarity: True = padding, or True = a real token
                 kwargs[form.padding_arg] = ~key_padding_mask if self.padding_keeps else key_padding_mask
             else:
                 pad_keep = (~key_padding_mask)[:, None, :].expand(B, T_q, T_k)  # (B, T_q, T_k)
@@ -905,6 +912,121 @@ class ProbedAdapter(AttentionAdapter):
     def _plain(self, x: Tensor) -> Tensor:
         """Self-attention of ``x`` with no mask at all."""
         return _first(self._invoke(x, x, x, {}))
+
+    @torch.no_grad()
+    def probe_ignored_mask(self) -> tuple[CallForm, MaskForm]:
+        """The call form and mask form with the masks handed through a second attention-mask argument that the
+        module accepts and ignores (CLIP's ``causal_attention_mask`` beside ``attention_mask``), when there is one.
+
+        A mask argument that changes nothing, in the form the first one takes, while the first one hides a key,
+        is the mistake ``mask_ignored``: the checks hand their masks through it, so that their rows show it.
+        The arguments looked at are the listed mask names and any other ``*causal*mask*`` (never padding, head
+        or encoder masks, which a self-attention call may leave unused)."""
+        form, masks = self.form, self.masks
+        if form.mask_arg is None or masks.use == "lens":
+            return form, masks
+        params = inspect.signature(self.module.forward).parameters
+        others = [
+            n
+            for n, p in params.items()
+            if n != form.mask_arg
+            and p.default is None
+            and (n in _MASK_ARGS or ("causal" in name_key(n) and "mask" in name_key(n)))
+        ]
+        if not others:
+            return form, masks
+        w = self.projections().q_weight
+        B, T = 2, 6
+        x = torch.randn(B, T, self.embed_dim, generator=torch.Generator().manual_seed(4324)).to(w)  # (B, T, E)
+        keep = torch.ones(T, T, dtype=torch.bool, device=w.device)
+        keep[:, 2] = False  # (T, T): key 2 hidden
+        training = self.module.training
+        self.module.eval()
+        try:
+            mask = self._mask(keep if masks.two_d else keep.expand(B, T, T))
+            plain = _first(self._invoke(x, x, x, {}))
+            size = float(plain.abs().max().clamp_min(1e-12))
+            if float((_first(self._invoke(x, x, x, {form.mask_arg: mask})) - plain).abs().max()) <= SEEN * size:
+                return form, masks  # the first mask changes nothing either: nothing to compare with
+            for name in others:
+                try:
+                    out = _first(self._invoke(x, x, x, {name: mask}))
+                except Exception:
+                    continue  # it takes another form: not ignored
+                if isinstance(out, Tensor) and out.shape == plain.shape and torch.equal(out, plain):
+                    note = (
+                        f"{name} changes nothing (a mask hiding a key, in the form {form.mask_arg} takes, leaves "
+                        f"every output as it is) while {form.mask_arg} masks: the checks hand their masks through "
+                        f"{name}"
+                    )
+                    return replace(form, mask_arg=name), replace(masks, note=note)
+        except Exception:
+            return form, masks
+        finally:
+            self.module.train(training)
+        return form, masks
+
+    @torch.no_grad()
+    def probe_padding_arg(self) -> tuple[CallForm, bool]:
+        """``(the call form, whether its padding reads True = keep)`` with a key padding argument found by
+        experiment among the other mask arguments (x-transformers' ``mask`` (B, T) beside ``attn_mask``).
+
+        A ``(B, T)`` bool argument is one when a constant mask in one polarity leaves the output exactly as no
+        mask does (its polarity: all True, True = keep; all False, True = padding) and hiding position p in that
+        polarity changes the outputs: at the other positions (it masks keys), or at position p alone (it masks
+        the queries instead: the mistake ``padding_on_queries``, which the padding rows then show)."""
+        form = self.form
+        params = inspect.signature(self.module.forward).parameters
+        named = set(form.input_names) | {form.mask_arg, form.causal_arg, form.weights_arg, form.average_arg}
+        others = [n for n, p in params.items() if n not in named and p.default is None and "mask" in name_key(n)]
+        others = [n for n in others if not any(w in name_key(n) for w in ("causal", "head", "encoder", "cross"))]
+        if not others:
+            return form, self.padding_keeps
+        w = self.projections().q_weight
+        B, T, p = 2, 6, 3
+        g = torch.Generator().manual_seed(4325)
+        x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
+        c = torch.randn(B, T - 1, self.embed_dim, generator=g).to(w)  # (B, T_k, E): a context, for cross calls
+        training = self.module.training
+        self.module.eval()
+
+        def acts(name: str, q: Tensor, kv: Tensor) -> tuple[bool, bool] | None:
+            """(True = keep, on keys) for ``name`` on the call (q, kv, kv); None: no padding argument there."""
+            run = lambda m: _first(self._invoke(q, kv, kv, {name: m}))
+            plain = _first(self._invoke(q, kv, kv, {}))
+            size = float(plain.abs().max().clamp_min(1e-12))
+            ones = torch.ones(B, kv.size(1), dtype=torch.bool, device=w.device)  # (B, T_k)
+            keeps = next((k for k, m in ((True, ones), (False, ~ones)) if torch.allclose(run(m), plain, rtol=0, atol=EXACT * size)), None)  # fmt: skip
+            if keeps is None:
+                return None
+            hide = ones.clone()
+            hide[:, p] = False  # (B, T_k): position p padded
+            moved = (run(hide if keeps else ~hide) - plain).abs().amax(-1) / size  # (B, T_q)
+            others_move = bool((moved[:, [i for i in range(q.size(1)) if i != p]] > SEEN).any())
+            if others_move:
+                return keeps, True
+            return (keeps, False) if q is kv and bool((moved[:, p] > SEEN).all()) else None
+
+        try:
+            for name in others:
+                try:
+                    found = acts(name, x, x)
+                except Exception:
+                    continue
+                if found is None:
+                    continue
+                keeps, on_keys = found
+                self_only = False
+                if form.inputs > 1:
+                    try:
+                        cross = acts(name, x, c)
+                    except Exception:
+                        cross = None
+                    self_only = cross is None or cross != (keeps, True)
+                return replace(form, padding_arg=name, padding_self_only=self_only), keeps
+        finally:
+            self.module.train(training)
+        return form, self.padding_keeps
 
     @torch.no_grad()
     def probe_padding(self) -> bool:
