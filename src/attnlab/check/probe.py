@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -479,6 +480,7 @@ class ProbedAdapter(AttentionAdapter):
         else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
             self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
         self.padding_keeps = False  # until probed
+        self.padding_note = ""  # what its own words say of its padding convention, where they contradict its behaviour
         if _forms is None:
             self.form = form
             self.max_len = self.probe_max_len()
@@ -491,6 +493,7 @@ class ProbedAdapter(AttentionAdapter):
             self.padding_keeps = self.probe_padding()
             if self.form.padding_arg is None:
                 self.form, self.padding_keeps = self.probe_padding_arg()
+            self.padding_keeps, self.padding_note = self._stated_padding()
             if mask_convention is None and self.convention == "keep" and self.masks.bool_reading == "block":
                 if not self._compares_mask():  # masked_fill(mask, -inf): True = blocked is its own convention
                     self.convention = "block"
@@ -552,6 +555,8 @@ class ProbedAdapter(AttentionAdapter):
             own = "a real token" if self.padding_keeps else "padding"
             apart = ", self-attention only (cross-attention folds it into the mask)" if f.padding_self_only else ""
             parts.append(f"key padding: {f.padding_arg} (True = {own}{apart})")
+            if self.padding_note:
+                parts.append(self.padding_note)
         if self.always_causal:
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
@@ -965,6 +970,23 @@ class ProbedAdapter(AttentionAdapter):
         finally:
             self.module.train(training)
         return form, masks
+
+    def _stated_padding(self) -> tuple[bool, str]:
+        """``(padding_keeps, note)``: a key padding convention stated in the forward's own docstring or comments
+        (``True = keep``) is what the checks hand, even where the module behaves the other way round: behaviour
+        alone cannot tell an inverted mask from the other convention, its words can (``padding_inverted``)."""
+        arg = self.form.padding_arg
+        if arg is None or self.form.torch_form:
+            return self.padding_keeps, ""
+        stated = stated_polarity(self.module.forward, arg)
+        if stated is None or (stated == "keep") == self.padding_keeps:
+            return self.padding_keeps, ""
+        said, does = ("a real token", "padding") if stated == "keep" else ("padding", "a real token")
+        note = (
+            f"{arg}: its docstring says True = {said}, but it behaves as True = {does}; the checks hand it as "
+            f"its docstring says"
+        )
+        return stated == "keep", note
 
     @torch.no_grad()
     def probe_padding_arg(self) -> tuple[CallForm, bool]:
@@ -1393,6 +1415,35 @@ class ProbedAdapter(AttentionAdapter):
             if fits(form, keep):
                 return form
         return None
+
+
+# What a module's own words say a mask's True (or 1) means: "True = keep", "1 for tokens to attend", "True means
+# padding". Only a statement of that form counts, never a name.
+_STATED = re.compile(r"\b(?:true|1)(?:/(?:true|1))?\s*(?:=|==|:|->|means|marks|indicates|is|are|for)\s*(?:an?\s+|the\s+)?(not\s+)?(\w+)", re.I)  # fmt: skip
+_KEEP_WORDS = ("keep", "kept", "valid", "attend", "real", "visible", "token", "tokens", "allowed", "may", "use", "used")
+_BLOCK_WORDS = ("pad", "padding", "padded", "mask", "masked", "ignore", "ignored", "block", "blocked", "excluded")
+
+
+def stated_polarity(fn: Callable, arg: str) -> Literal["keep", "block"] | None:
+    """What ``fn``'s docstring or comments say ``arg``'s True means, where a clause naming ``arg`` says it in so many
+    words (``key_padding_mask (B, S) bool, True = keep``); None where nothing is stated, or both readings are."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    doc = inspect.getdoc(fn) or ""
+    comments = [line.split("#", 1)[1] for line in source.splitlines() if "#" in line and arg in line]
+    found: set[str] = set()
+    for clause in re.split(r"[;\n]|\.\s", "\n".join([doc, *comments])):
+        if arg not in clause:
+            continue
+        for negated, word in _STATED.findall(clause.split(arg, 1)[1]):
+            word = word.lower()
+            kind = "keep" if word in _KEEP_WORDS else "block" if word in _BLOCK_WORDS else None
+            if kind is not None:
+                found.add({"keep": "block", "block": "keep"}[kind] if negated else kind)
+                break
+    return next(iter(found)) if len(found) == 1 else None  # type: ignore[return-value]
 
 
 def _sequence(query: Tensor, key: Tensor, value: Tensor, b: int) -> tuple[Tensor, Tensor, Tensor]:
