@@ -166,6 +166,8 @@ class CallForm:
     # the key padding argument reaches self-attention only (x-transformers' mask; its cross route has context_mask):
     # cross-attention calls fold key padding into the attention mask
     padding_self_only: bool = False
+    # it declares batch_first = True yet reads (T, B, E): called batch-first (the mistake shows), read time-first
+    declared_batch_first: bool = False
 
     def describe(self) -> str:
         sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
@@ -264,11 +266,22 @@ def _with_context(module: nn.Module, form: CallForm, E: int, dtype: torch.dtype)
     return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True)
 
 
-@torch.no_grad()
 def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
     """``form`` with ``time_first`` set by experiment: a batch-first module's output for sequence 1 ignores
     sequence 0's input; a time-first one (read (B, T, E) as (T, B, E)) mixes them, and its output at position 1
-    ignores position 0's input instead."""
+    ignores position 0's input instead.
+
+    A module that declares ``batch_first = True`` (an attribute, as ``nn.MultiheadAttention``'s) is called
+    batch-first whatever it does: one that then reads its inputs as (T, B, E) makes the ``batch_seq_swapped``
+    mistake (time-first inputs handed to ``F.multi_head_attention_forward`` untransposed), which the checks show."""
+    found = _layout_by_experiment(module, form, embed_dim)
+    if found.time_first and getattr(module, "batch_first", None) is True:
+        return replace(form, declared_batch_first=True)
+    return found
+
+
+@torch.no_grad()
+def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
     if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
         # a wrapper of torch's layer: its batch_first decides, and a wrapper that hands it (B, T, E) while it reads
         # (T, B, E) makes the batch_seq_swapped mistake (the wrapper's inputs are taken as batch-first)
@@ -440,7 +453,8 @@ class ProbedAdapter(AttentionAdapter):
             found, names_error = None, e
         self.reading = _forms.reading if _forms is not None else None
         if _forms is None or _forms.reading is None:
-            self.reading = _read(module, form, found, embed_dim)
+            # its data flow is read in the layout it computes in, even where it is called in the one it declares
+            self.reading = _read(module, replace(form, time_first=form.time_first or form.declared_batch_first), found, embed_dim)  # fmt: skip
         self.found, self.use_reading = _choose(module, found, self.reading)
         if self.found is None and not self.use_reading:
             assert names_error is not None
