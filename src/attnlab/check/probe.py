@@ -40,7 +40,7 @@ import copy
 import inspect
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -324,7 +324,8 @@ def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | No
 _Layout = Literal[
     "b1qk", "bhqk", "hbqk", "bqk", "qkb", "per_sequence", "b11k", "b1k", "bk", "bh1k", "kb", "lens", "lens_q"
 ]  # fmt: skip
-_PER_KEY = ("b11k", "b1k", "bk", "bh1k", "kb", "lens")  # one mask per key: what differs between queries cannot go through
+# one mask per key: what differs between queries cannot go through
+_PER_KEY = ("b11k", "b1k", "bk", "bh1k", "kb", "lens")
 _SHAPES = {
     "b1qk": "(B, 1, T_q, T_k)",
     "bhqk": "(B*H, T_q, T_k)",
@@ -1051,7 +1052,7 @@ class ProbedAdapter(AttentionAdapter):
                     continue
                 if found is None:
                     continue
-                keeps, on_keys = found
+                keeps = found[0]
                 self_only = False
                 if form.inputs > 1:
                     try:
@@ -1447,17 +1448,19 @@ def stated_polarity(fn: Callable, arg: str) -> Literal["keep", "block"] | None:
         return None
     doc = inspect.getdoc(fn) or ""
     comments = [line.split("#", 1)[1] for line in source.splitlines() if "#" in line and arg in line]
-    found: set[str] = set()
+    found: set[Literal["keep", "block"]] = set()
     for clause in re.split(r"[;\n]|\.\s", "\n".join([doc, *comments])):
         if arg not in clause:
             continue
         for negated, word in _STATED.findall(clause.split(arg, 1)[1]):
             word = word.lower()
-            kind = "keep" if word in _KEEP_WORDS else "block" if word in _BLOCK_WORDS else None
+            kind: Literal["keep", "block"] | None = (
+                "keep" if word in _KEEP_WORDS else "block" if word in _BLOCK_WORDS else None
+            )
             if kind is not None:
-                found.add({"keep": "block", "block": "keep"}[kind] if negated else kind)
+                found.add(("block" if kind == "keep" else "keep") if negated else kind)
                 break
-    return next(iter(found)) if len(found) == 1 else None  # type: ignore[return-value]
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def _sequence(query: Tensor, key: Tensor, value: Tensor, b: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -1548,7 +1551,7 @@ def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) ->
     return found, not all(any(u == n or u.startswith(n + ".") for n in named) for u in used)
 
 
-def _per_part_spares(src: RowSource, role: str, spare: list[str], params: dict[str, Tensor]) -> list[str]:
+def _per_part_spares(src: RowSource, role: str, spare: list[str], params: Mapping[str, Tensor]) -> list[str]:
     """For a role made of whole per-head weights (Karpathy's ``heads.i.query``), the unused weight beside each
     part that names ``role`` (``heads.i.value``), in the parts' order; [] unless every part has one."""
     picks: list[str] = []

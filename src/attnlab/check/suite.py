@@ -427,7 +427,9 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
         for mode in MODES:
             errs[f"{name}, {mode}"] = (_rel(_call(a, mode, q, kv, kv, **kw), ref), ctx.tol(PARITY_TOL, long=True))
     detail = f"T=1, {', '.join(map(str, longs))} (plain, causal); " + (
-        f"cross T_q/T_k = 1/7, 7/1, {ctx.length(13)}/5 (plain, padding)" if cross else "cross-attention not run (unsupported)"
+        f"cross T_q/T_k = 1/7, 7/1, {ctx.length(13)}/5 (plain, padding)"
+        if cross
+        else "cross-attention not run (unsupported)"
     )
     if longs != tuple(ctx.long_lens):
         detail += f"; at most {longs[-1]} tokens, the target's maximum length"
