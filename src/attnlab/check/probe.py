@@ -725,7 +725,16 @@ class ProbedAdapter(AttentionAdapter):
         (``masked_fill``, ``where``, ``~mask``, ``mask.float()``). A module that only adds what it is handed to
         the scores takes additive float masks by design, and a bool mask is no input of its."""
         uses = self._mask_uses(query, mask)
-        return uses is not None and any(u not in ("add", "radd", "iadd", "sub", "rsub", "isub") for u in uses)
+        adds = ("add", "radd", "iadd", "sub", "rsub", "isub")
+        reads = (
+            "get",
+            "size",
+            "dim",
+            "numel",
+            "is_floating_point",
+            "is_complex",
+        )  # mask.shape[0]: no use of its values
+        return uses is not None and any(u not in adds + reads for u in uses)
 
     def _compares_mask(self) -> bool:
         """Whether the module compares its mask with numbers (``mask == 0``, ``mask == 1``): it takes 0/1 data,
