@@ -39,7 +39,8 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -162,6 +163,11 @@ class CallForm:
     keyword_only: bool = False
     # forward(x, context=None): self-attention is the call without a context (its own route, masks included)
     context_optional: bool = False
+    # the key padding argument reaches self-attention only (x-transformers' mask; its cross route has context_mask):
+    # cross-attention calls fold key padding into the attention mask
+    padding_self_only: bool = False
+    # it declares batch_first = True yet reads (T, B, E): called batch-first (the mistake shows), read time-first
+    declared_batch_first: bool = False
 
     def describe(self) -> str:
         sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
@@ -260,11 +266,22 @@ def _with_context(module: nn.Module, form: CallForm, E: int, dtype: torch.dtype)
     return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True)
 
 
-@torch.no_grad()
 def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
     """``form`` with ``time_first`` set by experiment: a batch-first module's output for sequence 1 ignores
     sequence 0's input; a time-first one (read (B, T, E) as (T, B, E)) mixes them, and its output at position 1
-    ignores position 0's input instead."""
+    ignores position 0's input instead.
+
+    A module that declares ``batch_first = True`` (an attribute, as ``nn.MultiheadAttention``'s) is called
+    batch-first whatever it does: one that then reads its inputs as (T, B, E) makes the ``batch_seq_swapped``
+    mistake (time-first inputs handed to ``F.multi_head_attention_forward`` untransposed), which the checks show."""
+    found = _layout_by_experiment(module, form, embed_dim)
+    if found.time_first and getattr(module, "batch_first", None) is True:
+        return replace(form, declared_batch_first=True)
+    return found
+
+
+@torch.no_grad()
+def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
     if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
         # a wrapper of torch's layer: its batch_first decides, and a wrapper that hands it (B, T, E) while it reads
         # (T, B, E) makes the batch_seq_swapped mistake (the wrapper's inputs are taken as batch-first)
@@ -304,12 +321,19 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
     return form
 
 
-_Layout = Literal["b1qk", "bhqk", "bqk", "per_sequence", "b11k", "b1k", "bk", "lens", "lens_q"]
-_PER_KEY = ("b11k", "b1k", "bk", "lens")  # one mask per key: what differs between queries cannot go through
+_Layout = Literal[
+    "b1qk", "bhqk", "hbqk", "bqk", "qkb", "per_sequence", "b11k", "b1k", "bk", "bh1k", "kb", "lens", "lens_q"
+]  # fmt: skip
+# one mask per key: what differs between queries cannot go through
+_PER_KEY = ("b11k", "b1k", "bk", "bh1k", "kb", "lens")
 _SHAPES = {
     "b1qk": "(B, 1, T_q, T_k)",
     "bhqk": "(B*H, T_q, T_k)",
+    "hbqk": "(H*B, T_q, T_k), head-major",
     "bqk": "(B, T_q, T_k)",
+    "qkb": "(T_q, T_k, B), time-first",
+    "bh1k": "(B*H, 1, T_k), one mask per key",
+    "kb": "(T_k, B), time-first, one mask per key",
     "per_sequence": "one call per sequence",
     "b11k": "(B, 1, 1, T_k), one mask per key",
     "b1k": "(B, 1, T_k), one mask per key",
@@ -349,6 +373,8 @@ class MaskForm:
         return f"{what}; per-sequence masks as {_SHAPES[self.layout]}"
 
 
+# The longest sequence any check runs (odd_lengths' 1024): a module that runs it has no maximum length to find.
+LONGEST = 1024
 EXACT = 1e-5  # relative change of the other queries' outputs when a hidden key's input changes: rounding only
 SEEN = 1e-4  # a visible key's input changing moves the outputs by more than this (relative)
 
@@ -367,6 +393,7 @@ class _Probed:
     qkv_order: tuple[str, ...] | None
     reading: Reading | None = None  # the data flow, at this size (another size reads it again)
     padding_keeps: bool = False  # its key padding mask reads True = a real token (flash-attn's, HF's)
+    max_len: int | None = None  # the longest sequence it runs (a causal buffer of fixed length); None: any
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -391,7 +418,8 @@ class ProbedAdapter(AttentionAdapter):
 
     Attributes found by experiment: ``always_causal`` (the output at t never depends on later tokens),
     ``qkv_order`` (a fused projection's thirds in their order of use, e.g. ``("k", "q", "v")``; None when
-    the projections are separate or the experiment could not tell), ``lazy`` (weights made by one call).
+    the projections are separate or the experiment could not tell), ``lazy`` (weights made by one call),
+    ``max_len`` (the longest sequence it runs, a causal buffer's length; None when it runs ``LONGEST``).
     """
 
     def __init__(
@@ -426,7 +454,8 @@ class ProbedAdapter(AttentionAdapter):
             found, names_error = None, e
         self.reading = _forms.reading if _forms is not None else None
         if _forms is None or _forms.reading is None:
-            self.reading = _read(module, form, found, embed_dim)
+            # its data flow is read in the layout it computes in, even where it is called in the one it declares
+            self.reading = _read(module, replace(form, time_first=form.time_first or form.declared_batch_first), found, embed_dim)  # fmt: skip
         self.found, self.use_reading = _choose(module, found, self.reading)
         if self.found is None and not self.use_reading:
             assert names_error is not None
@@ -466,21 +495,27 @@ class ProbedAdapter(AttentionAdapter):
         else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
             self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
         self.padding_keeps = False  # until probed
+        self.padding_note = ""  # what its own words say of its padding convention, where they contradict its behaviour
         if _forms is None:
             self.form = form
+            self.max_len = self.probe_max_len()
             self.convention: Literal["keep", "block"] = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
             self.always_causal = self.probe_causal()
             self.qkv_order = None if self.use_reading else self.probe_qkv_order()
             self.masks = self.probe_masks()
+            self.form, self.masks = self.probe_ignored_mask()
             self.padding_keeps = self.probe_padding()
+            if self.form.padding_arg is None:
+                self.form, self.padding_keeps = self.probe_padding_arg()
+            self.padding_keeps, self.padding_note = self._stated_padding()
             if mask_convention is None and self.convention == "keep" and self.masks.bool_reading == "block":
                 if not self._compares_mask():  # masked_fill(mask, -inf): True = blocked is its own convention
                     self.convention = "block"
                     self.bool_mask_convention = self.convention
         else:
             self.form, self.masks = _forms.form, _forms.masks
-            self.padding_keeps = _forms.padding_keeps
+            self.padding_keeps, self.max_len = _forms.padding_keeps, _forms.max_len
             self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
             self.convention = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
@@ -499,7 +534,9 @@ class ProbedAdapter(AttentionAdapter):
         return None if found is None else self.module.get_submodule(found)  # type: ignore[return-value]
 
     def _probed(self) -> _Probed:
-        return _Probed(self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps)
+        return _Probed(
+            self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps, self.max_len
+        )
 
     def describe(self) -> str:
         """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
@@ -512,7 +549,15 @@ class ProbedAdapter(AttentionAdapter):
         mask = "no mask argument" if f.mask_arg is None else f"{f.mask_arg}: {self.masks.describe()}"
         via = f"; {' and '.join(folded)} through {f.mask_arg}" if folded and f.mask_arg else ""
         causal = "; always causal" if self.always_causal else ""
-        return f"called as {f.describe()}; {mask}{via}{causal}; {self.describe_weights()}"
+        return f"called as {f.describe()}; {mask}{via}{causal}{self._longest()}; {self.describe_weights()}"
+
+    def _longest(self) -> str:
+        if self.max_len is None:
+            return ""
+        return (
+            f"; runs at most {self.max_len} tokens (longer inputs raise: a maximum length, found by experiment; "
+            f"every check stays within it)"
+        )
 
     def describe_call(self) -> str | None:
         """One line: the call form, the mask convention found, causality, and where the weights came from."""
@@ -522,11 +567,17 @@ class ProbedAdapter(AttentionAdapter):
             if self.masks.note:
                 parts.append(self.masks.note)
         if f.padding_arg is not None:
-            parts.append(f"key padding: {f.padding_arg} (True = padding)")
+            own = "a real token" if self.padding_keeps else "padding"
+            apart = ", self-attention only (cross-attention folds it into the mask)" if f.padding_self_only else ""
+            parts.append(f"key padding: {f.padding_arg} (True = {own}{apart})")
+            if self.padding_note:
+                parts.append(self.padding_note)
         if self.always_causal:
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
             parts.append("no attention-mask argument" if f.padding_arg else "no mask argument")
+        if self.max_len is not None:
+            parts.append(self._longest().removeprefix("; "))
         parts.append(self.describe_weights())
         return "; ".join(parts)
 
@@ -615,17 +666,14 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name}.forward takes no attention mask")
         if mf.use == "lens":
             raise Unsupported(f"{self.name}.forward takes valid lengths ({arg}), not a bool mask")
+        if not mf.two_d:
+            mask = self._shaped(mask.expand(query.size(0), *mask.shape))  # (B, ...) in its layout
+        # A module that only adds what it is handed takes additive masks by design; one that converts it
+        # (attention_mask * 1.0, .float(), masked_fill) takes bools, whatever its argument's name
         if mf.use == "float" and mf.bool_reading is None and not self._converts_bool_mask(query, mask):
             raise Unsupported(
                 f"{self.name}.forward's {arg} takes additive float masks only: a bool mask is not what it takes"
             )
-        if mf.use == "float" and name_key(arg) == "attentionmask":
-            raise Unsupported(
-                f"{self.name}.forward's attention_mask is additive float, Hugging Face's convention: a bool mask "
-                f"is not what it takes"
-            )
-        if not mf.two_d:
-            mask = self._shaped(mask.expand(query.size(0), *mask.shape))  # (B, ...) in its layout
         if mf.use in ("int", "float01"):
             mask = mask.long() if mf.use == "int" else mask.to(query.dtype)
         return _first(self._invoke(query, query, query, {arg: mask}))
@@ -677,7 +725,16 @@ class ProbedAdapter(AttentionAdapter):
         (``masked_fill``, ``where``, ``~mask``, ``mask.float()``). A module that only adds what it is handed to
         the scores takes additive float masks by design, and a bool mask is no input of its."""
         uses = self._mask_uses(query, mask)
-        return uses is not None and any(u not in ("add", "radd", "iadd", "sub", "rsub", "isub") for u in uses)
+        adds = ("add", "radd", "iadd", "sub", "rsub", "isub")
+        reads = (
+            "get",
+            "size",
+            "dim",
+            "numel",
+            "is_floating_point",
+            "is_complex",
+        )  # mask.shape[0]: no use of its values
+        return uses is not None and any(u not in adds + reads for u in uses)
 
     def _compares_mask(self) -> bool:
         """Whether the module compares its mask with numbers (``mask == 0``, ``mask == 1``): it takes 0/1 data,
@@ -774,8 +831,10 @@ class ProbedAdapter(AttentionAdapter):
             if weights and form.average_arg is not None:
                 kwargs[form.average_arg] = False  # per-head weights
         keep: Tensor | None = keep_mask  # (T_q, T_k) or (B, T_q, T_k), True = may attend
+        cross = key is not query
         if key_padding_mask is not None:
-            if form.padding_arg is not None:  # in its own polarity: True = padding, or True = a real token
+            if form.padding_arg is not None and not (cross and form.padding_self_only):
+                # in its own polarity: True = padding, or True = a real token
                 kwargs[form.padding_arg] = ~key_padding_mask if self.padding_keeps else key_padding_mask
             else:
                 pad_keep = (~key_padding_mask)[:, None, :].expand(B, T_q, T_k)  # (B, T_q, T_k)
@@ -834,6 +893,10 @@ class ProbedAdapter(AttentionAdapter):
             return m[:, None]  # (B, 1, T_q, T_k)
         if layout == "bhqk":
             return m.repeat_interleave(self.num_heads, dim=0)  # (B*H, T_q, T_k), batch-major
+        if layout == "hbqk":
+            return m.repeat(self.num_heads, 1, 1)  # (H*B, T_q, T_k), head-major
+        if layout == "qkb":
+            return m.permute(1, 2, 0)  # (T_q, T_k, B)
         if layout in ("bqk", "per_sequence"):
             return m  # (B, T_q, T_k)
         if not bool((m == m[:, :1]).all()):
@@ -847,6 +910,10 @@ class ProbedAdapter(AttentionAdapter):
             return per_key[:, None, None]  # (B, 1, 1, T_k)
         if layout == "b1k":
             return per_key[:, None]  # (B, 1, T_k)
+        if layout == "bh1k":
+            return per_key.repeat_interleave(self.num_heads, dim=0)[:, None]  # (B*H, 1, T_k)
+        if layout == "kb":
+            return per_key.t()  # (T_k, B)
         return per_key  # (B, T_k)
 
     def _lengths(self, keep: Tensor) -> Tensor:
@@ -874,6 +941,138 @@ class ProbedAdapter(AttentionAdapter):
     def _plain(self, x: Tensor) -> Tensor:
         """Self-attention of ``x`` with no mask at all."""
         return _first(self._invoke(x, x, x, {}))
+
+    @torch.no_grad()
+    def probe_ignored_mask(self) -> tuple[CallForm, MaskForm]:
+        """The call form and mask form with the masks handed through a second attention-mask argument that the
+        module accepts and ignores (CLIP's ``causal_attention_mask`` beside ``attention_mask``), when there is one.
+
+        A mask argument that changes nothing, in the form the first one takes, while the first one hides a key,
+        is the mistake ``mask_ignored``: the checks hand their masks through it, so that their rows show it.
+        The arguments looked at are the listed mask names and any other ``*causal*mask*`` (never padding, head
+        or encoder masks, which a self-attention call may leave unused)."""
+        form, masks = self.form, self.masks
+        if form.mask_arg is None or masks.use == "lens":
+            return form, masks
+        params = inspect.signature(self.module.forward).parameters
+        others = [
+            n
+            for n, p in params.items()
+            if n != form.mask_arg
+            and p.default is None
+            and (n in _MASK_ARGS or ("causal" in name_key(n) and "mask" in name_key(n)))
+        ]
+        if not others:
+            return form, masks
+        w = self.projections().q_weight
+        B, T = 2, 6
+        x = torch.randn(B, T, self.embed_dim, generator=torch.Generator().manual_seed(4324)).to(w)  # (B, T, E)
+        keep = torch.ones(T, T, dtype=torch.bool, device=w.device)
+        keep[:, 2] = False  # (T, T): key 2 hidden
+        training = self.module.training
+        self.module.eval()
+        try:
+            mask = self._mask(keep if masks.two_d else keep.expand(B, T, T))
+            plain = _first(self._invoke(x, x, x, {}))
+            size = float(plain.abs().max().clamp_min(1e-12))
+            if float((_first(self._invoke(x, x, x, {form.mask_arg: mask})) - plain).abs().max()) <= SEEN * size:
+                return form, masks  # the first mask changes nothing either: nothing to compare with
+            for name in others:
+                try:
+                    out = _first(self._invoke(x, x, x, {name: mask}))
+                except Exception:
+                    continue  # it takes another form: not ignored
+                if isinstance(out, Tensor) and out.shape == plain.shape and torch.equal(out, plain):
+                    note = (
+                        f"{name} changes nothing (a mask hiding a key, in the form {form.mask_arg} takes, leaves "
+                        f"every output as it is) while {form.mask_arg} masks: the checks hand their masks through "
+                        f"{name}"
+                    )
+                    return replace(form, mask_arg=name), replace(masks, note=note)
+        except Exception:
+            return form, masks
+        finally:
+            self.module.train(training)
+        return form, masks
+
+    def _stated_padding(self) -> tuple[bool, str]:
+        """``(padding_keeps, note)``: a key padding convention stated in the forward's own docstring or comments
+        (``True = keep``) is what the checks hand, even where the module behaves the other way round: behaviour
+        alone cannot tell an inverted mask from the other convention, its words can (``padding_inverted``)."""
+        arg = self.form.padding_arg
+        if arg is None or self.form.torch_form:
+            return self.padding_keeps, ""
+        stated = stated_polarity(self.module.forward, arg)
+        if stated is None or (stated == "keep") == self.padding_keeps:
+            return self.padding_keeps, ""
+        said, does = ("a real token", "padding") if stated == "keep" else ("padding", "a real token")
+        note = (
+            f"{arg}: its docstring says True = {said}, but it behaves as True = {does}; the checks hand it as "
+            f"its docstring says"
+        )
+        return stated == "keep", note
+
+    @torch.no_grad()
+    def probe_padding_arg(self) -> tuple[CallForm, bool]:
+        """``(the call form, whether its padding reads True = keep)`` with a key padding argument found by
+        experiment among the other mask arguments (x-transformers' ``mask`` (B, T) beside ``attn_mask``).
+
+        A ``(B, T)`` bool argument is one when a constant mask in one polarity leaves the output exactly as no
+        mask does (its polarity: all True, True = keep; all False, True = padding) and hiding position p in that
+        polarity changes the outputs: at the other positions (it masks keys), or at position p alone (it masks
+        the queries instead: the mistake ``padding_on_queries``, which the padding rows then show)."""
+        form = self.form
+        params = inspect.signature(self.module.forward).parameters
+        named = set(form.input_names) | {form.mask_arg, form.causal_arg, form.weights_arg, form.average_arg}
+        others = [n for n, p in params.items() if n not in named and p.default is None and "mask" in name_key(n)]
+        others = [n for n in others if not any(w in name_key(n) for w in ("causal", "head", "encoder", "cross"))]
+        if not others:
+            return form, self.padding_keeps
+        w = self.projections().q_weight
+        B, T, p = 2, 6, 3
+        g = torch.Generator().manual_seed(4325)
+        x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
+        c = torch.randn(B, T - 1, self.embed_dim, generator=g).to(w)  # (B, T_k, E): a context, for cross calls
+        training = self.module.training
+        self.module.eval()
+
+        def acts(name: str, q: Tensor, kv: Tensor) -> tuple[bool, bool] | None:
+            """(True = keep, on keys) for ``name`` on the call (q, kv, kv); None: no padding argument there."""
+            run = lambda m: _first(self._invoke(q, kv, kv, {name: m}))
+            plain = _first(self._invoke(q, kv, kv, {}))
+            size = float(plain.abs().max().clamp_min(1e-12))
+            ones = torch.ones(B, kv.size(1), dtype=torch.bool, device=w.device)  # (B, T_k)
+            keeps = next((k for k, m in ((True, ones), (False, ~ones)) if torch.allclose(run(m), plain, rtol=0, atol=EXACT * size)), None)  # fmt: skip
+            if keeps is None:
+                return None
+            hide = ones.clone()
+            hide[:, p] = False  # (B, T_k): position p padded
+            moved = (run(hide if keeps else ~hide) - plain).abs().amax(-1) / size  # (B, T_q)
+            others_move = bool((moved[:, [i for i in range(q.size(1)) if i != p]] > SEEN).any())
+            if others_move:
+                return keeps, True
+            return (keeps, False) if q is kv and bool((moved[:, p] > SEEN).all()) else None
+
+        try:
+            for name in others:
+                try:
+                    found = acts(name, x, x)
+                except Exception:
+                    continue
+                if found is None:
+                    continue
+                keeps = found[0]
+                self_only = False
+                if form.inputs > 1:
+                    try:
+                        cross = acts(name, x, c)
+                    except Exception:
+                        cross = None
+                    self_only = cross is None or cross != (keeps, True)
+                return replace(form, padding_arg=name, padding_self_only=self_only), keeps
+        finally:
+            self.module.train(training)
+        return form, self.padding_keeps
 
     @torch.no_grad()
     def probe_padding(self) -> bool:
@@ -913,6 +1112,41 @@ class ProbedAdapter(AttentionAdapter):
             return not hides(first) and hides(~first) and sees_others(~first)
         except Exception:
             return False
+        finally:
+            self.module.train(training)
+
+    @torch.no_grad()
+    def probe_max_len(self) -> int | None:
+        """The longest self-attention input it runs, by experiment; None when it runs ``LONGEST`` tokens.
+
+        A causal buffer sized by a module global (Karpathy's ``tril`` of ``block_size``) caps the length: that
+        is a maximum, not a mistake, and the checks keep every row within it. The longest length that runs is
+        found by bisection between 8 tokens (which must run: else there is no maximum to speak of, and the
+        checks show what fails) and ``LONGEST``; it must run at every length probed below it."""
+        w = self.projections().q_weight
+        g = torch.Generator().manual_seed(4323)
+
+        def runs(T: int) -> bool:
+            x = torch.randn(1, T, self.embed_dim, generator=g).to(w)  # (1, T, E)
+            try:
+                out = self._plain(x)
+            except Exception:
+                return False
+            return isinstance(out, Tensor) and out.shape == x.shape
+
+        training = self.module.training
+        self.module.eval()
+        try:
+            if runs(LONGEST) or not runs(8):
+                return None
+            lo, hi = 8, LONGEST  # runs(lo), not runs(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+            # a maximum, not a length the module happens to fail at: shorter lengths all run
+            if not all(runs(T) for T in {lo - 1, lo // 2 + 1, (lo + 8) // 2}):
+                return None
+            return lo
         finally:
             self.module.train(training)
 
@@ -1074,7 +1308,7 @@ class ProbedAdapter(AttentionAdapter):
         self.masks = MaskForm(weak, "bool", self.convention, "b1qk", (note + "; " if note else "") + seemed)
         return replace(self.masks, layout=self._probe_layout(x, hide))
 
-    def _probe_layout(self, x: Tensor, hide: Tensor) -> Literal["b1qk", "bhqk", "bqk", "per_sequence"]:
+    def _probe_layout(self, x: Tensor, hide: Tensor) -> _Layout:
         """The first per-sequence layout for which each sequence gets its own mask."""
         other = hide.clone()
         other[:, 0], other[:, 2] = False, True  # (T, T): a second mask, key 0 hidden instead
@@ -1087,7 +1321,7 @@ class ProbedAdapter(AttentionAdapter):
                 _first(self._invoke(x1, x1, x1, {arg: self._mask(other)})),
             ]
         )  # (B, T, E): each sequence alone, with its 2-D mask
-        layouts: tuple[Literal["b1qk", "bhqk", "bqk"], ...] = ("b1qk", "bhqk", "bqk")
+        layouts: tuple[_Layout, ...] = ("b1qk", "bhqk", "bqk", "hbqk", "qkb")
         for layout in layouts:
             self.masks = replace(self.masks, layout=layout)
             try:
@@ -1186,9 +1420,10 @@ class ProbedAdapter(AttentionAdapter):
             # 0/1 numbers are Hugging Face's documented attention_mask; elsewhere a module that only runs on
             # them rejects the bool mask its signature promises (a finding: mask_dtype_error), so none are tried
             values = [(use, pol) for use, pol in values if use in ("bool", "float")]
+        # batch-first layouts first; a time-first module's masks may be time-first too (labml's (T_q, T_k, B))
         tries: list[tuple[tuple[_Layout, ...], Tensor]] = [
-            (("bqk", "b1qk", "bhqk"), full),
-            (("b11k", "b1k", "bk"), per_key),
+            (("bqk", "b1qk", "bhqk", "hbqk", "qkb"), full),
+            (("b11k", "b1k", "bk", "bh1k", "kb"), per_key),
         ]
         for layouts, keep in tries:
             # one mask per key, (B, T_k): Hugging Face's 0/1 attention_mask before an additive reading of it
@@ -1204,6 +1439,37 @@ class ProbedAdapter(AttentionAdapter):
             if fits(form, keep):
                 return form
         return None
+
+
+# What a module's own words say a mask's True (or 1) means: "True = keep", "1 for tokens to attend", "True means
+# padding". Only a statement of that form counts, never a name.
+_STATED = re.compile(r"\b(?:true|1)(?:/(?:true|1))?\s*(?:=|==|:|->|means|marks|indicates|is|are|for)\s*(?:an?\s+|the\s+)?(not\s+)?(\w+)", re.I)  # fmt: skip
+_KEEP_WORDS = ("keep", "kept", "valid", "attend", "real", "visible", "token", "tokens", "allowed", "may", "use", "used")
+_BLOCK_WORDS = ("pad", "padding", "padded", "mask", "masked", "ignore", "ignored", "block", "blocked", "excluded")
+
+
+def stated_polarity(fn: Callable, arg: str) -> Literal["keep", "block"] | None:
+    """What ``fn``'s docstring or comments say ``arg``'s True means, where a clause naming ``arg`` says it in so many
+    words (``key_padding_mask (B, S) bool, True = keep``); None where nothing is stated, or both readings are."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    doc = inspect.getdoc(fn) or ""
+    comments = [line.split("#", 1)[1] for line in source.splitlines() if "#" in line and arg in line]
+    found: set[Literal["keep", "block"]] = set()
+    for clause in re.split(r"[;\n]|\.\s", "\n".join([doc, *comments])):
+        if arg not in clause:
+            continue
+        for negated, word in _STATED.findall(clause.split(arg, 1)[1]):
+            word = word.lower()
+            kind: Literal["keep", "block"] | None = (
+                "keep" if word in _KEEP_WORDS else "block" if word in _BLOCK_WORDS else None
+            )
+            if kind is not None:
+                found.add(("block" if kind == "keep" else "keep") if negated else kind)
+                break
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def _sequence(query: Tensor, key: Tensor, value: Tensor, b: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -1294,6 +1560,28 @@ def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) ->
     return found, not all(any(u == n or u.startswith(n + ".") for n in named) for u in used)
 
 
+def _per_part_spares(src: RowSource, role: str, spare: list[str], params: Mapping[str, Tensor]) -> list[str]:
+    """For a role made of whole per-head weights (Karpathy's ``heads.i.query``), the unused weight beside each
+    part that names ``role`` (``heads.i.value``), in the parts' order; [] unless every part has one."""
+    picks: list[str] = []
+    for path, transposed, rows in src.parts:
+        whole = not transposed and rows == tuple(range(params[path].size(0)))
+        parent = path.rsplit(".", 2)[0] if path.count(".") >= 2 else ""
+        fits = [
+            n
+            for n in spare
+            if whole
+            and n not in picks
+            and params[n].shape == params[path].shape
+            and name_hint(n) == role
+            and (n.rsplit(".", 2)[0] if n.count(".") >= 2 else "") == parent
+        ]
+        if not fits:
+            return []
+        picks.append(fits[0])
+    return picks
+
+
 def _read_projections(module: nn.Module, r: Reading, found: _Found | None) -> Projections:
     """The weights as the data flow reads them; a role made with another role's weights while a weight of
     that shape goes unused takes the unused one (the module's mistake then shows against it)."""
@@ -1309,16 +1597,15 @@ def _read_projections(module: nn.Module, r: Reading, found: _Found | None) -> Pr
             continue  # its own weight: the other role borrowed it
         fits = [n for n in spare if params[n].shape[0] == src.rows and name_hint(n) in (role, None)]
         pick = next((n for n in fits if name_hint(n) == role), fits[0] if fits else None)
-        if pick is not None:
-            owner = pick.rsplit(".", 1)[0] if "." in pick else ""
-            bias = f"{owner}.bias" if owner else "bias"
-            has_bias = bias in params and params[bias].dim() == 1
-            roles[role] = RowSource(
-                ((pick, False, tuple(range(src.rows))),),
-                ((bias, tuple(range(src.rows))),) if has_bias else None,
-                1.0,
-            )
-            spare.remove(pick)
+        picks = [pick] if pick is not None else _per_part_spares(src, role, spare, params)
+        if picks:
+            parts = tuple((n, False, tuple(range(params[n].size(0)))) for n in picks)
+            biases = [f"{n.rsplit('.', 1)[0]}.bias" if "." in n else "bias" for n in picks]
+            has_bias = all(b in params and params[b].dim() == 1 for b in biases)
+            bias_parts = tuple((b, tuple(range(params[b].size(0)))) for b in biases) if has_bias else None
+            roles[role] = RowSource(parts, bias_parts, 1.0)
+            for n in picks:
+                spare.remove(n)
     wq, wk, wv = (roles[x].weight(module) for x in ("q", "k", "v"))
     bq, bk, bv = (roles[x].bias_of(module) for x in ("q", "k", "v"))
     if r.out is not None:

@@ -127,6 +127,12 @@ class Context:
         """``randn(*shape)`` from ``g``, on the target's device, in ``dtype`` (default: the target's)."""
         return torch.randn(*shape, generator=g).to(self.device, self.dtype if dtype is None else dtype)
 
+    def length(self, T: int) -> int:
+        """``T``, or the target's maximum length where it has a shorter one (``max_len``: a causal buffer of fixed
+        size, found by experiment): no row runs it past what it can take."""
+        longest = getattr(self.adapter, "max_len", None)
+        return T if longest is None else min(T, int(longest))
+
     def tol(self, base: float, *, grads: bool = False, long: bool = False) -> float:
         """The tolerance of a figure whose float32 bound is ``base`` (a relative error against the float64
         reference, or of the target against itself).
@@ -156,7 +162,8 @@ class Context:
         heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
         g = self.generator(f"budget[{'grads' if grads else 'outputs'}]")
         E = a.embed_dim
-        sizes = [(self.batch, self.seq_len), (self.batch, LOW_PRECISION_SEQ_LEN)] + ([(1, BUDGET_LONG_LEN)] * long)
+        sizes = [(self.batch, self.seq_len), (self.batch, self.length(LOW_PRECISION_SEQ_LEN))]
+        sizes += [(1, self.length(BUDGET_LONG_LEN))] * long
         worst = 0.0
         for B, T in sizes:
             cases: list[_MaskKwargs] = [{}, *_low_precision_cases(self, g, T, B).values()]
@@ -402,13 +409,15 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
     g = ctx.generator("odd_lengths")
     cross = getattr(a, "supports_cross_attention", True)
     cases: list[tuple[str, int, int | None, _MaskKwargs]] = []  # (name, T_q, T_k or None: self-attention, masks)
-    for T in (1, *ctx.long_lens):  # 1023: a length no block size divides, next to one they all do
+    longs = tuple(dict.fromkeys(ctx.length(T) for T in ctx.long_lens))  # within the target's maximum length
+    for T in (1, *longs):  # 1023: a length no block size divides, next to one they all do
         cases += [(f"T={T}", T, None, {}), (f"T={T} causal", T, None, {"is_causal": True})]
     if cross:
         pad = torch.zeros(ctx.batch, 5, dtype=torch.bool, device=ctx.device)
         pad[0, -2:] = True
-        cases += [("T_q=1, T_k=7", 1, 7, {}), ("T_q=7, T_k=1", 7, 1, {}), ("T_q=13, T_k=5", 13, 5, {})]
-        cases += [("T_q=13, T_k=5, padding", 13, 5, {"key_padding_mask": pad})]
+        T_q = ctx.length(13)
+        cases += [("T_q=1, T_k=7", 1, 7, {}), ("T_q=7, T_k=1", 7, 1, {}), (f"T_q={T_q}, T_k=5", T_q, 5, {})]
+        cases += [(f"T_q={T_q}, T_k=5, padding", T_q, 5, {"key_padding_mask": pad})]
     errs: dict[str, tuple[float, float]] = {}
     for name, T_q, T_k, kw in cases:
         B = 1 if T_q > 64 else ctx.batch  # a long sequence: one, at the target's own width
@@ -417,9 +426,13 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
         ref = ctx.reference(q, kv, kv, **kw)
         for mode in MODES:
             errs[f"{name}, {mode}"] = (_rel(_call(a, mode, q, kv, kv, **kw), ref), ctx.tol(PARITY_TOL, long=True))
-    detail = f"T=1, {ctx.long_lens[0]}, {ctx.long_lens[1]} (plain, causal); " + (
-        "cross T_q/T_k = 1/7, 7/1, 13/5 (plain, padding)" if cross else "cross-attention not run (unsupported)"
+    detail = f"T=1, {', '.join(map(str, longs))} (plain, causal); " + (
+        f"cross T_q/T_k = 1/7, 7/1, {ctx.length(13)}/5 (plain, padding)"
+        if cross
+        else "cross-attention not run (unsupported)"
     )
+    if longs != tuple(ctx.long_lens):
+        detail += f"; at most {longs[-1]} tokens, the target's maximum length"
     return _worst_row(errs, detail)
 
 
@@ -468,7 +481,7 @@ def check_low_precision(ctx: Context, dtype: torch.dtype, grads: bool = False) -
     except Unsupported as e:
         return _skip(str(e))
     g = ctx.generator(check)
-    B, T, E = ctx.batch, LOW_PRECISION_SEQ_LEN, a.embed_dim
+    B, T, E = ctx.batch, ctx.length(LOW_PRECISION_SEQ_LEN), a.embed_dim
     names = _grad_names(a)
     errs: dict[str, float] = {}  # per layout and tensor, the max over the mask cases (one larger sample)
     plain_errs: dict[str, float] = {}
@@ -828,7 +841,7 @@ def check_deterministic_backward(ctx: Context) -> CheckResult:
     """Eval mode, two backward passes on identical inputs: bitwise identical input and weight grads."""
     a = ctx.adapter
     g = ctx.generator("deterministic_backward")
-    B, T, E = ctx.batch, 64, a.embed_dim  # long enough for a kernel to split the keys into blocks
+    B, T, E = ctx.batch, ctx.length(64), a.embed_dim  # long enough for a kernel to split the keys into blocks
     names = _grad_names(a)
     xs = [ctx.inputs(g, B, T, E) for _ in names]  # (B, T, E) each
     up = ctx.inputs(g, B, T, E)  # (B, T, E): upstream gradient
