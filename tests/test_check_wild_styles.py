@@ -80,14 +80,7 @@ NOT_YET: dict[str, str] = {
         "the masks reach the module in a form under which the mistake does not show",
     ),
     **dict.fromkeys(
-        (
-            "mistral_rotary_on_values",
-            "mistral_rotary_q_only",
-            "neox_rotary_q_only",
-            "falcon_rotary_on_values",
-            "lucidrotary_rotary_wrong_axis",
-            "mistral_gqa_kv_heads_tiled",
-        ),
+        ("lucidrotary_rotary_wrong_axis",),
         "a rotary mistake (or GQA beside rotary) leaves a position map the data flow cannot fit: no rotary reference",
     ),
     **dict.fromkeys(

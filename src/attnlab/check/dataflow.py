@@ -63,6 +63,8 @@ class Rotary:
     def apply(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """``x`` ``(..., T, D)`` rotated at positions ``0 .. T-1`` (or ``positions`` ``(T,)``)."""
         T = x.size(-2)
+        if max(max(p) for p in self.pairs) >= x.size(-1):  # a recipe that splits heads another width: not this map
+            raise RuntimeError(f"a rotary read on {self.dims}-wide heads cannot turn {x.size(-1)}-wide ones")
         pos = torch.arange(T, device=x.device, dtype=torch.float64) if positions is None else positions.double()
         i = torch.tensor([p[0] for p in self.pairs], device=x.device)
         j = torch.tensor([p[1] for p in self.pairs], device=x.device)
@@ -73,6 +75,11 @@ class Rotary:
         out[..., i] = xi * cos - xj * sin
         out[..., j] = xi * sin + xj * cos
         return out
+
+    @property
+    def dims(self) -> int:
+        """The head width the map was read at (its highest paired feature + 1, at least)."""
+        return max(max(p) for p in self.pairs) + 1
 
     def describe(self) -> str:
         split = all(j - i == len(self.pairs) for i, j in self.pairs)
