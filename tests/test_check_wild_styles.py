@@ -79,14 +79,8 @@ NOT_YET: dict[str, str] = {
         ("clip_mask_ignored", "falcon_bool_mask_added", "swin_rows_misassigned", "torchfunc_batch_seq_swapped"),
         "the masks reach the module in a form under which the mistake does not show",
     ),
-    **dict.fromkeys(
-        ("lucidrotary_rotary_wrong_axis",),
-        "a rotary mistake (or GQA beside rotary) leaves a position map the data flow cannot fit: no rotary reference",
-    ),
-    **dict.fromkeys(
-        ("fairseq_split_without_transpose", "clip_merge_without_transpose", "xtransformers_softmax_head_axis"),
-        "the mistake departs at a stage, but another catalogued cause is named first or none",
-    ),
+    "fairseq_split_without_transpose": "a time-first module whose split mixes batch rows and positions is called "
+    "batch-first (neither layout keeps the rows apart), and no recipe folds heads from (T, B, E) memory",
 }
 
 
