@@ -57,21 +57,8 @@ NOT_YET: dict[str, str] = {
     ),
     "swin_rows_misassigned": "the window mask has one row per window, fewer than the folded batch: handed one row per "
     "sequence (as many as the batch), a repeat_interleave where the windows repeat fastest changes nothing",
-    **dict.fromkeys(
-        (
-            "mistral_rotary_on_values",
-            "mistral_rotary_q_only",
-            "neox_rotary_q_only",
-            "falcon_rotary_on_values",
-            "lucidrotary_rotary_wrong_axis",
-            "mistral_gqa_kv_heads_tiled",
-        ),
-        "a rotary mistake (or GQA beside rotary) leaves a position map the data flow cannot fit: no rotary reference",
-    ),
-    **dict.fromkeys(
-        ("fairseq_split_without_transpose", "clip_merge_without_transpose", "xtransformers_softmax_head_axis"),
-        "the mistake departs at a stage, but another catalogued cause is named first or none",
-    ),
+    "fairseq_split_without_transpose": "a time-first module whose split mixes batch rows and positions is called "
+    "batch-first (neither layout keeps the rows apart), and no recipe folds heads from (T, B, E) memory",
 }
 
 

@@ -24,8 +24,12 @@ A role's weight is then the rows it uses, **in the parameter's own order** (head
 a module that groups them into heads another way makes a mistake the checks name (heads interleaved),
 while a fused layout that is another checkpoint's convention reads as it is. A position map applied to Q
 and K after the projection (rotary) shows as features that are the projection's at position 0 only; it is
-fitted per position and, when it is a rotation of feature pairs by angles linear in the position, kept as
-a :class:`Rotary` that the float64 reference applies too.
+fitted per position and per tensor (q, k and v each: none, or a rotation of feature pairs, adjacent or
+half-split, on all dims or a part) and, when it is a rotation by angles linear in the position, kept as a
+:class:`Rotary` that the float64 reference applies to Q and K (so that a map on Q alone or on V too is a
+mistake the recipes name). Features that are no rows even at position 0 are matched pair by pair with two
+rows each: a rotation by the head index instead of the position (rotary along the wrong axis) reads so, and
+the reference turns by the position with the angles read.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class Rotary:
     def apply(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """``x`` ``(..., T, D)`` rotated at positions ``0 .. T-1`` (or ``positions`` ``(T,)``)."""
         T = x.size(-2)
+        if max(max(p) for p in self.pairs) >= x.size(-1):  # a recipe that splits heads another width: not this map
+            raise RuntimeError(f"a rotary read on {self.dims}-wide heads cannot turn {x.size(-1)}-wide ones")
         pos = torch.arange(T, device=x.device, dtype=torch.float64) if positions is None else positions.double()
         i = torch.tensor([p[0] for p in self.pairs], device=x.device)
         j = torch.tensor([p[1] for p in self.pairs], device=x.device)
@@ -73,6 +79,11 @@ class Rotary:
         out[..., i] = xi * cos - xj * sin
         out[..., j] = xi * sin + xj * cos
         return out
+
+    @property
+    def dims(self) -> int:
+        """The head width the map was read at (its highest paired feature + 1, at least)."""
+        return max(max(p) for p in self.pairs) + 1
 
     def describe(self) -> str:
         split = all(j - i == len(self.pairs) for i, j in self.pairs)
@@ -143,6 +154,9 @@ class Reading:
     out: RowSource | None  # None: nothing after the context is a projection of the parameters
     rotary: Rotary | None = None
     rotary_roles: tuple[str, ...] = ()  # which of q, k, v carry a position map
+    # the map turns by the head index, the same at every position (rotary applied along the heads axis): the
+    # reference turns by the position, as rotary means, with the angles read
+    rotary_on_heads: bool = False
     unused: tuple[str, ...] = ()  # 2-D parameters that no role uses
 
     def describe(self) -> str:
@@ -151,6 +165,8 @@ class Reading:
         text = "weights read by data flow: " + "; ".join(parts)
         if self.rotary is not None:
             text += f"; {self.rotary.describe()} on {', '.join(self.rotary_roles)}"
+            if self.rotary_on_heads:
+                text += " (applied along the heads axis: its angle follows the head index, not the position)"
         return text
 
 
@@ -426,10 +442,17 @@ def _role_rows(
         raise _Unreadable("a feature is not any parameter's row")
     matched = [h[0] for h in hits if h is not None]
     factors = [h[1] for h in hits if h is not None]
-    biases = [h[2] for h in hits if h is not None]
     fac = factors[0]
     if any(abs(x - fac) > 1e-6 * abs(fac) for x in factors):
         raise _Unreadable("features scaled unevenly")
+    return _source(module, matched, fac, [h[2] for h in hits if h is not None], tol), matched
+
+
+def _source(
+    module: nn.Module, matched: list[tuple[str, bool, int]], fac: float, biases: list[float], tol: float
+) -> RowSource:
+    """The role's rows in the parameters' order, with the bias parameter matching each row's ``biases``
+    (scaled by ``fac``, as the features carry it)."""
     bias_by = dict(zip(matched, biases, strict=True))
     order = {p: n for n, (p, _) in enumerate(module.named_parameters())}
     unique = sorted(dict.fromkeys(matched), key=lambda e: (order.get(e[0], 0), e[1], e[2]))
@@ -437,7 +460,58 @@ def _role_rows(
     bias, ok = _bias_source(module, unique, fac, eff_sorted, max(tol, 1e-9))
     if not ok:
         raise _Unreadable("a bias that is no parameter's")
-    return RowSource(_runs_of(unique), bias, fac), matched
+    return RowSource(_runs_of(unique), bias, fac)
+
+
+def _mapped_rows(
+    module: nn.Module, feats: list[Tensor], x: Tensor, bank: _Bank, tol: float
+) -> tuple[RowSource, list[tuple[str, bool, int]], list[Tensor], list[Tensor]]:
+    """Where the features at position 0 are no parameter's rows but each pair of them (adjacent, or the two
+    halves', as rotary pairs them) a fixed mix of two rows (a map after the projection that turns position 0
+    too, such as a rotation by the head index): the two rows whose values over the probe span each pair's.
+    ``feats`` per head ``(B, T, D)``, ``x`` ``(B, T, E)``. Returns the source (factor: the map's scale), the
+    rows per head, the map ``M`` ``(D, D)`` per head (``features_0 = (rows_0 + bias) @ M``) and the
+    projection before the map per head ``(B, T, D)``."""
+    x0 = x[:, 0].double()
+    Y = x0 @ bank.raw.t()  # (B, N)
+    Yc = Y - Y.mean(0)
+    units = Yc / Yc.norm(dim=0).clamp_min(1e-300)
+    D = feats[0].size(-1)
+    for pairs in ([(i, i + 1) for i in range(0, D - 1, 2)], [(i, i + D // 2) for i in range(D // 2)]):
+        try:
+            found = [_pair_rows(f[:, 0], pairs, Y, Yc, units, tol) for f in feats]
+        except _Unreadable:
+            continue
+        matched = [bank.entries[i] for idx, _, _ in found for i in idx]
+        maps = [M for _, M, _ in found]
+        fac = float(maps[0].square().sum().div(D).sqrt())  # a rotation times the scale folded in
+        eff = (torch.cat([b for _, _, b in found]) * fac).tolist()
+        preds = [x.double() @ bank.raw[idx].t() + b for idx, _, b in found]  # (B, T, D) per head
+        return _source(module, matched, fac, eff, tol), matched, maps, preds
+    raise _Unreadable("a feature is not any parameter's row, nor a mix of two in rotary's pairs")
+
+
+def _pair_rows(
+    f0: Tensor, pairs: list[tuple[int, int]], Y: Tensor, Yc: Tensor, units: Tensor, tol: float
+) -> tuple[list[int], Tensor, Tensor]:
+    """One head's features at position 0 ``(B, D)``, each of ``pairs`` spanned by two bank rows (``Y`` their
+    values ``(B, N)``, ``Yc`` centred, ``units`` normalised): (the rows per feature, the map ``(D, D)``, the
+    rows' biases ``(D,)``)."""
+    D = f0.size(1)
+    idx = [0] * D
+    M = torch.zeros(D, D, dtype=f0.dtype)
+    fc = f0 - f0.mean(0)
+    for pair in pairs:
+        basis = torch.linalg.qr(fc[:, pair]).Q  # (B, 2)
+        near = ((units - basis @ (basis.t() @ units)).norm(dim=0) <= max(tol, 1e-9) * 100).nonzero().flatten()
+        if near.numel() != 2:
+            raise _Unreadable("a pair of features is no mix of two parameter rows")
+        for n, d in zip(near.tolist(), pair, strict=True):
+            idx[d] = n
+        rows = torch.tensor(pair)
+        M[rows[:, None], rows] = torch.linalg.lstsq(Yc[:, near], fc[:, pair]).solution
+    bias = torch.linalg.solve(M.t(), f0.mean(0)) - Y[:, idx].mean(0)  # (D,): each row's bias before the map
+    return idx, M, bias
 
 
 def _runs_of(entries: list[tuple[str, bool, int]]) -> tuple[tuple[str, bool, tuple[int, ...]], ...]:
@@ -501,10 +575,34 @@ def _fit_rotary(actual: list[Tensor], predicted: list[Tensor], tol: float) -> Ro
     size = P.abs().max().clamp_min(1e-12)
     if float((A - P).abs().max() / size) <= tol * 100:
         return None
-    T, D = P.size(1), P.size(2)
-    if T < 3:
+    if P.size(1) < 3:
         raise _Unreadable("too few positions to read a position map")
-    R1 = torch.linalg.lstsq(P[:, 1], A[:, 1]).solution.t()  # (D, D): A_1 = P_1 @ R1^T
+    rot = _rotation(torch.linalg.lstsq(P[:, 1], A[:, 1]).solution.t())  # (D, D): A_1 = P_1 @ R1^T
+    if float((rot.apply(P) - A).abs().max() / size) > 1e-6:
+        raise _Unreadable("a position map other than a rotation linear in the position")
+    return rot
+
+
+def _heads_rotary(actual: list[Tensor], preds: list[Tensor], maps: list[Tensor]) -> Rotary | None:
+    """The rotation of feature pairs by angles linear in the *head index* that ``maps`` (per head, from
+    :func:`_mapped_rows`) make, the same at every position (rotary applied along the heads axis); None when
+    it is no more than the scale; raises when the map changes with the position or is no such rotation."""
+    A, P = torch.stack(actual, dim=-2), torch.stack(preds, dim=-2)  # (B, T, H, D)
+    size = A.abs().max().clamp_min(1e-12)
+    if float((torch.einsum("bthd,hde->bthe", P, torch.stack(maps)) - A).abs().max() / size) > 1e-6:
+        raise _Unreadable("a map after the projection that changes with the position and turns position 0")
+    c = float(maps[0].square().sum().div(maps[0].size(0)).sqrt())
+    if len(maps) < 2 or all(bool(torch.allclose(M / c, torch.eye(M.size(0), dtype=M.dtype), atol=1e-6)) for M in maps):
+        return None
+    rot = _rotation(maps[1].t() / c)
+    if float((c * rot.apply(P) - A).abs().max() / size) > 1e-6:  # along -2: the heads
+        raise _Unreadable("a map after the projection that is no rotation linear in the head index")
+    return rot
+
+
+def _rotation(R1: Tensor) -> Rotary:
+    """The rotation of feature pairs that ``R1`` ``(D, D)`` makes (``a = R1 p``), its angles read off it."""
+    D = R1.size(0)
     pairs: list[tuple[int, int]] = []
     omega: list[float] = []
     used: set[int] = set()
@@ -524,10 +622,7 @@ def _fit_rotary(actual: list[Tensor], predicted: list[Tensor], tol: float) -> Ro
         used |= {i, j}
     if not pairs:
         raise _Unreadable("a position map that is not a rotation")
-    rot = Rotary(tuple(pairs), tuple(omega))
-    if float((rot.apply(P) - A).abs().max() / size) > 1e-6:
-        raise _Unreadable("a position map other than a rotation linear in the position")
-    return rot
+    return Rotary(tuple(pairs), tuple(omega))
 
 
 def read_dataflow(
@@ -603,8 +698,13 @@ def _read(
     bank = _Bank(probe, E)
     sources: dict[str, RowSource] = {}
     matched: dict[str, list[tuple[str, bool, int]]] = {}
+    mapped: dict[str, tuple[list[Tensor], list[Tensor]]] = {}  # roles turned at position 0 too: (maps, projections)
     for role in ("q", "k", "v"):
-        sources[role], matched[role] = _role_rows(probe, [f[:, 0] for f in feats[role]], x0, bank, tol)
+        try:
+            sources[role], matched[role] = _role_rows(probe, [f[:, 0] for f in feats[role]], x0, bank, tol)
+        except _Unreadable:
+            sources[role], matched[role], *rest = _mapped_rows(probe, feats[role], x, bank, tol)
+            mapped[role] = (rest[0], rest[1])
     Dk = sources["k"].rows
     if sources["q"].rows != H * D or Dk % D:
         raise _Unreadable("head widths do not add up")
@@ -625,7 +725,12 @@ def _read(
         d = W.size(0) // len(feats[role])
         return [proj[..., h * d : (h + 1) * d] for h in range(len(feats[role]))]
 
-    rotaries = {role: _fit_rotary(feats[role], predicted(role), tol) for role in ("q", "k", "v")}
+    rotaries = {
+        role: _heads_rotary(feats[role], mapped[role][1], mapped[role][0])
+        if role in mapped
+        else _fit_rotary(feats[role], predicted(role), tol)
+        for role in ("q", "k", "v")
+    }
     carried = tuple(r for r in ("q", "k", "v") if rotaries[r] is not None)
     rotary = rotaries["q"] or rotaries["k"] or rotaries["v"]
     out_src = _out_projection(probe, ops, {site.at for site in sites}, y, E)
@@ -642,6 +747,7 @@ def _read(
         out=out_src,
         rotary=rotary,
         rotary_roles=carried,
+        rotary_on_heads=any(rotaries[r] is not None for r in mapped),
         unused=unused,
     )
 

@@ -25,6 +25,7 @@ failures are so grouped under their cause instead of drowning it.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import traceback
@@ -369,16 +370,21 @@ def _recipe_causes(
 
     Where none fits a module not found always causal, they are tried once more with the future masked on
     every call: a module that masks causally by itself but makes a mistake that lets later tokens reach
-    earlier outputs (a merge that mixes positions, a mask one step off) is not found causal by the probe."""
-    found, off = _fitting(a, probes, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
-    if found or not off or getattr(a, "always_causal", False):
+    earlier outputs (a merge that mixes positions, a mask one step off) is not found causal by the probe.
+    Where a bool mask had no clear effect on the module (a mistake that mixes heads or positions blurs it), the
+    masks it was handed may not be its own: the mistakes are then fitted on the unmasked probes alone."""
+    fit = functools.partial(_fitting, failing=failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
+    found, off = fit(a, probes)
+    if found or not off:
         return found, bool(off)
-    assumed = copy.copy(a)
-    assumed.always_causal = True
-    causal, _ = _fitting(
-        assumed, probes, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows, note="causal"
-    )
-    return causal, True
+    if not getattr(a, "always_causal", False):
+        assumed = copy.copy(a)
+        assumed.always_causal = True
+        found, _ = fit(assumed, probes, note="causal")
+    masks = getattr(a, "masks", None)
+    if not found and masks is not None and masks.bool_reading is None and masks.use == "bool":
+        found, _ = fit(a, [p for p in probes if not p.masks], note="unmasked")
+    return found, True
 
 
 def _fitting(
@@ -405,7 +411,10 @@ def _fitting(
     off = {n: e for n, e in textbook.items() if e is not None and e > DISTINCT}
     if not off:
         return [], off
-    taken = " with the future masked on every call (the module masks it by itself)" if note else ""
+    taken = {
+        "causal": " with the future masked on every call (the module masks it by itself)",
+        "unmasked": " unmasked (a bool mask had no clear effect on the module: the masked probes are left out)",
+    }.get(note, "")
     found = []
     for m in MISTAKES:
         for recipe in _recipes_of(m, a):
@@ -426,7 +435,7 @@ def _fitting(
             explains = _explained(a, recipe, failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
         # by what the mistake is: its implied rows; and found with the future masked, the module is causal by
         # itself, so position order matters to it (permutation_equivariance holds for bidirectional modules only)
-        implied = (*m.implies, *(("permutation_equivariance",) if note else ()))
+        implied = (*m.implies, *(("permutation_equivariance",) if note == "causal" else ()))
         explains = [*explains, *(r for r in implied if r in failing and r not in explains)]
         found.append((len(explains), -MISTAKES.index(m), _cause(m, a, evidence, explains)))
     found.sort(key=lambda t: (t[0], t[1]), reverse=True)
@@ -691,6 +700,9 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
     where = (
         f" (op #{ops.index(candidate) + 1}, {candidate.func}, shape {candidate.shape})" if candidate is not None else ""
     )
+    reading = getattr(a, "reading", None)
+    if getattr(reading, "rotary_on_heads", False):  # the data flow saw the map itself: say what it does
+        found += "; its rotary turns each head by an angle that follows the head index, not the position"
     return Cause(
         "stage",
         found,

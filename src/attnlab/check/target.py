@@ -340,7 +340,7 @@ def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str])
     ann = param.annotation
     if isinstance(ann, str):  # from __future__ import annotations: look the name up where obj lives
         ann = getattr(home, ann.split("[")[0].strip(), None)
-    classes = [ann] if inspect.isclass(ann) and ann not in (int, float, str, bool, dict, object) else []
+    classes = [ann] if inspect.isclass(ann) and ann not in (int, float, str, bool, dict, object, param.empty) else []
     if not classes and home is not None and read:
         scored = []
         for _, c in inspect.getmembers(home, inspect.isclass):
