@@ -168,6 +168,25 @@ def test_kernel_equals_sdpa_on_the_same_cache(dtype, heads, D):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block", [8, 16, 32, 64])
+def test_kernel_reads_int8_rows_of_any_block_as_their_dequantized_floats(block):
+    # the int8 read at every block the cache may be given (scripts/kv_cache_agreement.py --int8-block measures
+    # them): the kernel's output is attention over dequantize_int8's floats, on every ISA (a block under 16 runs
+    # plain C++; 16 and up the vector paths)
+    torch.manual_seed(6)
+    B, H, G, S, D = 2, 6, 2, 203, 64
+    q, k, v = torch.randn(B, H, D), 3 * torch.randn(B, G, S, D), torch.randn(B, G, S, D)
+    (kq, ks), (vq, vs) = quantize_int8(k, block), quantize_int8(v, block)  # (B, G, S, D), (B, G, S, D / block)
+    keys, values = dequantize_int8(kq, ks, torch.float32), dequantize_int8(vq, vs, torch.float32)
+    for isa in _isas():
+        for n in (1, 17, 203):
+            out = decode_attention(q, kq, vq, n, k_scale=ks, v_scale=vs, isa=isa)
+            ref = _sdpa(q, keys, values, n, None)
+            err = (out.double() - ref).abs().max() / ref.abs().max()
+            assert err <= 1e-5, f"block={block} isa={isa} n={n}: {err:.2e}"
+
+
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_split_over_threads_changes_only_the_rounding(threads):
     torch.manual_seed(2)
