@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 # `make test`: the quick command, every test but those marked slow; under 5 min on 2 quiet cores. Slow are the
 # multi-process training runs, whole real models, the site's strict build and the browser on it, the docs' quoted
 # outputs and long blocks rerun, and the heaviest cases of a sweep whose property a quick case keeps here.
-# `make test-all`: every test, the slow ones too (about 20 min on 2 cores); CI runs it (.ci/run).
+# `make test-all`: every test, the slow ones too (21 min on 2 busy cores in its last full run); CI runs it (.ci/run).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
