@@ -19,6 +19,9 @@ over all 210 block matrices of the 30 layers plus the tied head, in model order,
 (the figure that matters). Medians over repeats, routes interleaved within each repeat.
 
     python scripts/bench_quant_kernels.py [--out docs/bench] [--repeats 7] [--threads N] [--batch 1 8] [--quick]
+    python scripts/bench_quant_kernels.py --out docs/bench/amd_epyc_zen3 --pages-only   # the pages from its JSON
+
+Writes quant_kernels.json and two pages from it: quant_kernels.md and its Chinese twin quant_kernels.zh.md.
 """
 
 from __future__ import annotations
@@ -268,30 +271,59 @@ def run_batch(mats, dense, batch: int, args, cpu_flags: dict, copy_gbs: float) -
     return {"batch": batch, "routes": routes, "fastest_stream": fastest, "fastest_stream_float": fastest_float}
 
 
-def markdown(result: dict) -> str:
-    cpu = result["cpu"]
-    lines = [
-        "# Quantized matmul routes, SmolLM2-135M Q4_1 decode step",
-        "",
-        f"CPU: {cpu['vendor_id']} {cpu['model_name']}; torch {result['torch']}; {result['threads']} threads; "
-        f"copy bandwidth {result['copy_gb_s']:.1f} GB/s (read + written); repeats {result['repeats']}"
-        + (" (quick)" if result["quick"] else ""),
-        "ISA: " + ", ".join(f for f, on in cpu["flags"].items() if on),
-        "",
-        "GB/s counts the bytes each route reads: 4 per weight for fp32, the block bytes for quantized routes "
+# The page's words, English and Chinese: the Chinese twin (quant_kernels.zh.md) is written from the same result,
+# its prose its own, the route names and failure reasons as the run printed them.
+WORDS = {
+    "en": {
+        "title": "# Quantized matmul routes, SmolLM2-135M Q4_1 decode step",
+        "cpu": "CPU: {vendor} {model}; torch {torch}; {threads} threads; copy bandwidth {copy:.1f} GB/s (read + written); "
+        "repeats {repeats}{quick}",
+        "quick": " (quick)",
+        "isa": "ISA: {isa}",
+        "about": "GB/s counts the bytes each route reads: 4 per weight for fp32, the block bytes for quantized routes "
         "(fallback: the blocks only, not its float32 temporary). int8pack is not the file's format (per-channel "
         "int8 re-quantization); int4pack holds Q4_1 exactly but the Q8_0 head re-quantized to 4 bits.",
-    ]
+        "batch": "## B = {batch}",
+        "head": "| route | stream ms | stream GB/s | of copy BW | max rel diff | ",
+        "failed": "failed: ",
+        "fastest": "Fastest stream pass: **{fastest}** (of the float-exact routes: {fastest_float}).",
+    },
+    "zh": {
+        "title": "# 量化矩阵乘法的各条路线，SmolLM2-135M Q4_1 的一个解码步 {#quantized-matmul-routes-smollm2-135m-q4_1-decode-step}",
+        "cpu": "CPU：{vendor} {model}；torch {torch}；{threads} 个线程；拷贝带宽 {copy:.1f} GB/s（读 + 写）；重复 {repeats} 次{quick}；",
+        "quick": "（快速模式）",
+        "isa": "指令集：{isa}",
+        "about": "GB/s 按每条路线读取的字节数计算：fp32 每个权重 4 字节，量化路线按块的字节数（fallback：只算块本身，不算它的 "
+        "float32 临时张量）。int8pack 不是文件本身的格式（按通道重新量化成 int8）；int4pack 能精确保存 Q4_1，但 Q8_0 的输出头被"
+        "重新量化成 4 位。以下表格由 `scripts/bench_quant_kernels.py` 生成，路线名和失败原因保持脚本输出的原文。",
+        "batch": "## B = {batch} {{#b-{batch}}}",
+        "head": "| 路线 | 流式 ms | 流式 GB/s | 占拷贝带宽 | 最大相对差 | ",
+        "failed": "failed: ",
+        "fastest": "流式一遍最快的路线：**{fastest}**（在浮点结果精确的路线中：{fastest_float}）。",
+    },
+}
+PAGES = {"en": "quant_kernels.md", "zh": "quant_kernels.zh.md"}
+
+
+def markdown(result: dict, lang: str = "en") -> str:
+    """The page of one run, in English or (``lang="zh"``) its Chinese twin."""
+    w = WORDS[lang]
+    cpu = result["cpu"]
+    isa = w["isa"].format(isa=", ".join(f for f, on in cpu["flags"].items() if on))
+    intro = w["cpu"].format(
+        vendor=cpu["vendor_id"], model=cpu["model_name"], torch=result["torch"], threads=result["threads"],
+        copy=result["copy_gb_s"], repeats=result["repeats"], quick=w["quick"] if result["quick"] else "",
+    )  # fmt: skip
+    # English: two lines of one paragraph, as the page always had them; Chinese: one line (no stray space)
+    lines = [w["title"], "", *([intro + isa] if lang == "zh" else [intro, isa]), "", w["about"]]
     for b in result["batches"]:
         shapes = list(next((e["shapes"] for e in b["routes"].values() if "shapes" in e), {}))
-        lines += ["", f"## B = {b['batch']}", ""]
-        head = "| route | stream ms | stream GB/s | of copy BW | max rel diff | " + " | ".join(
-            f"{s} µs" for s in shapes
-        )
+        lines += ["", w["batch"].format(batch=b["batch"]), ""]
+        head = w["head"] + " | ".join(f"{s} µs" for s in shapes)
         lines += [head + " |", "|" + "---|" * (5 + len(shapes))]
         for route, e in b["routes"].items():
             if "stream" not in e:
-                lines.append(f"| {route} | failed: {e['error']} |" + " |" * (3 + len(shapes)))
+                lines.append(f"| {route} | {w['failed']}{e['error']} |" + " |" * (3 + len(shapes)))
                 continue
             st = e["stream"]
             cells = [f"{e['shapes'][s]['ms'] * 1e3:.1f} ({e['shapes'][s]['gb_s']:.1f} GB/s)" for s in shapes]
@@ -299,9 +331,15 @@ def markdown(result: dict) -> str:
                 f"| {route} | {st['ms']:.2f} | {st['gb_s']:.1f} | {st['frac_copy_bw']:.2f} | "
                 f"{e['max_rel_diff']:.1e} | " + " | ".join(cells) + " |"
             )
-        lines += ["", f"Fastest stream pass: **{b['fastest_stream']}** (of the float-exact routes: "
-                  f"{b['fastest_stream_float']})."]  # fmt: skip
+        lines += ["", w["fastest"].format(fastest=b["fastest_stream"], fastest_float=b["fastest_stream_float"])]
     return "\n".join(lines) + "\n"
+
+
+def write_pages(out: Path, result: dict) -> str:
+    """``out/quant_kernels.md`` and its Chinese twin from ``result``; returns the English page."""
+    for lang, name in PAGES.items():
+        (out / name).write_text(markdown(result, lang), encoding="utf-8")
+    return markdown(result)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,7 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="rows of x (default 1 8; --quick 1)")
     p.add_argument("--quick", action="store_true", help="few repeats, 2 shapes, B=1: a smoke test")
+    p.add_argument(
+        "--pages-only", action="store_true", help="rewrite the two pages from --out's quant_kernels.json; time nothing"
+    )
     args = p.parse_args(argv)
+    if args.pages_only:
+        out = Path(args.out)
+        write_pages(out, json.loads((out / "quant_kernels.json").read_text()))
+        print(f"wrote {out / PAGES['en']} and {out / PAGES['zh']}")
+        return 0
     if args.repeats is None:
         args.repeats = 2 if args.quick else 7
     batches = args.batch or ([1] if args.quick else [1, 8])
@@ -347,9 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_kernels.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = markdown(result)
-    (out / "quant_kernels.md").write_text(md)
-    print(md)
+    print(write_pages(out, result))
     return 0
 
 

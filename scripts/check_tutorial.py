@@ -1,6 +1,11 @@
-"""Write docs/check_tutorial.md: seed 002's module broken three ways, and what `attnlab check` says of each.
+"""Write docs/check_tutorial.md and its Chinese twin docs/check_tutorial.zh.md: seed 002's module broken three
+ways, and what `attnlab check` says of each.
 
     python scripts/check_tutorial.py     # from any folder: it runs the commands from the repository's root
+
+Both pages come from the same run of each check: the outputs are the same blocks in both, and the Chinese
+page's prose is its own (:data:`INTRO_ZH`, :data:`BREAKS_ZH`, :data:`READ_ZH`), so that regenerating keeps
+the twins in step (tests/test_docs_zh.py, tests/test_generated_zh.py).
 
 Every output in the page is this script's run of `attnlab check` (80 columns); nothing is pasted.
 Each quoted output is marked ``<!-- output: scripts/check_tutorial.py -->`` and each changed line
@@ -12,9 +17,11 @@ tests/test_check_diagnosis.py checks that each break is still diagnosed as the p
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
+import sys
 from pathlib import Path
 
 from attnlab.cli import main
@@ -64,6 +71,42 @@ beside the reference's stages when you want to see where it departs.
 """
 
 
+INTRO_ZH = """# 教程：弄坏博文 002 的模块，读懂诊断 {{#tutorial-break-seed-002s-module-read-the-diagnosis}}
+
+博文 002 手写了一个 `MultiHeadAttention`，并列出了大家都会犯的错误。这里我们拿它的模块（存成文件 `tests/mistake_corpus/seed002_correct.py`：博文的代码，修好了整行被遮住的情况和 float64 运行），每次犯其中一个错误，一共三个，让 `attnlab check` 逐一找出来。模块里没有任何地方为检查做过适配：它按博文写的方式被调用，`forward(query, key, value, attn_mask=None, need_weights=False)`。
+
+本页由 `python scripts/check_tutorial.py` 生成，下面的每段输出都来自那次运行（80 列），保持 check 打印的英文原文。命令里的模块用它在仓库中的路径来指定，所以请在你克隆下来的 attnlab 根目录（也就是包含 `tests/` 的那个文件夹）里运行这些命令。
+
+## 正确的模块通过检查 {{#the-correct-module-passes}}
+
+```
+$ attnlab check --target tests/mistake_corpus/seed002_correct.py:MultiHeadAttention
+{correct}
+```
+
+没有行失败，所以没有 `Likely cause`；模块无法参与的行（它没有 KV 缓存，没有声明 `scale`，也没有实现 attnlab 的任何变体）汇总成一行。
+"""
+
+# each break's heading and what it does, said in Chinese (the English page takes them from the corpus file)
+BREAKS_ZH = {
+    "seed002_scale_embed_dim": ("用错了维度来缩放", "分数按 1/sqrt(embed_dim) 缩放，而不是 1/sqrt(head_dim)。"),
+    "seed002_split_without_transpose": (
+        "拆分多头时没有转置",
+        "直接用 view(B, H, T, D) 拆分多头，而不是 view(B, T, H, D).transpose(1, 2)。",
+    ),
+    "seed002_mask_after_softmax": (
+        "在 softmax 之后才应用掩码",
+        "bool 掩码在 softmax 之后才把权重置零，于是保留下来的权重之和不再是 1。",
+    ),
+}
+
+READ_ZH = """
+## 怎样读诊断 {#reading-a-diagnosis}
+
+每个原因给出**发现了什么**、**证据**（对于数值上的错误：模块的输出等于*带着这个错误*、在模块自己的权重和输入上重新计算的教科书公式，而不等于不带这个错误的公式）、一行**修复**、讨论这个错误的**博文章节**，以及它所**解释**的失败行。只因为前面某个错误而失败的行，列在那个错误下面，而不单独作为一项发现。完整的目录见 [check_gallery.md](check_gallery.md)；想看模块在哪里偏离参考实现时，`attnlab trace --target FILE:Name` 会把模块自己的操作与参考实现的各个阶段并排显示。
+"""
+
+
 def run(target: str) -> tuple[int, str]:
     """``attnlab check --target target`` from the repository's root at 80 columns: (exit code, stdout)."""
     buf = io.StringIO()
@@ -88,31 +131,65 @@ def _verdict(out: str) -> str:
     return "\n".join(line.rstrip() for line in out[start:].splitlines()).strip("\n")
 
 
+@functools.cache  # both pages show the same runs
+def _checks() -> dict[str, tuple[int, str]]:
+    """``{stem: (exit code, verdict)}`` of the correct module and each break, one fresh run each."""
+    stems = ["seed002_correct", *(stem for stem, _ in BREAKS)]
+    out = {}
+    for stem in stems:
+        code, text = run(f"{(CORPUS / f'{stem}.py').relative_to(ROOT)}:MultiHeadAttention")
+        out[stem] = (code, _verdict(text))
+    return out
+
+
 def page() -> str:
     """The tutorial's text, from a fresh run of each check."""
-    _, correct = run("tests/mistake_corpus/seed002_correct.py:MultiHeadAttention")
-    text = INTRO.format(correct="...\n" + _verdict(correct))
+    text = INTRO.format(correct="...\n" + _checks()["seed002_correct"][1])
     return text + "".join(section(stem, title) for stem, title in BREAKS) + READ
 
 
-def section(stem: str, title: str) -> str:
+def page_zh() -> str:
+    """The Chinese twin: :func:`page`'s headings' anchors, code and outputs, with its own prose."""
+    text = INTRO_ZH.format(correct="...\n" + _checks()["seed002_correct"][1])
+    return text + "".join(section(stem, title, zh=True) for stem, title in BREAKS) + READ_ZH
+
+
+def _anchor(title: str) -> str:
+    """The English heading's id, as the site makes it (``Scale by the wrong dimension``: scale-by-the-wrong-dimension)."""
+    return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", title.lower()).strip())
+
+
+def section(stem: str, title: str, zh: bool = False) -> str:
     path = CORPUS / f"{stem}.py"
     text = path.read_text()
     line = re.search(r"^Line: (.*)$", text, re.M)
     mistake = re.search(r"^Mistake: (.*)$", text, re.M)
-    code, out = run(f"{path.relative_to(ROOT)}:MultiHeadAttention")
-    verdict = _verdict(out)
+    code, verdict = _checks()[stem]
+    if zh:
+        title_zh, mistake_zh = BREAKS_ZH[stem]
+        head = f"\n## {title_zh} {{#{_anchor(title)}}}\n\n{mistake_zh}改动的那一行：\n\n"
+        tail = f"\n退出码 {code}。\n"
+    else:
+        head = f"\n## {title}\n\n{mistake.group(1) if mistake else ''} The changed line:\n\n"
+        tail = f"\nExit code {code}.\n"
+    # the markers say what tries each block (scripts/doc_blocks.py); the Chinese page's blocks are its twin's,
+    # tried there
+    excerpt = "" if zh else f"<!-- excerpt: full form in {path.relative_to(ROOT).as_posix()} -->\n"
+    output = "" if zh else "<!-- output: scripts/check_tutorial.py -->\n"
     return (
-        f"\n## {title}\n\n{mistake.group(1) if mistake else ''} The changed line:\n\n"
-        f"<!-- excerpt: full form in {path.relative_to(ROOT).as_posix()} -->\n"
-        f"```diff\n+ {line.group(1) if line else ''}\n```\n\n"
-        f"<!-- output: scripts/check_tutorial.py -->\n"
-        f"```\n$ attnlab check --target {path.relative_to(ROOT)}:MultiHeadAttention\n...\n{verdict}\n```\n"
-        f"\nExit code {code}.\n"
+        head + excerpt + f"```diff\n+ {line.group(1) if line else ''}\n```\n\n"
+        f"{output}```\n$ attnlab check --target {path.relative_to(ROOT)}:MultiHeadAttention\n...\n{verdict}\n```\n"
+        + tail
     )
 
 
+def write_pages() -> int:
+    for name, text in (("check_tutorial.md", page()), ("check_tutorial.zh.md", page_zh())):
+        out = ROOT / "docs" / name
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out}")
+    return 0
+
+
 if __name__ == "__main__":
-    out = ROOT / "docs" / "check_tutorial.md"
-    out.write_text(page())
-    print(f"wrote {out}")
+    sys.exit(write_pages())

@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import ROOT, Block, blocks, english_twin, pages
 
 CORPUS = ROOT / "tests" / "mistake_corpus"
+# quant.kernel_build's line while another process builds the kernels
+KERNEL_WAIT = re.compile(r"attnlab: waiting for .* to finish building the quantized kernels")
 
 
 def cpu_name() -> str:
@@ -75,7 +77,10 @@ def run(
                 text=True,
                 timeout=1800,  # minutes under load; a hung command still ends
             )
-    return done.returncode, "\n".join(line.rstrip() for line in done.stdout.splitlines())
+    # a line that says this run waited for another process building the quantized kernels is that machine's
+    # moment, not the command's output
+    lines = [line.rstrip() for line in done.stdout.splitlines() if not KERNEL_WAIT.match(line)]
+    return done.returncode, "\n".join(lines)
 
 
 def _from(text: str, start: str, end: str | None = None) -> str:
@@ -188,6 +193,21 @@ def bench_window_goals() -> str:
     return "\n".join(line for line in window_goals(result).splitlines() if line.startswith("  "))
 
 
+def _code_above(page: str, name: str) -> str:
+    """The ``python`` block right above the output block marked ``name`` on ``page``: the code that prints it."""
+    found = blocks(ROOT / page)
+    at = next(i for i, b in enumerate(found) if (b.marker("output") or "").split(";")[0].strip() == name)
+    code = found[at - 1]
+    assert at > 0 and code.lang == "python", f"{page}: the output {name!r} has no python block above it"
+    return code.body
+
+
+def hf_trace() -> str:
+    """What the Hugging Face page's trace example prints, run as written."""
+    _, out = run([sys.executable, "-c", _code_above("docs/howto/huggingface.md", "hf_trace")])
+    return out
+
+
 # a line of the demo's output that is none of its fixed lines: SmolLM2's answer
 DEMO_ANSWER = r"(?!attnlab: |\$ |=== |done|  \w+\| -> |.* {2,}runs/).*"
 
@@ -216,6 +236,7 @@ OUTPUTS: dict[str, Output] = {
     "inspect_demo": Output(inspect_demo, slow=True, varies=True),
     "weights_lines": Output(weights_lines, slow=True, varies=True),
     "bench_window_goals": Output(bench_window_goals),
+    "hf_trace": Output(hf_trace),
 }
 
 

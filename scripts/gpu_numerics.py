@@ -3,9 +3,10 @@
 For each case: the module's attention (math, sdpa and auto backends) and plain PyTorch attention
 in the same low precision, each compared with a float64 reference on the same inputs; the table
 gives error / plain error for the output and dQ, dK, dV (rule: <= 2, plus a small floor), and the
-count of non-finite outputs for large-score inputs. Writes a Markdown table to ``--out``.
+count of non-finite outputs for large-score inputs. Writes a Markdown page to ``--out`` and its Chinese twin
+beside it (``numerics.md`` and ``numerics.zh.md``), both from the same run (:func:`pages`).
 
-    python scripts/gpu_numerics.py --device cuda --seq-len 4096 --out numerics.md
+    python scripts/gpu_numerics.py --device cuda --seq-len 4096 --out docs/numerics_h200.md
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,12 +52,9 @@ def main() -> None:
     a = ap.parse_args()
     dev, T = torch.device(a.device), a.seq_len
     torch.manual_seed(0)
-    lines = [
-        f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}, T={T}",
-        "",
-        "| dtype | heads H/G | causal | backend | out | dQ | dK | dV | rule met |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
-    ]
+    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    rows: list[tuple[str, ...]] = []  # dtype, H/G, causal, backend, out, dQ, dK, dV ratios, rule met
+    large: list[tuple[str, int, int, int]] = []  # backend, non-finite, of, naive's non-finite
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float16):
         for H, G in ((16, 16), (16, 2), (16, 1)):
@@ -94,12 +93,9 @@ def main() -> None:
                         (g - r).abs().max().item() <= 2 * eb + 1e-4 for g, r, eb in zip(got, ref, e_base, strict=True)
                     )
                     worst = max(worst, max(ratios))
-                    lines.append(
-                        f"| {str(dtype)[6:]} | {H}/{G} | {causal} | {backend} | "
-                        + " | ".join(f"{r:.2f}" for r in ratios)
-                        + f" | {'yes' if ok else 'NO'} |"
-                    )
-                    print(lines[-1], flush=True)
+                    cells = (str(dtype)[6:], f"{H}/{G}", str(causal), backend, *(f"{r:.2f}" for r in ratios))
+                    rows.append((*cells, "yes" if ok else "NO"))
+                    print(" | ".join(rows[-1]), flush=True)
     # large scores: q, k ~ N(0, 40^2), D = 128 overflows fp16 before scaling in a naive kernel
     q = (torch.randn(4, 2, 256, 128, device=dev) * 40).half()
     k = (torch.randn(4, 2, 256, 128, device=dev) * 40).half()
@@ -107,14 +103,53 @@ def main() -> None:
     naive = ((q @ k.transpose(-2, -1)) * 128**-0.5).float().softmax(-1).half() @ v
     for backend in ("math", "sdpa"):
         out = attnlab_attention(backend, q, k, v, False, 128**-0.5)
-        lines.append(
-            f"\nfp16 large scores, {backend}: {int((~torch.isfinite(out)).sum())} non-finite of {out.numel()} "
-            f"(naive scores-then-scale: {int((~torch.isfinite(naive)).sum())})"
-        )
-        print(lines[-1], flush=True)
-    lines.append(f"\nworst ratio {worst:.2f}")
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        large.append((backend, int((~torch.isfinite(out)).sum()), out.numel(), int((~torch.isfinite(naive)).sum())))
+        print(large[-1], flush=True)
+    english, chinese = pages(f"{device}, torch {torch.__version__}, T={T}", rows, large, worst)
+    out = Path(a.out)
+    out.write_text(english, encoding="utf-8")
+    out.with_suffix(".zh.md").write_text(chinese, encoding="utf-8")
+    print(f"wrote {out} and {out.with_suffix('.zh.md')}")
+
+
+def pages(
+    where: str, rows: list[tuple[str, ...]], large: list[tuple[str, int, int, int]], worst: float
+) -> tuple[str, str]:
+    """The page of one run and its Chinese twin: the same table and figures, each in its own words.
+
+    Args:
+        where: "NVIDIA H200, torch 2.11.0+cu130, T=4096".
+        rows: the table's cells, one tuple a case.
+        large: (backend, non-finite outputs, outputs, the naive kernel's non-finite outputs) per backend.
+    """
+    table = ["| " + " | ".join(r) + " |" for r in rows]
+    rule = "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"
+    english = [
+        f"device {where}",
+        "",
+        "| dtype | heads H/G | causal | backend | out | dQ | dK | dV | rule met |",
+        rule,
+        *table,
+        *(
+            f"\nfp16 large scores, {b}: {bad} non-finite of {n} (naive scores-then-scale: {naive})"
+            for b, bad, n, naive in large
+        ),
+        f"\nworst ratio {worst:.2f}",
+    ]
+    chinese = [
+        f"设备 {where.replace(', ', '，')}。每个数字是该后端的误差除以同一精度下普通 PyTorch 注意力的误差，flash-attention "
+        "的规则要求不超过 2（由 `scripts/gpu_numerics.py` 生成，说明见[数值](explanation/numerics.md)）。",
+        "",
+        "| dtype | 头数 H/G | 因果 | 后端 | 输出 | dQ | dK | dV | 满足规则 |",
+        rule,
+        *table,
+        *(
+            f"\nfp16 大分数，{b}：{n} 个输出中 {bad} 个非有限值（先算分数再缩放的朴素做法：{naive}）"
+            for b, bad, n, naive in large
+        ),
+        f"\n最差比值 {worst:.2f}",
+    ]
+    return "\n".join(english) + "\n", "\n".join(chinese) + "\n"
 
 
 if __name__ == "__main__":

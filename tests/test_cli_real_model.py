@@ -22,6 +22,7 @@ from attnlab.core.attention import MultiHeadAttention
 from attnlab.models.generation import Step
 from attnlab.runtime import UsageError
 from attnlab.tools import demo, generate_cli
+from attnlab.tools.stream import CHAT_SAMPLING
 from attnlab.weight_files import pretrained
 from smollm2_fixtures import attnlab_smollm2, require_smollm2
 
@@ -264,18 +265,33 @@ def test_layer_without_model_and_a_conflicting_width_are_errors(command, cli, ca
 # -- demo ----------------------------------------------------------------------------------------------------------
 
 
-def test_demo_step_answers_with_smollm2_and_prints_its_speed(cli, capsys):
+def test_demo_step_answers_with_smollm2_and_prints_its_speed(cli, generations, capsys, monkeypatch):
+    sampled: list[dict] = []
+    spy = generate_cli.generate_steps
+    monkeypatch.setattr(generate_cli, "generate_steps", lambda *a, **kw: sampled.append(kw) or spy(*a, **kw))
     demo._real_model_answer()
     out, err = capsys.readouterr()
     command, answer, speed = out.rstrip("\n").split("\n")
     assert command == (
-        f"$ attnlab generate --model smollm2 --chat --prompt {shlex.quote(demo.QUESTION)} --temperature 0 "
+        f"$ attnlab generate --model smollm2 --chat --prompt {shlex.quote(demo.QUESTION)} --seed {demo.REAL_MODEL_SEED} "
         f"--max-new-tokens {demo.REAL_MODEL_TOKENS}"
     )
     assert "attention" in answer.lower()
     (rate,) = _rate_lines(err)
     decoded = int(rate[2])
     assert speed.startswith(f"speed: attnlab decoded {decoded} tokens at ")
+    # the chat defaults of `attnlab generate --chat`, not greedy: the model's sampling and the repetition guard
+    (kw,) = sampled
+    assert (kw["temperature"], kw["top_p"], kw["repetition_penalty"]) == (
+        CHAT_SAMPLING.temperature,
+        CHAT_SAMPLING.top_p,
+        CHAT_SAMPLING.repetition_penalty,
+    )
+    assert kw["temperature"] > 0 and kw["repetition_penalty"] > 1
+    # the command it prints, run as written, answers with the same tokens: the seed makes the quoted answer hold
+    assert main(shlex.split(command)[2:]) == 0
+    assert capsys.readouterr().out.strip() == answer.strip()
+    assert generations.tokens[0] == generations.tokens[1]
 
 
 def test_demo_step_is_skipped_with_the_install_command_without_the_package(capsys, monkeypatch):

@@ -389,7 +389,9 @@ def test_the_source_checkpoint_loads_after_the_swap(source: str) -> None:
         for p in model.parameters():
             p.zero_()
     assert model.load_state_dict(checkpoint).missing_keys == []
-    assert (model(x) - expected).abs().max() <= 1e-6
+    # the weights are randn, not an init: outputs reach ~10, so float32's rounding is measured against their size
+    # (timm's order of summation differs from SDPA's; 1.31e-6 of an output near 10 on an AMD EPYC Zen 4)
+    assert (model(x) - expected).abs().max() <= 1e-6 * max(1.0, expected.abs().max().item())
 
 
 def test_a_changed_scale_is_left_with_reason() -> None:

@@ -367,13 +367,21 @@ def test_cli_trace_target_fits_80_columns_and_json_parses(capsys, monkeypatch):
     assert lines[h - 1].split() == ["#", "shape", "memory", "reference"]
     i = lines.index("    q = view(q, 2, 10, 8, 8)")
     assert lines[i - 1].split() == ["2", "[2,", "10,", "8,", "8]", "view", "q_heads", "[2,", "8,", "10,", "8]"]
-    assert " ".join(lines[-2:]).startswith("every reference stage was reproduced: q, k, v, q_heads")
+    verdict = " ".join(ln.strip() for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("every "))) :])
+    assert verdict.startswith("every reference stage was reproduced: q, k, v, q_heads"), verdict
+    # traced again with the masks and the context its forward takes, where a mask or context mistake would show
+    assert verdict.endswith(
+        "traced again with key padding (the last 3 keys of the first sequence) and a separate context as key and "
+        "value: every stage reproduced too"
+    ), verdict
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["trace", "--target", spec]) == 0
     wide = capsys.readouterr().out.splitlines()
     assert wide[3].startswith("  weights: projections q_proj, k_proj, v_proj, out_proj"), wide[3]
     assert wide[5].split() == ["#", "operation", "shape", "memory", "reference"]
-    assert len(wide) == 5 + 2 + 18 + 1  # title, header and rule, one line per op, the verdict
+    assert len(wide) == 5 + 2 + 18 + 2  # title, header and rule, one line per op, the verdict (and the call added)
+    assert main(["trace", "--target", spec, "--json", "--no-exercise"]) == 0
+    assert json.loads(capsys.readouterr().out)["also"] == ""  # the one call only
     monkeypatch.setenv("COLUMNS", "40")
     assert main(["trace", "--target", spec, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -449,3 +457,96 @@ def test_trace_module_keeps_the_ops_before_an_exception():
     assert (t.error.type, t.error.message) == ("ValueError", "no heads for [1, 2, 24]")
     assert "raise ValueError" in t.error.source
     assert t.to_text().splitlines()[-3] == ">> raised ValueError: no heads for [1, 2, 24]"
+
+
+# -- the data flow places the stages: a scale folded into Q or K, masks the trace adds, a context it adds ---------
+
+
+class _Whisper(nn.Module):
+    """Whisper's layout: the scale split as d^-1/4 on Q and on K (``k_only``: on K alone, half the scale); masks
+    filled with 0 where ``fill_zero`` (the blocked keys keep a share); K and V from x even when a context is
+    given where ``kv_from_x``."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, k_only=False, fill_zero=False, kv_from_x=False) -> None:
+        super().__init__()
+        self.n_head, self.k_only, self.fill_zero, self.kv_from_x = heads, k_only, fill_zero, kv_from_x
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, context=None, mask=None):  # mask (B, 1, T, S) bool, True = may attend
+        B, T, C = x.shape
+        src = x if context is None or self.kv_from_x else context
+        q, k, v = self.q_proj(x), self.k_proj(src), self.v_proj(src)
+        q, k, v = (t.view(B, -1, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        scale = (C // self.n_head) ** -0.25
+        qk = (q if self.k_only else q * scale) @ (k * scale).transpose(-2, -1)  # (B, H, T, S)
+        if mask is not None:
+            qk = qk.masked_fill(~mask, 0.0 if self.fill_zero else float("-inf"))
+        w = qk.softmax(-1)
+        return self.out_proj((w @ v).transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize(
+    ("mistake", "stage", "func"),
+    [
+        ({}, None, None),
+        ({"k_only": True}, "scaled", "matmul"),
+        ({"fill_zero": True}, "masked", "masked_fill"),
+        ({"kv_from_x": True}, "k", "linear"),
+    ],
+)
+def test_trace_departs_where_the_data_flow_shows_the_mistake(mistake, stage, func):
+    """The scale is judged by what reaches the softmax, wherever it was applied (no scores or scaled tensor of the
+    reference's exists in Whisper's layout); the call is traced again with the masks and the context forward
+    takes, so a fill of 0 departs at the masked scores and K from the wrong input at K."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    t = trace_module(_Whisper(**mistake).eval(), x)
+    assert t.error is None
+    if stage is None:
+        assert t.departure is None, t.to_text()
+        assert t.also.startswith("traced again with key padding (the last 2 keys of the first sequence)"), t.also
+        return
+    assert t.departure is not None and t.departure.stage == stage, t.to_text()
+    assert t.rows[t.departure.op - 1].func == func
+    if stage == "scaled":
+        assert t.masks == [] and t.departure.hint == "your scores are 0.7071 x Q K^T; expected 0.5 x Q K^T"
+    else:  # only the fuller call shows it
+        assert t.masks == ["key_padding_mask [2, 6] (added)"] and t.inputs == {
+            "query": [2, 6, 16],
+            "context": [2, 6, 16],
+        }
+        assert "the trace adds key padding (the last 2 keys of the first sequence)" in t.mask
+        assert trace_module(_Whisper(**mistake).eval(), x, exercise=False).departure is None
+
+
+class _TimeFirstEinsum(nn.Module):
+    """labml's layout: (T, B, E) in, heads (T, B, H, D), scores einsum'd to (T_q, T_k, B, H), softmax over
+    ``dim`` (1: the keys; 0: the queries, the mistake)."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, dim_softmax: int = 1) -> None:
+        super().__init__()
+        self.heads, self.dim_softmax = heads, dim_softmax
+        self.query, self.key, self.value, self.output = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):  # (T, B, E)
+        T, B, C = x.shape
+        q, k, v = (p(x).view(T, B, self.heads, -1) for p in (self.query, self.key, self.value))  # (T, B, H, D)
+        scores = torch.einsum("ibhd,jbhd->ijbh", q, k) * (C // self.heads) ** -0.5  # (T_q, T_k, B, H)
+        attn = scores.softmax(dim=self.dim_softmax)
+        return self.output(torch.einsum("ijbh,jbhd->ibhd", attn, v).reshape(T, B, C))
+
+
+@pytest.mark.parametrize(("dim_softmax", "departs"), [(1, False), (0, True)])
+def test_trace_reads_an_einsum_layout_of_its_own(dim_softmax, departs):
+    """(T_q, T_k, B, H) scores and weights are placed by the einsum that makes them: a correct module reproduces
+    every stage, and a softmax over the queries departs at the weights, under the softmax, with the hint read in
+    the reference's layout."""
+    torch.manual_seed(0)
+    t = trace_module(_TimeFirstEinsum(dim_softmax=dim_softmax).eval(), torch.randn(2, 6, 16))
+    assert "(T, B, E) inputs" in t.call
+    if not departs:
+        assert t.departure is None and {"q_heads", "scaled", "weights", "context", "out"} <= set(t.matched), t.matched
+        return
+    assert t.departure is not None and t.departure.stage == "weights", t.to_text()
+    assert t.rows[t.departure.op - 1].func == "softmax"
+    assert t.departure.hint == "each column sums to 1, so softmax ran over the query axis"

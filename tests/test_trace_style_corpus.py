@@ -8,7 +8,7 @@ inputs: self-attention, cross-attention (where the module takes a separate conte
 * A one-mistake module departs on at least one input, and every departure is at a stage its mistake
   changes first (``FIRST_STAGES``): a wrong scale at the scaled scores, a merge without transpose at the
   merged heads, V through the key projection at V. A module that raises is reported as raising.
-* A mask the module reads with the reverse polarity is said so in the header line.
+* A mask the module reads with the reverse polarity is said so in the header line, and departs at the masked scores.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ FIRST_STAGES: dict[str, set[str]] = {
     "rows_misassigned": {"masked"},
     "causal_sees_next": {"masked"},
     "batch_seq_swapped": {"q_heads"},
-    "mask_polarity": set(),  # traced in the module's own reading: the header line says it is reversed
+    # masks handed in the convention of its form (True = may attend): the reversed reading shows where it masks
+    "mask_polarity": {"masked", "weights"},
 }
 
 
@@ -94,9 +95,8 @@ def test_trace_shows_the_mistake_where_it_is(path: Path) -> None:
             assert t.error is None, f"{path.name} [{name}]: {t.error.text()}"
             assert t.departure is None, f"{path.name} [{name}]: {t.departure.text()}"
         return
-    if expected == "mask_polarity":
+    if expected == "mask_polarity":  # the header line says the reading is reversed; the trace departs there
         assert "the reverse of the True = may attend" in traces["self"].mask
-        return
     departed = {name: t.departure.stage for name, t in traces.items() if t.departure is not None}
     raised = [name for name, t in traces.items() if t.error is not None]
     assert departed or raised, f"{path.name} ({expected}): every input reproduced the reference"

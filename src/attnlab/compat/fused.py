@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ..core.attention import MultiHeadAttention
 from ..core.dispatch import attend
 from ..core.masks import Masks
-from ..core.validation import Backend
+from ..core.validation import Backend, check_like_weight
 
 __all__ = ["FusedQKVAttention", "MaskConvention"]
 
@@ -272,17 +272,7 @@ class FusedQKVAttention(MultiHeadAttention):
                 f"batch-first self-attention, as the {'timm' if self.mask_convention == 'keep' else 'open_clip'} "
                 f"module it replaced)."
             )
-        weight = self._a_weight()
-        if x.device != weight.device:
-            raise ValueError(
-                f"x is on {x.device} but the module's weights are on {weight.device}; move one of them: "
-                f"x.to({str(weight.device)!r}) or module.to({str(x.device)!r})."
-            )
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(
-                f"x has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one of them "
-                f"(x.to({weight.dtype}) or module.to({x.dtype})), or run under torch.autocast."
-            )
+        check_like_weight("x", x, self._a_weight(), module="module")
 
     def _masks(self, attn_mask: Tensor | None, is_causal: bool, B: int, T: int, dtype: torch.dtype) -> Masks:
         """The source's ``attn_mask`` (and ``is_causal``) as attnlab's :class:`Masks` (bool keep + float bias)."""

@@ -19,14 +19,27 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..core.dispatch import attend
 from ..core.masks import Masks, prepare_masks
 from ..core.validation import Backend, check_backend, check_init_args
-from .scripted import ScriptableMultiheadAttention, make_scriptable
+from .scripted import (
+    ScriptableMultiheadAttention,
+    _batch_first_views,
+    _check_inputs,
+    _check_masks,
+    _finish,
+    _layout,
+    _merge_heads,
+    _pad_fix,
+    _pick_backend,
+    _project,
+    _split_heads,
+    _torch_masks,
+    make_scriptable,
+)
 
 __all__ = ["MultiheadAttention"]
 
@@ -317,9 +330,8 @@ class MultiheadAttention(nn.Module):
             nested input).
         """
         if isinstance(query, Tensor) and query.is_nested:  # the one check the padded path pays
-            return self._forward_nested(
-                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-            )
+            self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)  # no masks: lengths
+            return self._forward_nested(query, key, value, need_weights, average_attn_weights)
         return self._forward_padded(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
@@ -339,7 +351,9 @@ class MultiheadAttention(nn.Module):
         directly so that a subclass overriding ``forward`` still sees each call once."""
         self._check_inputs(query, key, value)
         batched = query.dim() == 3
-        q_in, k_in, v_in = self._to_batch_first(query, key, value, batched)  # (B, T, E), (B, S, kdim), (B, S, vdim)
+        q_in, k_in, v_in = _batch_first_views(
+            query, key, value, batched, self.batch_first
+        )  # (B, T, E), (B, S, kdim), (B, S, vdim)
         B, T, _ = q_in.shape
         S = k_in.size(1)
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -347,55 +361,33 @@ class MultiheadAttention(nn.Module):
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
 
-        q, k, v = self._project(q_in, k_in, v_in)  # (B, T, E), (B, S, G*D), (B, S, G*D)
-        if self.bias_k is not None and self.bias_v is not None:  # one learned key/value row per sequence
-            k = torch.cat([k, self.bias_k.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
-            v = torch.cat([v, self.bias_v.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D): heads become a batch dim
-        k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, S, D) (S+1 with bias_k)
-        v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, S, D)
-        if self.add_zero_attn:  # one all-zero key/value row per sequence and head
-            k = torch.cat([k, k.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
-            v = torch.cat([v, v.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
+        separate = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)  # None with in_proj_weight
+        q, k, v = _project(
+            q_in, k_in, v_in, self.in_proj_weight, self.in_proj_bias, separate
+        )  # (B, T, E), (B, S, G*D), (B, S, G*D): in as few GEMMs as the inputs allow
+        q, k, v = _split_heads(
+            q, k, v, self.bias_k, self.bias_v, self.add_zero_attn, H, G, D
+        )  # (B, H, T, D), (B, G, S', D) x2
 
         masks = self._attnlab_masks(attn_mask, key_padding_mask, is_causal, need_weights, B, T, S, k.size(2), q.dtype)
-        backend = self._choose_backend(need_weights)
+        backend = _pick_backend(self.backend, need_weights)
         if not torch.compiler.is_compiling():
             self.__dict__["last_backend"] = backend  # a plain attribute: no Module.__setattr__ per call
         dropout_p = self.dropout if self.training else 0.0
         context, weights, _ = attend(
             backend, q, k, v, masks, scale=1.0 / math.sqrt(D), dropout_p=dropout_p, need_weights=need_weights
         )  # context (B, H, T, D), weights (B, H, T, S') or None
-
-        # Merge heads straight into the caller's layout, so the output is contiguous as torch's is.
-        if batched and not self.batch_first:
-            context = context.permute(2, 0, 1, 3).reshape(T, B, H * D)  # (T, B, E)
-        else:
-            context = context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, E)
-        out = self.out_proj(context)  # (T, B, E) or (B, T, E)
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(dim=1)  # (B, T, S')
-        if not batched:
-            out = out.squeeze(0)  # (T, E)
-            weights = None if weights is None else weights.squeeze(0)  # (T, S') or (H, T, S')
-        return out, weights
+        out = self.out_proj(_merge_heads(context, batched and not self.batch_first))  # (T, B, E) or (B, T, E)
+        return _finish(out, weights, average_attn_weights, batched)
 
     # -- nested tensors: padded once, attended by the padded path, nested again ----------------
     def _forward_nested(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        need_weights: bool,
-        attn_mask: Tensor | None,
-        average_attn_weights: bool,
-        is_causal: bool,
+        self, query: Tensor, key: Tensor, value: Tensor, need_weights: bool, average_attn_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         """NestedTensor inputs, each ``(B, T_b, width)``: zero-padded once to ``(B, T, width)``, the key
         lengths becoming a ``key_padding_mask``; the padded path attends, and the output is nested again
-        in the query's layout (strided or jagged) with the query's lengths. Weights stay padded."""
-        self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)
+        in the query's layout (strided or jagged) with the query's lengths. Weights stay padded. ``forward``
+        has checked the inputs (:meth:`_check_nested`), and that no mask came with them."""
         q_pad, q_len = _unnest(query)  # (B, T, E), (B,)
         k_pad, k_len = (q_pad, q_len) if key is query else _unnest(key)  # (B, S, kdim), (B,)
         if value is key or value is query:
@@ -429,10 +421,6 @@ class MultiheadAttention(nn.Module):
             weights = weights.masked_fill(~rows, 0.0)
         return _nested_like(query, out, q_keep), weights
 
-    def _pad_fix(self, name: str) -> str:
-        """The expression that pads nested ``name`` into this module's layout, for error messages."""
-        return f"{name}.to_padded_tensor(0.0)" + ("" if self.batch_first else ".transpose(0, 1)")
-
     def _check_nested(
         self,
         query: Tensor,
@@ -455,7 +443,7 @@ class MultiheadAttention(nn.Module):
                 raise TypeError(
                     f"query is a NestedTensor but {name} is a padded tensor of shape {tuple(x.shape)}; pass query, "
                     f"key and value all nested (one sequence per batch entry), or all padded: "
-                    f"{self._pad_fix('query')} with a key_padding_mask."
+                    f"{_pad_fix('query', self.batch_first)} with a key_padding_mask."
                 )
             if not x.is_floating_point():
                 raise TypeError(
@@ -500,70 +488,21 @@ class MultiheadAttention(nn.Module):
             raise ValueError(
                 "key_padding_mask was given with NestedTensor inputs, whose lengths already say which keys exist "
                 "(nn.MultiheadAttention refuses the pair too); drop it, or pass padded tensors "
-                f"({self._pad_fix('key')}) with it."
+                f"({_pad_fix('key', self.batch_first)}) with it."
             )
         if attn_mask is not None:
             raise ValueError(
                 f"attn_mask was given with NestedTensor inputs, which take no attn_mask (nn.MultiheadAttention "
-                f"refuses the pair too); pass padded tensors ({self._pad_fix('query')}) with a key_padding_mask "
+                f"refuses the pair too); pass padded tensors ({_pad_fix('query', self.batch_first)}) with a key_padding_mask "
                 f"and the attn_mask instead."
             )
         if is_causal:  # torch's fast path ignores it and attends to every key: refused, not silently dropped
             raise ValueError(
                 f"is_causal=True was given with NestedTensor inputs, which take no attn_mask for it to describe "
                 f"(torch's fast path ignores the hint and attends to every key); pass padded tensors "
-                f"({self._pad_fix('query')}) with attn_mask=nn.Transformer.generate_square_subsequent_mask(T) and a "
+                f"({_pad_fix('query', self.batch_first)}) with attn_mask=nn.Transformer.generate_square_subsequent_mask(T) and a "
                 f"key_padding_mask (nn.TransformerEncoder does so when given mask= too), or drop is_causal."
             )
-
-    def _to_batch_first(
-        self, query: Tensor, key: Tensor, value: Tensor, batched: bool
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(B, T, E), (B, S, kdim), (B, S, vdim)`` views, keeping ``key is query`` / ``value is key``
-        (self-attention then projects Q, K and V with one GEMM)."""
-
-        def bf(x: Tensor) -> Tensor:
-            if not batched:
-                return x.unsqueeze(0)  # (1, T, E)
-            return x if self.batch_first else x.transpose(0, 1)  # (B, T, E)
-
-        q = bf(query)
-        k = q if key is query else bf(key)
-        v = k if value is key else q if value is query else bf(value)
-        return q, k, v
-
-    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V: (B, T, E), (B, S, G*D), (B, S, G*D), in as few GEMMs as the inputs allow."""
-        E, KV = self.embed_dim, self.kv_dim
-        b = self.in_proj_bias
-        bq, bk, bv = (None, None, None) if b is None else b.split([E, KV, KV])
-        w = self.in_proj_weight
-        if w is None:  # separate weights: kdim/vdim differ from E, or GQA
-            assert self.q_proj_weight is not None and self.k_proj_weight is not None and self.v_proj_weight is not None
-            q = F.linear(query, self.q_proj_weight, bq)  # (B, T, E)
-            k = F.linear(key, self.k_proj_weight, bk)  # (B, S, G*D)
-            v = F.linear(value, self.v_proj_weight, bv)  # (B, S, G*D)
-            return q, k, v
-        if key is query and value is query:  # self-attention: one GEMM for Q, K and V
-            q, k, v = F.linear(query, w, b).split([E, KV, KV], dim=-1)  # (B, T, 3E) -> three (B, T, E) views
-            return q, k, v
-        q = F.linear(query, w[:E], bq)  # (B, T, E)
-        if value is key:  # one context: K and V in one GEMM
-            k, v = F.linear(key, w[E:], None if b is None else b[E:]).split([KV, KV], dim=-1)  # (B, S, E) each
-            return q, k, v
-        k = F.linear(key, w[E : E + KV], bk)  # (B, S, E)
-        v = F.linear(value, w[E + KV :], bv)  # (B, S, E)
-        return q, k, v
-
-    def _choose_backend(self, need_weights: bool) -> str:
-        if self.backend == "math" or (need_weights and self.backend == "auto"):
-            return "math"
-        if need_weights:
-            raise ValueError(
-                "need_weights=True (nn.MultiheadAttention's default) with backend='sdpa': SDPA never "
-                "materialises the attention weights; pass need_weights=False, or set mha.backend = 'auto'."
-            )
-        return "sdpa"
 
     # -- masks: torch's conventions in, attnlab's out ------------------------------------------
     def _attnlab_masks(
@@ -585,28 +524,7 @@ class MultiheadAttention(nn.Module):
         H = self.num_heads
         # torch trusts the hint only when nothing else needs a mask: then SDPA's causal mask replaces attn_mask.
         trust_causal = is_causal and key_padding_mask is None and not need_weights
-        keep: Tensor | None = None  # bool, (1, 1, T, S) or (B, H, T, S), True = may attend
-        bias: Tensor | None = None  # float, same shapes, added to the scores
-        if attn_mask is not None and not trust_causal:
-            m4 = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask.reshape(B, H, T, -1)  # (1|B, 1|H, T, S)
-            if m4.dtype == torch.bool:
-                keep = ~m4  # torch's True = blocked -> attnlab's True = may attend
-            else:
-                bias = m4.to(dtype)
-                keep = m4 != float("-inf")  # so that a row of -inf counts as fully masked
-        pad: Tensor | None = None  # bool (B, S), True = padding: the same polarity in torch and attnlab
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype == torch.bool:
-                pad = key_padding_mask
-            else:
-                pad = key_padding_mask == float("-inf")
-                pad_bias = key_padding_mask[:, None, None, :].to(dtype)  # (B, 1, 1, S)
-                bias = pad_bias if bias is None else bias + pad_bias  # (B, H, T, S) or broadcastable
-        extra = S_all - S
-        if extra:  # the appended key rows: never padding, never blocked
-            keep = None if keep is None else F.pad(keep, (0, extra), value=True)  # (.., T, S')
-            bias = None if bias is None else F.pad(bias, (0, extra), value=0.0)  # (.., T, S')
-            pad = None if pad is None else F.pad(pad, (0, extra), value=False)  # (B, S')
+        keep, bias, pad = _torch_masks(attn_mask, key_padding_mask, trust_causal, B, H, T, S, S_all, dtype)
 
         square_causal = trust_causal and T == S_all
         if trust_causal and not square_causal:  # SDPA's is_causal is top-left aligned: query i sees keys j <= i
@@ -625,77 +543,17 @@ class MultiheadAttention(nn.Module):
         return masks if bias is None else dataclasses.replace(masks, bias=bias)
 
     # -- input checks: one sentence each, in torch's terms ------------------------------------
-    def _layout(self, what: str, width: str, batched: bool = True) -> str:
-        letter = "T" if what == "query" else "S"
-        if not batched:
-            return f"({letter}, {width})"
-        return f"(B, {letter}, {width})" if self.batch_first else f"({letter}, B, {width})"
-
     def _check_inputs(self, query: object, key: object, value: object) -> None:
-        """Types, ranks, widths, batch sizes, dtypes and devices of query, key and value."""
-        widths = {"query": ("embed_dim", self.embed_dim), "key": ("kdim", self.kdim), "value": ("vdim", self.vdim)}
-        weight = self.out_proj.weight
+        """Types of query, key and value (the twin's TorchScript signature checks those), then, in
+        :func:`~attnlab.compat.scripted._check_inputs`, their ranks, widths, batch sizes, dtypes and devices."""
+        width_names = {"query": f"embed_dim={self.embed_dim}", "key": f"kdim={self.kdim}", "value": f"vdim={self.vdim}"}
         for name, x in (("query", query), ("key", key), ("value", value)):
-            width_name, width = widths[name]
-            layout = self._layout(name, f"{width_name}={width}")
             if not isinstance(x, Tensor):
+                layout = _layout(name, width_names[name], True, self.batch_first)
                 raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}.")
-            if x.is_nested:  # a nested query never gets here (forward hands it to _forward_nested)
-                raise TypeError(
-                    f"{name} is a NestedTensor but query is not; pass query, key and value all nested (one "
-                    f"sequence per batch entry), or all padded: {self._pad_fix(name)} with a key_padding_mask."
-                )
-            if not x.is_floating_point():
-                raise TypeError(
-                    f"{name} has dtype {x.dtype}; expected a floating tensor {layout} like the module's "
-                    f"weights ({weight.dtype}); token ids go through an nn.Embedding first."
-                )
         assert isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
-        if query.dim() not in (2, 3):
-            raise ValueError(
-                f"query has {query.dim()} dimensions (shape {tuple(query.shape)}); expected "
-                f"{self._layout('query', 'E')} batched or (T, E) unbatched, with E = embed_dim = {self.embed_dim}."
-            )
-        batched = query.dim() == 3
-        for name, x in (("key", key), ("value", value)):
-            if x.dim() != query.dim():
-                raise ValueError(
-                    f"{name} has {x.dim()} dimensions (shape {tuple(x.shape)}) but query has {query.dim()}; "
-                    f"{name} must be {'batched' if batched else 'unbatched'} like query: expected "
-                    f"{self._layout(name, widths[name][0], batched)}."
-                )
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            width_name, width = widths[name]
-            if x.size(-1) != width:
-                hint = f"project it to {width} features or build the module with {width_name}={x.size(-1)}"
-                raise ValueError(
-                    f"{name} has last dimension {x.size(-1)} (shape {tuple(x.shape)}); expected "
-                    f"{width_name}={width} in {self._layout(name, width_name, batched)}: {hint}."
-                )
-        if batched:
-            b_dim = 0 if self.batch_first else 1
-            if key.size(b_dim) != query.size(b_dim):
-                raise ValueError(
-                    f"key has batch size {key.size(b_dim)} but query has {query.size(b_dim)} (dim {b_dim} of "
-                    f"{self._layout('key', 'kdim')}, as batch_first={self.batch_first}); pass one key sequence "
-                    f"per query sequence."
-                )
-        if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(
-                f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}; every key needs exactly "
-                f"one value: pass a value with the same {'batch size and ' if batched else ''}length S as key."
-            )
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.device != weight.device:
-                raise ValueError(
-                    f"{name} is on {x.device} but the module's weights are on {weight.device}; move one of "
-                    f"them: {name}.to({str(weight.device)!r}) or mha.to({str(x.device)!r})."
-                )
-            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-                raise TypeError(
-                    f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one of them "
-                    f"({name}.to({weight.dtype}) or mha.to({x.dtype})), or run under torch.autocast."
-                )
+        widths = [self.embed_dim, self.kdim, self.vdim]
+        _check_inputs(query, key, value, widths, self.batch_first, self.out_proj.weight)
 
     def _check_masks(
         self,
@@ -708,42 +566,20 @@ class MultiheadAttention(nn.Module):
         S: int,
         device: torch.device,
     ) -> None:
-        """Types, dtypes, shapes and devices of the masks, in torch's conventions."""
-        H = self.num_heads
-        if key_padding_mask is not None:
-            _check_mask_kind("key_padding_mask", key_padding_mask, "True = padding")
-            assert isinstance(key_padding_mask, Tensor)
-            if tuple(key_padding_mask.shape) != ((B, S) if batched else (S,)):
-                expected = f"(B, S) = ({B}, {S})" if batched else f"(S,) = ({S},) for unbatched input"
-                raise ValueError(
-                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected {expected}, one flag "
-                    f"per key position (True = padding, or a float added to the scores)."
+        """Types of the masks, then, in :func:`~attnlab.compat.scripted._check_masks`, their dtypes, shapes
+        and devices, in torch's conventions."""
+        for name, mask, bool_meaning in (
+            ("key_padding_mask", key_padding_mask, "True = padding"),
+            ("attn_mask", attn_mask, "True = blocked"),
+        ):
+            if mask is not None and not isinstance(mask, Tensor):
+                raise TypeError(
+                    f"{name} must be a torch.Tensor (bool: {bool_meaning}, or float: added to the scores), "
+                    f"got {type(mask).__name__}; wrap it with torch.as_tensor(...)."
                 )
-            _check_mask_device("key_padding_mask", key_padding_mask, device)
-        if attn_mask is None:
-            if is_causal:
-                raise ValueError(
-                    "is_causal=True was given without attn_mask; as in nn.MultiheadAttention, is_causal is only a "
-                    "hint that attn_mask is causal: pass attn_mask=nn.Transformer.generate_square_subsequent_mask(T) "
-                    "along with it, or drop is_causal."
-                )
-            return
-        _check_mask_kind("attn_mask", attn_mask, "True = blocked")
-        assert isinstance(attn_mask, Tensor)
-        rows = f"(B*num_heads, T, S) = ({B * H}, {T}, {S})" if batched else f"(num_heads, T, S) = ({H}, {T}, {S})"
-        if attn_mask.dim() not in (2, 3):
-            fix = " (a (B, num_heads, T, S) mask: pass attn_mask.flatten(0, 1))" if attn_mask.dim() == 4 else ""
-            raise ValueError(
-                f"attn_mask has {attn_mask.dim()} dimensions (shape {tuple(attn_mask.shape)}); expected (T, S) = "
-                f"({T}, {S}) or {rows}{fix}."
-            )
-        expected_shape = (T, S) if attn_mask.dim() == 2 else (B * H, T, S)
-        if tuple(attn_mask.shape) != expected_shape:
-            raise ValueError(
-                f"attn_mask has shape {tuple(attn_mask.shape)}; expected (T, S) = ({T}, {S}) or {rows}, row "
-                f"b*num_heads + h of a 3-D mask being batch b, head h; build it for T={T} queries and S={S} keys."
-            )
-        _check_mask_device("attn_mask", attn_mask, device)
+        assert attn_mask is None or isinstance(attn_mask, Tensor)
+        assert key_padding_mask is None or isinstance(key_padding_mask, Tensor)
+        _check_masks(attn_mask, key_padding_mask, is_causal, batched, B, self.num_heads, T, S, device)
 
 
 def _unnest(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -765,23 +601,3 @@ def _nested_like(like: Tensor, padded: Tensor, keep: Tensor) -> Tensor:
         # like's own offsets: the result shares its ragged size, so `like + result` (a residual) works
         return torch.nested.nested_tensor_from_jagged(padded[keep], jagged.offsets(), max_seqlen=padded.size(1))
     return torch._nested_tensor_from_mask(padded, keep, mask_check=False)  # as nn.TransformerEncoder makes them
-
-
-def _check_mask_kind(name: str, mask: object, bool_meaning: str) -> None:
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor (bool: {bool_meaning}, or float: added to the scores), "
-            f"got {type(mask).__name__}; wrap it with torch.as_tensor(...)."
-        )
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"{name} has dtype {mask.dtype}; expected torch.bool ({bool_meaning}, torch's polarity) or a float "
-            f"dtype (added to the scores): pass {name}.bool() if its 1s mark the positions to leave out."
-        )
-
-
-def _check_mask_device(name: str, mask: Tensor, device: torch.device) -> None:
-    if mask.device != device:
-        raise ValueError(
-            f"{name} is on {mask.device} but the query is on {device}; move it with {name}.to({str(device)!r})."
-        )

@@ -84,6 +84,8 @@ def _shape(x: Tensor) -> str:
 
 def _dtype(dtype: torch.dtype) -> str:
     """``str(dtype)`` as Python prints it (``torch.float32``): scripted, ``str`` of a dtype is its enum number."""
+    if not torch.jit.is_scripting():
+        return str(dtype)
     names = [
         (torch.float32, "torch.float32"),
         (torch.float64, "torch.float64"),
@@ -192,6 +194,359 @@ def _sdpa_attention(
     return context.to(out_dtype)
 
 
+# -- shared with compat.MultiheadAttention: its steps written once, in the TorchScript subset -------------
+# The eager module calls these functions as Python; the twin's scripted forward compiles them. Written once,
+# the two forms cannot drift apart, and each error is raised with the same sentence by both.
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, which does not script: scripted, the CPU and CUDA flags."""
+    if not torch.jit.is_scripting():
+        return torch.is_autocast_enabled(device_type)
+    return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _pad_fix(name: str, batch_first: bool) -> str:
+    """The expression that pads nested ``name`` into a module's layout, for error messages."""
+    return name + ".to_padded_tensor(0.0)" + ("" if batch_first else ".transpose(0, 1)")
+
+
+def _layout(what: str, width: str, batched: bool, batch_first: bool) -> str:
+    """``(B, T, width)``, ``(T, B, width)`` or unbatched ``(T, width)`` (S for key and value), for messages."""
+    letter = "T" if what == "query" else "S"
+    if not batched:
+        return "({}, {})".format(letter, width)
+    return ("(B, {}, {})" if batch_first else "({}, B, {})").format(letter, width)
+
+
+def _check_inputs(
+    query: Tensor, key: Tensor, value: Tensor, widths: list[int], batch_first: bool, weight: Tensor
+) -> None:
+    """Ranks, widths, batch sizes, dtypes and devices of query, key and value; ``widths`` is
+    ``[embed_dim, kdim, vdim]``, ``weight`` the module's (its dtype and device are the expected ones)."""
+    names = ["query", "key", "value"]
+    xs = [query, key, value]
+    width_names = ["embed_dim", "kdim", "vdim"]
+    for i in range(3):
+        name, x = names[i], xs[i]
+        layout = _layout(name, "{}={}".format(width_names[i], widths[i]), True, batch_first)
+        if x.is_nested:  # a nested query never gets here (forward hands it to the nested path)
+            raise TypeError(
+                "{} is a NestedTensor but query is not; pass query, key and value all nested (one sequence per "
+                "batch entry), or all padded: {} with a key_padding_mask.".format(name, _pad_fix(name, batch_first))
+            )
+        if not x.is_floating_point():
+            raise TypeError(
+                "{} has dtype {}; expected a floating tensor {} like the module's weights ({}); token ids go "
+                "through an nn.Embedding first.".format(name, _dtype(x.dtype), layout, _dtype(weight.dtype))
+            )
+    if query.dim() != 2 and query.dim() != 3:
+        raise ValueError(
+            "query has {} dimensions (shape {}); expected {} batched or (T, E) unbatched, with E = embed_dim = "
+            "{}.".format(query.dim(), _shape(query), _layout("query", "E", True, batch_first), widths[0])
+        )
+    batched = query.dim() == 3
+    for i in range(1, 3):
+        name, x = names[i], xs[i]
+        if x.dim() != query.dim():
+            raise ValueError(
+                "{} has {} dimensions (shape {}) but query has {}; {} must be {} like query: expected {}.".format(
+                    name,
+                    x.dim(),
+                    _shape(x),
+                    query.dim(),
+                    name,
+                    "batched" if batched else "unbatched",
+                    _layout(name, width_names[i], batched, batch_first),
+                )
+            )
+    for i in range(3):
+        name, x = names[i], xs[i]
+        if x.size(-1) != widths[i]:
+            wn, w = width_names[i], widths[i]
+            raise ValueError(
+                "{} has last dimension {} (shape {}); expected {}={} in {}: project it to {} features or build "
+                "the module with {}={}.".format(
+                    name, x.size(-1), _shape(x), wn, w, _layout(name, wn, batched, batch_first), w, wn, x.size(-1)
+                )
+            )
+    if batched:
+        b_dim = 0 if batch_first else 1
+        if key.size(b_dim) != query.size(b_dim):
+            raise ValueError(
+                "key has batch size {} but query has {} (dim {} of {}, as batch_first={}); pass one key "
+                "sequence per query sequence.".format(
+                    key.size(b_dim), query.size(b_dim), b_dim, _layout("key", "kdim", True, batch_first), batch_first
+                )
+            )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            "value has shape {} but key has {}; every key needs exactly one value: pass a value with the same "
+            "{}length S as key.".format(_shape(value), _shape(key), "batch size and " if batched else "")
+        )
+    for i in range(3):
+        name, x = names[i], xs[i]
+        if x.device != weight.device:
+            raise ValueError(
+                "{} is on {} but the module's weights are on {}; move one of them: {}.to('{}') or mha.to('{}').".format(
+                    name, x.device, weight.device, name, weight.device, x.device
+                )
+            )
+        if x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+            got, want = _dtype(x.dtype), _dtype(weight.dtype)
+            raise TypeError(
+                "{} has dtype {} but the module's weights are {}; cast one of them ({}.to({}) or mha.to({})), or "
+                "run under torch.autocast.".format(name, got, want, name, want, got)
+            )
+
+
+def _check_masks(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    batched: bool,
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    device: torch.device,
+) -> None:
+    """Dtypes, shapes and devices of the masks, in torch's conventions."""
+    if key_padding_mask is not None:
+        _check_mask_dtype("key_padding_mask", key_padding_mask, "True = padding")
+        if batched:
+            shape_ok = key_padding_mask.dim() == 2 and key_padding_mask.size(0) == B and key_padding_mask.size(1) == S
+            expected = "(B, S) = ({}, {})".format(B, S)
+        else:
+            shape_ok = key_padding_mask.dim() == 1 and key_padding_mask.size(0) == S
+            expected = "(S,) = ({},) for unbatched input".format(S)
+        if not shape_ok:
+            raise ValueError(
+                "key_padding_mask has shape {}; expected {}, one flag per key position (True = padding, or a "
+                "float added to the scores).".format(_shape(key_padding_mask), expected)
+            )
+        _check_mask_device("key_padding_mask", key_padding_mask, device)
+    if attn_mask is None:
+        if is_causal:
+            raise ValueError(
+                "is_causal=True was given without attn_mask; as in nn.MultiheadAttention, is_causal is only a "
+                "hint that attn_mask is causal: pass attn_mask=nn.Transformer.generate_square_subsequent_mask(T) "
+                "along with it, or drop is_causal."
+            )
+        return
+    _check_mask_dtype("attn_mask", attn_mask, "True = blocked")
+    if batched:
+        rows = "(B*num_heads, T, S) = ({}, {}, {})".format(B * H, T, S)
+    else:
+        rows = "(num_heads, T, S) = ({}, {}, {})".format(H, T, S)
+    if attn_mask.dim() != 2 and attn_mask.dim() != 3:
+        fix = " (a (B, num_heads, T, S) mask: pass attn_mask.flatten(0, 1))" if attn_mask.dim() == 4 else ""
+        raise ValueError(
+            "attn_mask has {} dimensions (shape {}); expected (T, S) = ({}, {}) or {}{}.".format(
+                attn_mask.dim(), _shape(attn_mask), T, S, rows, fix
+            )
+        )
+    if attn_mask.dim() == 2:
+        shape_ok = attn_mask.size(0) == T and attn_mask.size(1) == S
+    else:
+        shape_ok = attn_mask.size(0) == B * H and attn_mask.size(1) == T and attn_mask.size(2) == S
+    if not shape_ok:
+        raise ValueError(
+            "attn_mask has shape {}; expected (T, S) = ({}, {}) or {}, row b*num_heads + h of a 3-D mask being "
+            "batch b, head h; build it for T={} queries and S={} keys.".format(_shape(attn_mask), T, S, rows, T, S)
+        )
+    _check_mask_device("attn_mask", attn_mask, device)
+
+
+def _check_mask_dtype(name: str, mask: Tensor, bool_meaning: str) -> None:
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            "{} has dtype {}; expected torch.bool ({}, torch's polarity) or a float dtype (added to the scores): "
+            "pass {}.bool() if its 1s mark the positions to leave out.".format(
+                name, _dtype(mask.dtype), bool_meaning, name
+            )
+        )
+
+
+def _check_mask_device(name: str, mask: Tensor, device: torch.device) -> None:
+    if mask.device != device:
+        raise ValueError(
+            "{} is on {} but the query is on {}; move it with {}.to('{}').".format(
+                name, mask.device, device, name, device
+            )
+        )
+
+
+def _batch_first_views(
+    query: Tensor, key: Tensor, value: Tensor, batched: bool, batch_first: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(B, T, E), (B, S, kdim), (B, S, vdim)`` views, keeping ``key is query`` / ``value is key``
+    (self-attention then projects Q, K and V with one GEMM)."""
+    q = _to_batch_first(query, batched, batch_first)
+    k = q if key is query else _to_batch_first(key, batched, batch_first)
+    if value is key:
+        v = k
+    elif value is query:
+        v = q
+    else:
+        v = _to_batch_first(value, batched, batch_first)
+    return q, k, v
+
+
+def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
+    if not batched:
+        return x.unsqueeze(0)  # (1, T, E)
+    return x if batch_first else x.transpose(0, 1)  # (B, T, E)
+
+
+def _project(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    separate: tuple[Tensor | None, Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K, V: (B, T, E), (B, S, G*D), (B, S, G*D), in as few GEMMs as the inputs allow: ``in_proj_weight``
+    ``(3E, E)`` packed (then K and V have E = G*D rows), or else ``separate`` = ``(q_proj_weight (E, E),
+    k_proj_weight (G*D, kdim), v_proj_weight (G*D, vdim))``; ``in_proj_bias`` ``(E + 2*G*D,)`` or None."""
+    w = in_proj_weight
+    wq, wk, wv = separate[0], separate[1], separate[2]
+    if w is not None:  # packed only when kdim == vdim == E and there is no GQA: K and V have E rows each
+        E, KV = w.size(1), w.size(1)
+    else:
+        assert wq is not None and wk is not None
+        E, KV = wq.size(0), wk.size(0)
+    b = in_proj_bias
+    bq: Tensor | None = None
+    bk: Tensor | None = None
+    bv: Tensor | None = None
+    if b is not None:
+        parts = b.split([E, KV, KV])  # (E,), (G*D,), (G*D,)
+        bq, bk, bv = parts[0], parts[1], parts[2]
+    if w is None:  # separate weights: kdim/vdim differ from E, or GQA
+        assert wq is not None and wk is not None and wv is not None
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)  # (B, T, E), (B, S, G*D) x2
+    if key is query and value is query:  # self-attention: one GEMM for Q, K and V
+        qkv = F.linear(query, w, b).split([E, KV, KV], dim=-1)  # (B, T, 3E) -> three (B, T, E) views
+        return qkv[0], qkv[1], qkv[2]
+    q = F.linear(query, w[:E], bq)  # (B, T, E)
+    if value is key:  # one context: K and V in one GEMM
+        kv = F.linear(key, w[E:], None if b is None else b[E:]).split([KV, KV], dim=-1)  # (B, S, E) each
+        return q, kv[0], kv[1]
+    k = F.linear(key, w[E : E + KV], bk)  # (B, S, E)
+    v = F.linear(value, w[E + KV :], bv)  # (B, S, E)
+    return q, k, v
+
+
+def _split_heads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
+    add_zero_attn: bool,
+    H: int,
+    G: int,
+    D: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Projected ``q (B, T, E)``, ``k, v (B, S, G*D)`` as ``q (B, H, T, D)``, ``k, v (B, G, S', D)``, with
+    the extra key/value rows of ``add_bias_kv`` (``bias_k``/``bias_v``) and ``add_zero_attn`` appended."""
+    B, T = q.size(0), q.size(1)
+    if bias_k is not None and bias_v is not None:  # one learned key/value row per sequence
+        k = torch.cat([k, bias_k.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
+        v = torch.cat([v, bias_v.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
+    q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D): heads become a batch dim
+    k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, S, D) (S+1 with bias_k)
+    v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, S, D)
+    if add_zero_attn:  # one all-zero key/value row per sequence and head
+        k = torch.cat([k, k.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
+        v = torch.cat([v, v.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
+    return q, k, v
+
+
+def _merge_heads(context: Tensor, seq_first: bool) -> Tensor:
+    """``context (B, H, T, D)`` straight into the caller's layout, ``(T, B, E)`` if ``seq_first`` else
+    ``(B, T, E)``, so the output is contiguous as torch's is."""
+    B, H, T, D = context.size(0), context.size(1), context.size(2), context.size(3)
+    if seq_first:
+        return context.permute(2, 0, 1, 3).reshape(T, B, H * D)  # (T, B, E)
+    return context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, E)
+
+
+def _finish(
+    out: Tensor, weights: Tensor | None, average_attn_weights: bool, batched: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The returned pair: weights ``(B, H, T, S')`` averaged over heads if asked, and the batch dim of an
+    unbatched call dropped again."""
+    if weights is not None and average_attn_weights:
+        weights = weights.mean(dim=1)  # (B, T, S')
+    if not batched:
+        out = out.squeeze(0)  # (T, E)
+        if weights is not None:
+            weights = weights.squeeze(0)  # (T, S') or (H, T, S')
+    return out, weights
+
+
+def _pick_backend(backend: str, need_weights: bool) -> str:
+    """``"math"`` or ``"sdpa"``, the one that runs for ``backend`` (``"auto"``, ``"math"``, ``"sdpa"``)."""
+    if backend == "math" or (need_weights and backend == "auto"):
+        return "math"
+    if need_weights:
+        raise ValueError(
+            "need_weights=True (nn.MultiheadAttention's default) with backend='sdpa': SDPA never "
+            "materialises the attention weights; pass need_weights=False, or set mha.backend = 'auto'."
+        )
+    return "sdpa"
+
+
+def _torch_masks(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    trust_causal: bool,
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    S_all: int,
+    dtype: torch.dtype,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """torch's masks (bool True = blocked, float added; ``(T, S)`` / ``(B*H, T, S)``; key padding bool or
+    float) as ``(keep, bias, pad)`` over all S' keys: ``keep`` bool ``(1, 1, T, S')`` or ``(B, H, T, S')``,
+    True = may attend; ``bias`` float, broadcastable likewise, added to the scores; ``pad`` bool ``(B, S')``,
+    True = padding (the same polarity in torch and attnlab). The extra rows of ``add_bias_kv``/``add_zero_attn``
+    are always kept, as torch pads its masks with 0 for them. ``trust_causal``: ``attn_mask`` is not read."""
+    keep: Tensor | None = None
+    bias: Tensor | None = None
+    if attn_mask is not None and not trust_causal:
+        if attn_mask.dim() == 2:
+            m4 = attn_mask[None, None]  # (1, 1, T, S)
+        else:
+            m4 = attn_mask.reshape(B, H, T, -1)  # (B*H, T, S) -> (B, H, T, S)
+        if m4.dtype == torch.bool:
+            keep = ~m4  # torch's True = blocked -> attnlab's True = may attend
+        else:
+            bias = m4.to(dtype)
+            keep = m4 != float("-inf")  # so that a row of -inf counts as fully masked
+    pad: Tensor | None = None
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype == torch.bool:
+            pad = key_padding_mask
+        else:
+            pad = key_padding_mask == float("-inf")
+            pad_bias = key_padding_mask[:, None, None, :].to(dtype)  # (B, 1, 1, S)
+            bias = pad_bias if bias is None else bias + pad_bias  # (B, H, T, S) or broadcastable
+    extra = S_all - S
+    if extra > 0:  # the appended key rows: never padding, never blocked
+        if keep is not None:
+            keep = F.pad(keep, (0, extra), value=True)  # (.., T, S')
+        if bias is not None:
+            bias = F.pad(bias, (0, extra), value=0.0)  # (.., T, S')
+        if pad is not None:
+            pad = F.pad(pad, (0, extra), value=False)  # (B, S')
+    return keep, bias, pad
+
+
 class ScriptableMultiheadAttention(nn.Module):
     """The scriptable twin of an :class:`attnlab.compat.MultiheadAttention` (see the module docstring);
     made by ``torch.jit.script`` through ``MultiheadAttention.__prepare_scriptable__``, not by hand.
@@ -256,50 +611,26 @@ class ScriptableMultiheadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """torch.nn.MultiheadAttention's forward; shapes and masks as in compat.MultiheadAttention."""
-        if torch.jit.is_scripting():
-            if query.is_nested:
-                return self._nested_forward(
-                    query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-                )
-            return self._padded_forward(
+        if not torch.jit.is_scripting():  # TorchScript compiles none of this block
+            # Called eagerly: the source module runs, with this twin's training mode and backend (a parent's
+            # .train()/.eval() reaches the twin, not the source).
+            source = self._source[0]
+            if source.training != self.training:
+                source.train(self.training)
+            if source.backend != self.backend:
+                source.backend = self.backend  # validated by the source's setter
+            out: tuple[Tensor, Tensor | None] = source(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
-        return self._source_forward(
+            if not torch.compiler.is_compiling():
+                self.__dict__["last_backend"] = source.last_backend
+            return out
+        if query.is_nested:
+            self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)  # no masks: lengths
+            return self._nested_forward(query, key, value, need_weights, average_attn_weights)
+        return self._padded_forward(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
-
-    @torch.jit.unused
-    def _source_forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        need_weights: bool,
-        attn_mask: Tensor | None,
-        average_attn_weights: bool,
-        is_causal: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Eager calls run the source module, with this twin's training mode and backend (a parent's
-        ``.train()``/``.eval()`` reaches the twin, not the source)."""
-        source = self._source[0]
-        if source.training != self.training:
-            source.train(self.training)
-        if source.backend != self.backend:
-            source.backend = self.backend  # validated by the source's setter
-        out: tuple[Tensor, Tensor | None] = source(
-            query,
-            key,
-            value,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
-        if not torch.compiler.is_compiling():
-            self.__dict__["last_backend"] = source.last_backend
-        return out
 
     def merge_masks(
         self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
@@ -323,27 +654,26 @@ class ScriptableMultiheadAttention(nn.Module):
         average_attn_weights: bool,
         is_causal: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        self._check_inputs(query, key, value)
+        widths = [self.embed_dim, self.kdim, self.vdim]
+        _check_inputs(query, key, value, widths, self.batch_first, self.out_proj.weight)
         batched = query.dim() == 3
-        q_in, k_in, v_in = self._to_batch_first(query, key, value, batched)  # (B, T, E), (B, S, kdim), (B, S, vdim)
+        q_in, k_in, v_in = _batch_first_views(
+            query, key, value, batched, self.batch_first
+        )  # (B, T, E), (B, S, kdim), (B, S, vdim)
         B, T = q_in.size(0), q_in.size(1)
         S = k_in.size(1)
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        self._check_masks(attn_mask, key_padding_mask, is_causal, batched, B, T, S, q_in.device)
+        _check_masks(attn_mask, key_padding_mask, is_causal, batched, B, H, T, S, q_in.device)
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
 
-        q, k, v = self._project(q_in, k_in, v_in)  # (B, T, E), (B, S, G*D), (B, S, G*D)
-        bias_k, bias_v = self.bias_k, self.bias_v
-        if bias_k is not None and bias_v is not None:  # one learned key/value row per sequence
-            k = torch.cat([k, bias_k.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
-            v = torch.cat([v, bias_v.expand(B, 1, -1)], dim=1)  # (B, S+1, G*D)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, k.size(1), G, D).transpose(1, 2)  # (B, G, S, D) (S+1 with bias_k)
-        v = v.view(B, v.size(1), G, D).transpose(1, 2)  # (B, G, S, D)
-        if self.add_zero_attn:  # one all-zero key/value row per sequence and head
-            k = torch.cat([k, k.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
-            v = torch.cat([v, v.new_zeros(B, G, 1, D)], dim=2)  # (B, G, S', D)
+        separate = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)  # None with in_proj_weight
+        q, k, v = _project(
+            q_in, k_in, v_in, self.in_proj_weight, self.in_proj_bias, separate
+        )  # (B, T, E), (B, S, G*D), (B, S, G*D)
+        q, k, v = _split_heads(
+            q, k, v, self.bias_k, self.bias_v, self.add_zero_attn, H, G, D
+        )  # (B, H, T, D), (B, G, S', D) x2
 
         keep, bias, causal, empty_rows = self._masks(
             attn_mask, key_padding_mask, is_causal, need_weights, B, T, S, k.size(2), q.dtype
@@ -359,36 +689,16 @@ class ScriptableMultiheadAttention(nn.Module):
             )  # (B, H, T, D), (B, H, T, S') or None
         else:
             context = _sdpa_attention(q, k, v, keep, bias, causal, empty_rows, scale, dropout_p)  # (B, H, T, D)
-
-        if batched and not self.batch_first:
-            context = context.permute(2, 0, 1, 3).reshape(T, B, H * D)  # (T, B, E)
-        else:
-            context = context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, E)
-        out = self.out_proj(context)  # (T, B, E) or (B, T, E)
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(dim=1)  # (B, T, S')
-        if not batched:
-            out = out.squeeze(0)  # (T, E)
-            if weights is not None:
-                weights = weights.squeeze(0)  # (T, S') or (H, T, S')
-        return out, weights
+        out = self.out_proj(_merge_heads(context, batched and not self.batch_first))  # (T, B, E) or (B, T, E)
+        return _finish(out, weights, average_attn_weights, batched)
 
     # -- nested tensors (strided, as nn.TransformerEncoder makes them): padded, attended, nested again ----
     def _nested_forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        need_weights: bool,
-        attn_mask: Tensor | None,
-        average_attn_weights: bool,
-        is_causal: bool,
+        self, query: Tensor, key: Tensor, value: Tensor, need_weights: bool, average_attn_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         """The eager module's nested path: inputs ``(B, T_b, width)`` zero-padded to ``(B, T, width)``,
         the key lengths becoming a ``key_padding_mask``, the output nested again with the query's
-        lengths; weights stay padded, zero on padded query rows."""
-        self._check_nested(query, key, value, key_padding_mask, attn_mask, is_causal)
+        lengths; weights stay padded, zero on padded query rows. ``forward`` has checked the inputs."""
         q_pad = query.to_padded_tensor(0.0)  # (B, T, E)
         q_len = query._nested_tensor_size()[:, 0]  # (B,): host metadata, no sync
         k_pad, k_len = q_pad, q_len
@@ -502,66 +812,13 @@ class ScriptableMultiheadAttention(nn.Module):
                 "attn_mask instead.".format(what)
             )
 
-    def _to_batch_first(
-        self, query: Tensor, key: Tensor, value: Tensor, batched: bool
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(B, T, E), (B, S, kdim), (B, S, vdim)`` views, keeping ``key is query`` / ``value is key``."""
-        q = self._bf(query, batched)
-        k = q if key is query else self._bf(key, batched)
-        if value is key:
-            v = k
-        elif value is query:
-            v = q
-        else:
-            v = self._bf(value, batched)
-        return q, k, v
-
-    def _bf(self, x: Tensor, batched: bool) -> Tensor:
-        if not batched:
-            return x.unsqueeze(0)  # (1, T, E)
-        return x if self.batch_first else x.transpose(0, 1)  # (B, T, E)
-
-    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V: (B, T, E), (B, S, G*D), (B, S, G*D), in the eager module's GEMMs (the same
-        groupings, so the same rounding)."""
-        E, KV = self.embed_dim, self.kv_dim
-        b = self.in_proj_bias
-        bq: Tensor | None = None
-        bk: Tensor | None = None
-        bv: Tensor | None = None
-        if b is not None:
-            parts = b.split([E, KV, KV])  # (E,), (G*D,), (G*D,)
-            bq, bk, bv = parts[0], parts[1], parts[2]
-        w = self.in_proj_weight
-        if w is None:  # separate weights: kdim/vdim differ from E, or GQA
-            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-            assert wq is not None and wk is not None and wv is not None
-            return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)  # (B, T, E), (B, S, G*D) x2
-        if key is query and value is query:  # self-attention: one GEMM
-            qkv = F.linear(query, w, b).split([E, KV, KV], dim=-1)  # (B, T, 3E) -> three (B, T, E) views
-            return qkv[0], qkv[1], qkv[2]
-        q = F.linear(query, w[:E], bq)  # (B, T, E)
-        if value is key:  # one context: K and V in one GEMM
-            kv = F.linear(key, w[E:], None if b is None else b[E:]).split([KV, KV], dim=-1)  # (B, S, E) each
-            return q, kv[0], kv[1]
-        k = F.linear(key, w[E : E + KV], bk)  # (B, S, E)
-        v = F.linear(value, w[E + KV :], bv)  # (B, S, E)
-        return q, k, v
-
     def _choose_backend(self, need_weights: bool) -> str:
         if self.backend not in ["auto", "math", "sdpa", "flex"]:  # attnlab.core.validation.BACKEND_NAMES
             raise ValueError(
                 "backend must be one of ('auto', 'math', 'sdpa', 'flex'), got '{}'; set scripted.backend to one of "
                 "them.".format(self.backend)
             )
-        if self.backend == "math" or (need_weights and self.backend == "auto"):
-            return "math"
-        if need_weights:
-            raise ValueError(
-                "need_weights=True (nn.MultiheadAttention's default) with backend='sdpa': SDPA never "
-                "materialises the attention weights; pass need_weights=False, or set mha.backend = 'auto'."
-            )
-        return "sdpa"
+        return _pick_backend(self.backend, need_weights)
 
     def _masks(
         self,
@@ -579,34 +836,7 @@ class ScriptableMultiheadAttention(nn.Module):
         :class:`attnlab.core.masks.Masks`): what ``_attnlab_masks`` and ``prepare_masks`` make of them."""
         H = self.num_heads
         trust_causal = is_causal and key_padding_mask is None and not need_weights  # torch's rule for the hint
-        keep: Tensor | None = None  # bool, (1, 1, T, S) or (B, H, T, S), True = may attend
-        bias: Tensor | None = None  # float, broadcastable likewise, added to the scores
-        if attn_mask is not None and not trust_causal:
-            if attn_mask.dim() == 2:
-                m4 = attn_mask[None, None]  # (1, 1, T, S)
-            else:
-                m4 = attn_mask.reshape(B, H, T, -1)  # (B*H, T, S) -> (B, H, T, S)
-            if m4.dtype == torch.bool:
-                keep = ~m4  # torch's True = blocked -> True = may attend
-            else:
-                bias = m4.to(dtype)
-                keep = m4 != float("-inf")  # a row of -inf counts as fully masked
-        pad: Tensor | None = None  # bool (B, S), True = padding
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype == torch.bool:
-                pad = key_padding_mask
-            else:
-                pad = key_padding_mask == float("-inf")
-                pad_bias = key_padding_mask[:, None, None, :].to(dtype)  # (B, 1, 1, S)
-                bias = pad_bias if bias is None else bias + pad_bias
-        extra = S_all - S
-        if extra > 0:  # the appended key rows: never padding, never blocked
-            if keep is not None:
-                keep = F.pad(keep, (0, extra), value=True)  # (.., T, S')
-            if bias is not None:
-                bias = F.pad(bias, (0, extra), value=0.0)  # (.., T, S')
-            if pad is not None:
-                pad = F.pad(pad, (0, extra), value=False)  # (B, S')
+        keep, bias, pad = _torch_masks(attn_mask, key_padding_mask, trust_causal, B, H, T, S, S_all, dtype)
         square_causal = trust_causal and T == S_all
         if trust_causal and not square_causal:  # SDPA's is_causal is top-left aligned: query i sees keys j <= i
             keep = torch.ones(T, S_all, dtype=torch.bool, device=self.out_proj.weight.device).tril()[None, None]
@@ -616,173 +846,6 @@ class ScriptableMultiheadAttention(nn.Module):
             keep = not_pad if keep is None else keep & not_pad
         causal = square_causal and T != 1  # one query over one key: nothing to mask
         return keep, bias, causal, empty_rows
-
-    # -- input checks: compat.MultiheadAttention's sentences (str.format: f-strings do not script) ------
-    def _layout(self, what: str, width: str, batched: bool) -> str:
-        letter = "T" if what == "query" else "S"
-        if not batched:
-            return "({}, {})".format(letter, width)
-        return ("(B, {}, {})" if self.batch_first else "({}, B, {})").format(letter, width)
-
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
-        """Ranks, widths, batch sizes, dtypes and devices of query, key and value (their types are
-        checked by TorchScript's signature)."""
-        names = ["query", "key", "value"]
-        xs = [query, key, value]
-        width_names = ["embed_dim", "kdim", "vdim"]
-        widths = [self.embed_dim, self.kdim, self.vdim]
-        weight = self.out_proj.weight
-        for i in range(3):
-            name, x = names[i], xs[i]
-            layout = self._layout(name, "{}={}".format(width_names[i], widths[i]), True)
-            if x.is_nested:  # a nested query never gets here (forward hands it to _nested_forward)
-                raise TypeError(
-                    "{} is a NestedTensor but query is not; pass query, key and value all nested (one sequence per "
-                    "batch entry), or all padded: {}.to_padded_tensor(0.0) with a key_padding_mask.".format(name, name)
-                )
-            if not x.is_floating_point():
-                raise TypeError(
-                    "{} has dtype {}; expected a floating tensor {} like the module's weights ({}); token ids go "
-                    "through an nn.Embedding first.".format(name, _dtype(x.dtype), layout, _dtype(weight.dtype))
-                )
-        if query.dim() != 2 and query.dim() != 3:
-            raise ValueError(
-                "query has {} dimensions (shape {}); expected {} batched or (T, E) unbatched, with E = embed_dim = "
-                "{}.".format(query.dim(), _shape(query), self._layout("query", "E", True), self.embed_dim)
-            )
-        batched = query.dim() == 3
-        for i in range(1, 3):
-            name, x = names[i], xs[i]
-            if x.dim() != query.dim():
-                raise ValueError(
-                    "{} has {} dimensions (shape {}) but query has {}; {} must be {} like query: expected {}.".format(
-                        name,
-                        x.dim(),
-                        _shape(x),
-                        query.dim(),
-                        name,
-                        "batched" if batched else "unbatched",
-                        self._layout(name, width_names[i], batched),
-                    )
-                )
-        for i in range(3):
-            name, x = names[i], xs[i]
-            if x.size(-1) != widths[i]:
-                wn, w = width_names[i], widths[i]
-                raise ValueError(
-                    "{} has last dimension {} (shape {}); expected {}={} in {}: project it to {} features or build "
-                    "the module with {}={}.".format(
-                        name, x.size(-1), _shape(x), wn, w, self._layout(name, wn, batched), w, wn, x.size(-1)
-                    )
-                )
-        if batched:
-            b_dim = 0 if self.batch_first else 1
-            if key.size(b_dim) != query.size(b_dim):
-                raise ValueError(
-                    "key has batch size {} but query has {} (dim {} of {}, as batch_first={}); pass one key "
-                    "sequence per query sequence.".format(
-                        key.size(b_dim), query.size(b_dim), b_dim, self._layout("key", "kdim", True), self.batch_first
-                    )
-                )
-        if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(
-                "value has shape {} but key has {}; every key needs exactly one value: pass a value with the same "
-                "{}length S as key.".format(_shape(value), _shape(key), "batch size and " if batched else "")
-            )
-        for i in range(3):
-            name, x = names[i], xs[i]
-            if x.device != weight.device:
-                raise ValueError(
-                    "{} is on {} but the module's weights are on {}; move one of them: {}.to('{}') or "
-                    "mha.to('{}').".format(name, x.device, weight.device, name, weight.device, x.device)
-                )
-            # torch.is_autocast_enabled(device_type) does not script: the CPU and the CUDA flags instead
-            autocast = torch.is_autocast_cpu_enabled() if x.device.type == "cpu" else torch.is_autocast_enabled()
-            if x.dtype != weight.dtype and not autocast:
-                got, want = _dtype(x.dtype), _dtype(weight.dtype)
-                raise TypeError(
-                    "{} has dtype {} but the module's weights are {}; cast one of them ({}.to({}) or mha.to({})), or "
-                    "run under torch.autocast.".format(name, got, want, name, want, got)
-                )
-
-    def _check_masks(
-        self,
-        attn_mask: Tensor | None,
-        key_padding_mask: Tensor | None,
-        is_causal: bool,
-        batched: bool,
-        B: int,
-        T: int,
-        S: int,
-        device: torch.device,
-    ) -> None:
-        """Dtypes, shapes and devices of the masks, in torch's conventions."""
-        H = self.num_heads
-        if key_padding_mask is not None:
-            _check_mask_dtype("key_padding_mask", key_padding_mask, "True = padding")
-            if batched:
-                shape_ok = (
-                    key_padding_mask.dim() == 2 and key_padding_mask.size(0) == B and key_padding_mask.size(1) == S
-                )
-                expected = "(B, S) = ({}, {})".format(B, S)
-            else:
-                shape_ok = key_padding_mask.dim() == 1 and key_padding_mask.size(0) == S
-                expected = "(S,) = ({},) for unbatched input".format(S)
-            if not shape_ok:
-                raise ValueError(
-                    "key_padding_mask has shape {}; expected {}, one flag per key position (True = padding, or a "
-                    "float added to the scores).".format(_shape(key_padding_mask), expected)
-                )
-            _check_mask_device("key_padding_mask", key_padding_mask, device)
-        if attn_mask is None:
-            if is_causal:
-                raise ValueError(
-                    "is_causal=True was given without attn_mask; as in nn.MultiheadAttention, is_causal is only a "
-                    "hint that attn_mask is causal: pass attn_mask=nn.Transformer.generate_square_subsequent_mask(T) "
-                    "along with it, or drop is_causal."
-                )
-            return
-        _check_mask_dtype("attn_mask", attn_mask, "True = blocked")
-        if batched:
-            rows = "(B*num_heads, T, S) = ({}, {}, {})".format(B * H, T, S)
-        else:
-            rows = "(num_heads, T, S) = ({}, {}, {})".format(H, T, S)
-        if attn_mask.dim() != 2 and attn_mask.dim() != 3:
-            fix = " (a (B, num_heads, T, S) mask: pass attn_mask.flatten(0, 1))" if attn_mask.dim() == 4 else ""
-            raise ValueError(
-                "attn_mask has {} dimensions (shape {}); expected (T, S) = ({}, {}) or {}{}.".format(
-                    attn_mask.dim(), _shape(attn_mask), T, S, rows, fix
-                )
-            )
-        if attn_mask.dim() == 2:
-            shape_ok = attn_mask.size(0) == T and attn_mask.size(1) == S
-        else:
-            shape_ok = attn_mask.size(0) == B * H and attn_mask.size(1) == T and attn_mask.size(2) == S
-        if not shape_ok:
-            raise ValueError(
-                "attn_mask has shape {}; expected (T, S) = ({}, {}) or {}, row b*num_heads + h of a 3-D mask being "
-                "batch b, head h; build it for T={} queries and S={} keys.".format(_shape(attn_mask), T, S, rows, T, S)
-            )
-        _check_mask_device("attn_mask", attn_mask, device)
-
-
-def _check_mask_dtype(name: str, mask: Tensor, bool_meaning: str) -> None:
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            "{} has dtype {}; expected torch.bool ({}, torch's polarity) or a float dtype (added to the scores): "
-            "pass {}.bool() if its 1s mark the positions to leave out.".format(
-                name, _dtype(mask.dtype), bool_meaning, name
-            )
-        )
-
-
-def _check_mask_device(name: str, mask: Tensor, device: torch.device) -> None:
-    if mask.device != device:
-        raise ValueError(
-            "{} is on {} but the query is on {}; move it with {}.to('{}').".format(
-                name, mask.device, device, name, device
-            )
-        )
 
 
 def make_scriptable(source: Source) -> ScriptableMultiheadAttention:

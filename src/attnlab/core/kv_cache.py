@@ -75,6 +75,27 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return out.flatten(-2).to(dtype)
 
 
+def append_slots(length: int, new: int, max_len: int) -> tuple[int, int]:
+    """``(start, end)``: the slots ``[start, end)`` that an append-mode call of ``new`` tokens writes into a cache
+    of ``max_len`` slots whose first ``length`` are filled; an overflow is refused, saying how to avoid it."""
+    end = length + new
+    if end > max_len:
+        raise ValueError(
+            f"kv_cache overflow: {length} slots are filled and this call appends {new}, "
+            f"but max_len={max_len}; build the cache with max_len >= {end} or call reset()."
+        )
+    return length, end
+
+
+def check_positions_shape(cache_positions: Tensor, new: int) -> None:
+    """``cache_positions`` is ``(new,)``: one slot for each of a position-mode call's ``new`` tokens."""
+    if cache_positions.shape != (new,):
+        raise ValueError(
+            f"cache_positions has shape {tuple(cache_positions.shape)}; expected ({new},), the slot "
+            f"of each of this call's {new} new tokens."
+        )
+
+
 class KVCache(nn.Module):
     """Key/value buffers of one attention layer.
 
@@ -217,20 +238,11 @@ class KVCache(nn.Module):
         self._check(k, v)
         T = k.size(2)
         if cache_positions is None:
-            start, end = self.length, self.length + T
-            if end > self.max_len:
-                raise ValueError(
-                    f"kv_cache overflow: {self.length} slots are filled and this call appends {T}, "
-                    f"but max_len={self.max_len}; build the cache with max_len >= {end} or call reset()."
-                )
+            start, end = append_slots(self.length, T, self.max_len)
             self._write(slice(start, end), k, v)  # (B, G, T, D) written at slots [start, end)
             self.length = end
             return self.read(end)  # (B, G, end, D): views, no copy, where storage = compute dtype
-        if cache_positions.shape != (T,):
-            raise ValueError(
-                f"cache_positions has shape {tuple(cache_positions.shape)}; expected ({T},), the slot "
-                f"of each of this call's {T} new tokens."
-            )
+        check_positions_shape(cache_positions, T)
         cache_positions = self.prepare_positions(cache_positions)  # (T,) int64 on the buffers' device
         self._write(cache_positions, k, v)  # (B, G, max_len, D), slots cache_positions written
         return self.read()

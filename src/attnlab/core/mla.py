@@ -49,6 +49,7 @@ from .functional import causal_keep
 from .masks import Masks, prepare_masks
 from .mla_cache import MLACache
 from .rope import apply_rope, apply_rope_interleaved
+from .validation import check_cache_positions, check_rope_pair
 
 __all__ = [
     "MLABackend",
@@ -494,22 +495,9 @@ class MultiHeadLatentAttention(nn.Module):
                 f"kv_cache must be an MLACache (one row of kv_lora_rank + qk_rope_head_dim values per token), got "
                 f"{type(kv_cache).__name__}; build one with MLACache.for_module(mla, batch_size, max_len)."
             )
-        if cache_positions is not None:
-            if kv_cache is None:
-                raise ValueError(
-                    "cache_positions was given without kv_cache; it names slots of an MLACache, pass kv_cache=... too."
-                )
-            if not isinstance(cache_positions, Tensor) or cache_positions.dtype not in (torch.int64, torch.int32):
-                raise TypeError(
-                    f"cache_positions must be an int64 tensor of shape (T,), got "
-                    f"{getattr(cache_positions, 'dtype', type(cache_positions).__name__)}; use torch.arange(start, start + T)."
-                )
+        check_cache_positions(cache_positions, kv_cache is not None, "an MLACache", "T")
         if rope is not None:
-            if not (isinstance(rope, tuple) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
-                raise TypeError(
-                    f"rope must be a (cos, sin) tuple of tensors from attnlab.core.rope.rope_cos_sin, got {type(rope).__name__}."
-                )
-            cos: Tensor = rope[0]
+            cos = check_rope_pair(rope)
             if cos.shape[-2:] != (x.size(1), R) or cos.dim() not in (2, 3):
                 raise ValueError(
                     f"rope cos/sin have shape {tuple(cos.shape)}; expected (T, qk_rope_head_dim) = ({x.size(1)}, {R}) "

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .kv_cache import append_slots, check_positions_shape
+
 __all__ = ["MLACache"]
 
 
@@ -130,20 +132,11 @@ class MLACache(nn.Module):
         self._check(rows)
         T = rows.size(1)
         if cache_positions is None:
-            start, end = self.length, self.length + T
-            if end > self.max_len:
-                raise ValueError(
-                    f"kv_cache overflow: {self.length} slots are filled and this call appends {T}, "
-                    f"but max_len={self.max_len}; build the cache with max_len >= {end} or call reset()."
-                )
+            start, end = append_slots(self.length, T, self.max_len)
             self.kv[:, start:end] = rows  # (B, T, C + R) written at slots [start, end)
             self.length = end
             return self.kv[:, :end]  # (B, end, C + R): a view, no copy
-        if cache_positions.shape != (T,):
-            raise ValueError(
-                f"cache_positions has shape {tuple(cache_positions.shape)}; expected ({T},), the slot "
-                f"of each of this call's {T} new tokens."
-            )
+        check_positions_shape(cache_positions, T)
         cache_positions = self.prepare_positions(cache_positions)  # (T,) int64 on the buffer's device
         self.kv.index_copy_(1, cache_positions, rows)  # (B, S, C + R), slots cache_positions written
         return self.kv

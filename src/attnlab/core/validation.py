@@ -196,6 +196,47 @@ def _check_3d(name: str, x: object, width_name: str, width: int) -> None:
         )
 
 
+def check_cache_positions(cache_positions: object, has_cache: bool, cache: str, length: str) -> None:
+    """``cache_positions`` (when given) comes with a cache, ``cache`` naming its kind (``"a KVCache"``), and is an
+    int64 (or int32) tensor of shape ``(length,)``, ``length`` the letter of the call's new tokens."""
+    if cache_positions is None:
+        return
+    if not has_cache:
+        raise ValueError(
+            f"cache_positions was given without kv_cache; it names slots of {cache}, pass kv_cache=... too."
+        )
+    if not isinstance(cache_positions, Tensor) or cache_positions.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"cache_positions must be an int64 tensor of shape ({length},), got "
+            f"{getattr(cache_positions, 'dtype', type(cache_positions).__name__)}; use torch.arange(start, start + {length})."
+        )
+
+
+def check_rope_pair(rope: object) -> Tensor:
+    """``rope`` is a ``(cos, sin)`` pair of tensors; returns ``cos``, whose shape the caller checks."""
+    if not (isinstance(rope, tuple) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
+        raise TypeError(
+            f"rope must be a (cos, sin) tuple of tensors from attnlab.core.rope.rope_cos_sin, got {type(rope).__name__}."
+        )
+    cos: Tensor = rope[0]
+    return cos
+
+
+def check_like_weight(name: str, x: Tensor, weight: Tensor, module: str = "mha") -> None:
+    """``x`` on the device of ``weight`` (one of the module's parameters) and, unless autocast is on there,
+    of its dtype; ``module`` is what the fix calls the module (``mha.to(...)``)."""
+    if x.device != weight.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the module's weights are on {weight.device}; move "
+            f"one of them: {name}.to({str(weight.device)!r}) or {module}.to({str(x.device)!r})."
+        )
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one "
+            f"of them ({name}.to({weight.dtype}) or {module}.to({x.dtype})), or run under torch.autocast."
+        )
+
+
 def check_forward_inputs(
     m: AttentionDims,
     weight: Tensor,
@@ -234,16 +275,7 @@ def check_forward_inputs(
             f"every key needs exactly one value."
         )
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.device != weight.device:
-            raise ValueError(
-                f"{name} is on {x.device} but the module's weights are on {weight.device}; move "
-                f"one of them: {name}.to({str(weight.device)!r}) or mha.to({str(x.device)!r})."
-            )
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(
-                f"{name} has dtype {x.dtype} but the module's weights are {weight.dtype}; cast one "
-                f"of them ({name}.to({weight.dtype}) or mha.to({x.dtype})), or run under torch.autocast."
-            )
+        check_like_weight(name, x, weight)
     self_attention = key is query and value is query
     if kv_cache is not None and not self_attention:
         raise ValueError(
@@ -251,26 +283,13 @@ def check_forward_inputs(
             "decoded, which only makes sense in self-attention (mha(x, kv_cache=...)). For a fixed "
             "context, project it once and reuse the module without a cache."
         )
-    if cache_positions is not None:
-        if kv_cache is None:
-            raise ValueError(
-                "cache_positions was given without kv_cache; it names slots of a KVCache, pass kv_cache=... too."
-            )
-        if not isinstance(cache_positions, Tensor) or cache_positions.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
-                f"cache_positions must be an int64 tensor of shape (T_q,), got "
-                f"{getattr(cache_positions, 'dtype', type(cache_positions).__name__)}; use torch.arange(start, start + T_q)."
-            )
+    check_cache_positions(cache_positions, kv_cache is not None, "a KVCache", "T_q")
     if rope is not None:
         if not self_attention:
             raise ValueError(
                 "rope was given for cross-attention; rotary embeddings rotate queries and keys of one sequence (self-attention only)."
             )
-        if not (isinstance(rope, tuple) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
-            raise TypeError(
-                f"rope must be a (cos, sin) tuple of tensors from attnlab.core.rope.rope_cos_sin, got {type(rope).__name__}."
-            )
-        cos = rope[0]
+        cos = check_rope_pair(rope)
         if m.rope_dims is None and cos.shape[-2:] != (query.size(1), m.head_dim):
             raise ValueError(
                 f"rope cos/sin have shape {tuple(cos.shape)}; expected (T_q, head_dim) = "

@@ -49,6 +49,7 @@ from ..runtime import (
     check_writable_dir,
     keep,
 )
+from ..runtime.memory import largest_fitting
 from ..runtime.signals import STOP_SIGNALS
 from ..runtime.text import check_text
 from .capture import attention_layers, run_and_capture
@@ -430,16 +431,6 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
-def _largest(fits: Any, low: int, high: int) -> int:
-    """The largest ``x`` in ``low .. high`` with ``fits(x)`` (monotone: true up to some point), or ``low - 1``."""
-    if not fits(low):
-        return low - 1
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
-
-
 def _check_memory(
     heads: Sequence[int], vocab: int, t: int, n: int, batch: int, names: Mapping[str, str], *, bound: bool = False
 ) -> None:
@@ -449,9 +440,9 @@ def _check_memory(
     need = memory_needed(heads, vocab, t, n, batch)
     if avail is None or need <= avail:
         return
-    t_fit = _largest(lambda x: memory_needed(heads, vocab, x, n, batch) <= avail, 2, t)
-    b_fit = _largest(lambda x: memory_needed(heads, vocab, min(t, 2), n, x) <= avail, 1, batch)
-    n_fit = _largest(lambda x: memory_needed(heads, vocab, min(t, 2), x, batch) <= avail, 2, n)
+    t_fit = largest_fitting(lambda x: memory_needed(heads, vocab, x, n, batch) <= avail, 2, t)
+    b_fit = largest_fitting(lambda x: memory_needed(heads, vocab, min(t, 2), n, x) <= avail, 1, batch)
+    n_fit = largest_fitting(lambda x: memory_needed(heads, vocab, min(t, 2), x, batch) <= avail, 2, n)
     if b_fit >= 1:
         probe_fix = f"{names['probe_batch']} {b_fit} at most could"
     elif n_fit >= 2:

@@ -7,8 +7,10 @@ position bias joins the mask; DeepSeek-V3, Qwen3-Next, Gemma 3 and Llama 4, whos
 heads, partial RoPE, gates and chunks are their layers' own) runs attnlab's attention when loaded with
 ``attn_implementation="attnlab"``. transformers is imported only by ``register()``, which ``import attnlab``
 runs as soon as transformers' models are imported (:mod:`attnlab.hf.autoregister`), so that the name works
-without calling it. ``backends_used(model)`` (and each layer's ``last_backend``) says which attnlab backend
-ran in each attention layer.
+without calling it. ``backends_used(model)`` (and each layer's ``last_backend`` and ``last_backend_reason``, as on
+attnlab's own modules) says which attnlab backend ran in each attention layer, and why;
+:func:`attnlab.hf.trace.trace_hf` (what ``trace(model)`` runs for an HF model) records each layer's call with
+its shapes and its error against the float64 reference.
 
 :mod:`attnlab.hf.layers` converts one HF attention layer (Qwen3-Next, GPT-NeoX, Gemma 3, Llama 4) into
 attnlab's own ``MultiHeadAttention``, its weights copied.

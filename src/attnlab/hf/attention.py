@@ -44,6 +44,7 @@ from .routing import attnlab_mask
 __all__ = [
     "ATTENTION_NAME",
     "LAST_BACKEND",
+    "LAST_BACKEND_REASON",
     "attnlab_attention_forward",
     "backends_used",
     "hf_mask_to_keep",
@@ -51,7 +52,10 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "attnlab"
-LAST_BACKEND = "last_backend"  # the attribute each HF attention layer gets: the attnlab backend its last call ran
+# The attributes each HF attention layer gets, as attnlab's own modules have them: the backend its last call ran
+# ("sdpa" or "math") and why that one, or how SDPA was adapted (None: SDPA as it is).
+LAST_BACKEND = "last_backend"
+LAST_BACKEND_REASON = "last_backend_reason"
 
 
 def backends_used(model: nn.Module) -> dict[str, str]:
@@ -59,8 +63,10 @@ def backends_used(model: nn.Module) -> dict[str, str]:
     attnlab's attention ran in (``attn_implementation="attnlab"``); empty before the first forward, or when
     attnlab never ran there (another implementation, or a model whose attention is inline).
 
-    The backend is ``"sdpa"`` (with how SDPA was adapted, when it was), ``"math"`` (the weights were asked
-    for: ``output_attentions=True``), or ``"variants (softcap)"`` / ``"variants (sinks)"`` (Gemma 2, gpt-oss).
+    The backend is ``"sdpa"``, or ``"math"`` where the weights were asked for (``output_attentions=True``) or
+    the scores are soft-capped (Gemma 2, which SDPA cannot apply); each layer's ``last_backend_reason`` says why
+    it is not plain SDPA (the weights asked for, the softcap, gpt-oss's sinks as one more key, how SDPA was
+    adapted), or is None, as on :class:`attnlab.MultiHeadAttention`.
     """
     return {
         name: getattr(m, LAST_BACKEND)
@@ -258,21 +264,81 @@ def attnlab_attention_forward(
         masks = dataclasses.replace(masks, bias=bias.to(query.dtype))
 
     need_weights = _wants_weights(module, kwargs)
+    context, weights, ran, reason = _run(query, key, value, masks, softcap, sinks, scale, dropout, need_weights)
+    setattr(module, LAST_BACKEND, ran)  # plain attributes (torch.compile traces a module's setattr)
+    setattr(module, LAST_BACKEND_REASON, reason)
+    if OBSERVERS:  # attnlab.hf.trace is recording: it gets the call, and how to run it again in another dtype
+        call = ObservedCall(module, query, key, value, attention_mask, masks, scale, context, ran, reason)
+        for observe in OBSERVERS:
+            observe(call, lambda dtype: _rerun(call, softcap, sinks, dtype))
+    return context.transpose(1, 2).contiguous(), weights  # (B, T_q, H, D), as HF's layers reshape it
+
+
+def _run(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    masks: Masks,
+    softcap: float | None,
+    sinks: Tensor | None,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None, str, str | None]:
+    """One call's attention: ``(context (B, H, T_q, Dv), weights (B, H, T_q, T_k) or None, the backend that ran,
+    why that one or how SDPA was adapted (None: SDPA as it is))``."""
+    asked = "output_attentions=True: the weights were asked for, which only the math backend returns"
     if softcap is not None or sinks is not None:
         context, weights = _attend_variants(
             query, key, value, masks, softcap, sinks, scale=scale, dropout_p=dropout, need_weights=need_weights
         )
-        ran = (
-            "variants (" + " and ".join(n for n, on in (("softcap", softcap), ("sinks", sinks)) if on is not None) + ")"
-        )
-    else:
-        backend = "math" if need_weights else "sdpa"
-        context, weights, adapted = attend(
-            backend, query, key, value, masks, scale=scale, dropout_p=dropout, need_weights=need_weights
-        )  # (B, H, T_q, D), (B, H, T_q, T_k) or None
-        ran = backend + (f" ({adapted})" if adapted else "")
-    setattr(module, LAST_BACKEND, ran)  # a plain str attribute (torch.compile traces a module's setattr)
-    return context.transpose(1, 2).contiguous(), weights  # (B, T_q, H, D), as HF's layers reshape it
+        if need_weights:
+            return context, weights, "math", f"{asked} (attnlab.core.variants)"
+        if softcap is not None:
+            why = f"softcap={softcap}: SDPA cannot apply tanh to the scores"
+            return context, weights, "math", f"{why} (attnlab.core.variants, in blocks of queries)"
+        return context, weights, "sdpa", "sinks: each head's sink logit as one more key (attnlab.core.variants)"
+    backend = "math" if need_weights else "sdpa"
+    context, weights, adapted = attend(
+        backend, query, key, value, masks, scale=scale, dropout_p=dropout, need_weights=need_weights
+    )  # (B, H, T_q, D), (B, H, T_q, T_k) or None
+    return context, weights, backend, asked if need_weights else adapted
+
+
+# -- observing the calls: attnlab.hf.trace ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedCall:
+    """One call of :func:`attnlab_attention_forward`, as :mod:`attnlab.hf.trace` records it."""
+
+    module: nn.Module  # the HF attention layer that called
+    query: Tensor  # (B, H, T_q, D), as the layer handed it
+    key: Tensor  # (B, G, T_k, D)
+    value: Tensor  # (B, G, T_k, Dv)
+    attention_mask: Tensor | None  # as the layer handed it (HF's 4-D mask, or None)
+    masks: Masks  # what attnlab made of it (keep, bias, causal)
+    scale: float
+    context: Tensor  # (B, H, T_q, Dv): what attnlab computed
+    backend: str  # what ran: LAST_BACKEND's value
+    reason: str | None  # LAST_BACKEND_REASON's value
+
+
+# Called after every call with the call and ``rerun(dtype) -> context``: the same call on the math reference
+# (the weights asked for) with q, k, v, the bias and the sinks in ``dtype``. Empty unless a trace is recording, so
+# that a model's forward pays one truth test per call.
+OBSERVERS: list[Callable[[ObservedCall, Callable[[torch.dtype], Tensor]], None]] = []
+
+
+def _rerun(call: ObservedCall, softcap: float | None, sinks: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``call``'s attention on the math reference in ``dtype`` (no dropout): ``(B, H, T_q, Dv)``."""
+    q, k, v = (t.detach().to(dtype) for t in (call.query, call.key, call.value))
+    m = call.masks
+    to = lambda t: None if t is None else t.detach().to(dtype)
+    masks = dataclasses.replace(m, bias=to(m.bias), opened_bias=to(m.opened_bias))  # float masks in `dtype`
+    sinks = None if sinks is None else sinks.detach().to(dtype)
+    with torch.no_grad():
+        return _run(q, k, v, masks, softcap, sinks, call.scale, 0.0, need_weights=True)[0]
 
 
 # --- the variants: soft-capping and sinks ---------------------------------------------------------

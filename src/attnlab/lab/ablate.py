@@ -26,6 +26,7 @@ import json
 import shlex
 import statistics
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +50,22 @@ from .config import (
     shown,
 )
 from .footprint import check_study_room
-from .run_dir import free_sibling, launcher, listing, missing_dirs, read_metrics, read_run_config, remove_if_empty
+from .run_dir import (
+    free_sibling,
+    launcher,
+    listing,
+    missing_dirs,
+    read_metrics,
+    read_resumed_config,
+    read_run_config,
+    remove_if_empty,
+)
 from .stopping import StopSignals, TrainingDiverged, TrainingInterrupted
 from .train import retry_lr, train
 from .train_state import CKPT_NAME
 from .validation import (
     check_number,
     checked_range,
-    checking_file,
     refuse,
     validate_data,
     validate_lengths,
@@ -130,20 +139,16 @@ def ablate_command_line(cfg: AblateConfig, out_dir: Path, *, resume: bool = Fals
 
 def _read_study_config(path: Path) -> AblateConfig:
     """The study's own ``config.json`` on ``--resume``: a file attnlab wrote, checked field by field."""
-    where = f"--resume: {str(path)!r}"
-    fix = "restore it from a copy, or start a new study in another --out-dir"
-    try:
-        data = read_json_file(path)
+
+    def has_heads_and_seeds(data: Any) -> None:
         if isinstance(data, dict) and not ("heads" in data and "seeds" in data):
             missing = "heads" if "heads" not in data else "seeds"
             raise FieldError(f"field {missing} is missing (a study's config.json has heads and seeds)")
-        cfg: AblateConfig = dataclass_from_dict(AblateConfig, data, strict=True)
-    except FileNotFoundError:
-        raise UsageError(f"{where} does not exist; {fix}.") from None
-    except FieldError as e:
-        raise UsageError(f"{where} is damaged: {e}; {fix}.") from None
-    with checking_file(where, fix):
-        validate_ablate(cfg, resolve=False)
+
+    fix = "restore it from a copy, or start a new study in another --out-dir"
+    cfg, _ = read_resumed_config(
+        AblateConfig, path, fix, partial(validate_ablate, resolve=False), check_data=has_heads_and_seeds
+    )
     return cfg
 
 

@@ -28,6 +28,7 @@ import torch
 from ..models.gpt import GPTConfig
 from ..runtime import LimitError, check_fits, check_free_space, nbytes
 from ..runtime.disk import file_size_limit
+from ..runtime.memory import largest_fitting
 from ..weight_files.file_checks import gpt_weight_count
 from .config import ModelConfig, TrainConfig
 from .data import length_flag
@@ -114,16 +115,6 @@ def train_footprint(
     return TrainFootprint(P, memory, disk, max(files.items(), key=lambda item: item[1]))
 
 
-def _largest(fits: Any, low: int, high: int) -> int:
-    """The largest ``x`` in ``low .. high`` with ``fits(x)`` (true up to some point), or ``low - 1``."""
-    if not fits(low):
-        return low - 1
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
-
-
 def _memory_fix(
     cfg: TrainConfig, fp: TrainFootprint, vocab_size: int, block_size: int, replicas: int, context: int
 ) -> Any:
@@ -135,7 +126,7 @@ def _memory_fix(
     def fix(free: int) -> str:
         largest = max(fp.memory, key=lambda k: fp.memory[k])
         if largest.startswith("weights"):
-            E = _largest(
+            E = largest_fitting(
                 lambda e: need(_with(cfg, model={"embed_dim": e * cfg.model.num_heads})) <= free,
                 1,
                 max(1, cfg.model.embed_dim // cfg.model.num_heads),
@@ -151,7 +142,7 @@ def _memory_fix(
                 f"pass --model.dropout 0 (SDPA's fused kernel then keeps no (T, T) scores), or a smaller "
                 f"--data.batch-size or {length_flag(cfg.data)[0]}"
             )
-        batch = _largest(lambda b: need(_with(cfg, data={"batch_size": b})) <= free, 1, cfg.data.batch_size)
+        batch = largest_fitting(lambda b: need(_with(cfg, data={"batch_size": b})) <= free, 1, cfg.data.batch_size)
         sequence = length_flag(cfg.data)[0]
         if batch >= 1:
             return f"pass --data.batch-size {batch} or less, or a smaller {sequence}"

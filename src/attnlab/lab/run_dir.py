@@ -43,11 +43,12 @@ import shlex
 import shutil
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-from ..runtime import RunLock, UsageError, check_writable_dir
+from ..runtime import RunLock, UsageError, check_writable_dir, missing_dirs, remove_if_empty
 from .config import (
     RENAMED_KEYS,
     FieldError,
@@ -75,6 +76,7 @@ __all__ = [
     "listing",
     "missing_dirs",
     "read_metrics",
+    "read_resumed_config",
     "read_run_config",
     "remove_if_empty",
     "resume_metrics",
@@ -204,25 +206,6 @@ def clear_run(directory: Path) -> None:
 
 
 # --- one process per run folder ---------------------------------------------------------------------------------
-
-
-def missing_dirs(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, deepest first: what ``check_writable_dir`` creates."""
-    missing = []
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing.append(p)
-    return missing
-
-
-def remove_if_empty(created: list[Path]) -> None:
-    """Remove the directories a command created (deepest first), as long as they are empty."""
-    for p in created:
-        try:
-            p.rmdir()
-        except OSError:
-            return
 
 
 def _stderr(line: str) -> None:
@@ -402,20 +385,36 @@ def _first_difference(a: Any, b: Any, where: str) -> tuple[str, Any, Any] | None
     return None if a == b else (where.rstrip("."), a, b)
 
 
-def read_run_config(path: Path) -> TrainConfig:
-    """A run's own ``config.json`` read back by ``--resume``: as a file attnlab wrote, checked against the
-    config its checkpoint carries. Every damage is one :class:`UsageError` naming the file and the field."""
+C = TypeVar("C")
+
+
+def read_resumed_config(
+    cls: type[C], path: Path, fix: str, validate: Callable[[C], None], check_data: Callable[[Any], None] | None = None
+) -> tuple[C, Any]:
+    """A ``config.json`` attnlab wrote, read back by ``--resume`` as ``cls`` and checked field by field
+    (``validate``; ``check_data`` first sees the JSON and may raise :class:`FieldError`): absent or damaged, one
+    :class:`UsageError` naming the file and the field, and ``fix``. Returns the config and the JSON it came from."""
     where = f"--resume: {str(path)!r}"
-    fix = _config_fix(path)
     try:
         data = read_json_file(path)
-        cfg: TrainConfig = dataclass_from_dict(TrainConfig, data, strict=True)
+        if check_data is not None:
+            check_data(data)
+        cfg = dataclass_from_dict(cls, data, strict=True)
     except FileNotFoundError:
         raise UsageError(f"{where} does not exist; {fix}.") from None
     except FieldError as e:
         raise UsageError(f"{where} is damaged: {e}; {fix}.") from None
     with checking_file(where, fix):
-        validate_fields(cfg)
+        validate(cfg)
+    return cfg, data
+
+
+def read_run_config(path: Path) -> TrainConfig:
+    """A run's own ``config.json`` read back by ``--resume``: as a file attnlab wrote, checked against the
+    config its checkpoint carries. Every damage is one :class:`UsageError` naming the file and the field."""
+    where = f"--resume: {str(path)!r}"
+    fix = _config_fix(path)
+    cfg, data = read_resumed_config(TrainConfig, path, fix, validate_fields)
     ckpt = path.parent / CKPT_NAME
     try:
         meta = read_meta(ckpt)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..runtime import UsageError, check_range, resolve_device
+from ..runtime.errors import range_words
 from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig, shown
 from .data import length_flag, sequence_length
 from .head_scores import MIN_BLOCK_SIZE
@@ -95,14 +96,8 @@ def _bounds(
     integer: bool = False,
     **_: Any,
 ) -> str:
-    """``check_range``'s bounds in words: ``an integer >= 1``, ``a number > 0 and <= 1``."""
-    parts = []
-    if low is not None:
-        parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
-    if high is not None:
-        parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
-    kind = "an integer" if integer else "a number"
-    return f"{kind} {' and '.join(parts)}" if parts else f"a finite {'integer' if integer else 'number'}"
+    """``check_range``'s bounds in words (:func:`~attnlab.runtime.errors.range_words`), from its keywords."""
+    return range_words(low=low, high=high, low_inclusive=low_inclusive, high_inclusive=high_inclusive, integer=integer)
 
 
 def checked_range(flag: str, value: Any, *, hint: str = "", **bounds: Any) -> None:

@@ -6,7 +6,7 @@ class for a user's mistake. Below every other layer but ``core``'s peers: it imp
 from .devices import DEVICE_HELP, DTYPE_HELP, cpu_info, resolve_device, resolve_dtype
 from .disk import DiskFullError, append_whole, check_free_space, disk_full_line, free_bytes, nbytes, writing
 from .errors import LimitError, ModelFileError, ModelFileNotFoundError, UsageError, check_range
-from .files import atomic_write_bytes, atomic_write_text, check_writable_dir
+from .files import atomic_write_bytes, atomic_write_text, check_writable_dir, missing_dirs, remove_if_empty
 from .memory import (
     OutOfMemory,
     available_bytes,
@@ -45,6 +45,8 @@ __all__ = [
     "check_free_space",
     "check_range",
     "check_writable_dir",
+    "missing_dirs",
+    "remove_if_empty",
     "gib",
     "import_advice",
     "interrupt_exit",

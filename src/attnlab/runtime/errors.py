@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["LimitError", "ModelFileError", "ModelFileNotFoundError", "UsageError", "check_range"]
+__all__ = ["LimitError", "ModelFileError", "ModelFileNotFoundError", "UsageError", "check_range", "range_words"]
 
 
 class UsageError(ValueError):
@@ -61,11 +61,23 @@ def check_range(
         ok = value <= high if high_inclusive else value < high
     if ok:
         return
+    want = range_words(low=low, high=high, low_inclusive=low_inclusive, high_inclusive=high_inclusive, integer=integer)
+    raise UsageError(f"{flag} must be {want}, got {value!r}{'; ' + hint if hint else ''}.")
+
+
+def range_words(
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    integer: bool = False,
+) -> str:
+    """:func:`check_range`'s bounds in words: ``an integer >= 1``, ``a number > 0 and <= 1``, ``a finite number``."""
     parts = []
     if low is not None:
         parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
     if high is not None:
         parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
     kind = "an integer" if integer else "a number"
-    want = f"{kind} {' and '.join(parts)}" if parts else f"a finite {kind[3:] if integer else 'number'}"
-    raise UsageError(f"{flag} must be {want}, got {value!r}{'; ' + hint if hint else ''}.")
+    return f"{kind} {' and '.join(parts)}" if parts else f"a finite {'integer' if integer else 'number'}"

@@ -10,7 +10,14 @@ from pathlib import Path
 from .disk import DISK_ERRNOS, free_bytes, nbytes, refusal_cause, writing
 from .errors import UsageError
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "PROBE_BYTES"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_writable_dir",
+    "missing_dirs",
+    "remove_if_empty",
+    "PROBE_BYTES",
+]
 
 # What the probe writes: real bytes, so that a disk with no room for a block (or a quota used up) fails
 # here, in the command's first second; an empty file needs only an inode and passed on a full disk.
@@ -57,6 +64,27 @@ def check_writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
         except OSError:  # a directory we could not write into cannot hold the probe either
             pass
     return p
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first: what :func:`check_writable_dir` creates,
+    so that a command that stops before writing anything can take them away again (:func:`remove_if_empty`)."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_if_empty(created: list[Path]) -> None:
+    """Remove the directories a command created (deepest first, as :func:`missing_dirs` lists them), as long as
+    they are empty."""
+    for p in created:
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 def _link_chain(p: Path, hops: int = 4) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "available_bytes",
     "check_fits",
     "gib",
+    "largest_fitting",
     "memory_limit",
     "out_of_memory",
     "out_of_memory_line",
@@ -127,6 +128,18 @@ def gib(n: float) -> str:
     if n >= 2**40:
         return f"{n / 2**40:.1f} TiB"
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest ``x`` in ``low .. high`` with ``fits(x)``, ``fits`` being monotone (true up to some point, as
+    "the run fits in memory" is of a size), or ``low - 1`` when not even ``low`` fits: a bisection, so that a
+    suggested size costs ``log2(high - low)`` estimates."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def check_fits(need: int, what: str, fix: str | Callable[[int], str], device: torch.device | str = "cpu") -> None:

@@ -18,6 +18,7 @@ chat line) keeps what was printed and ends its line. The one ``attnlab: generate
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 
@@ -54,6 +55,7 @@ SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed's largest seed (it reads a n
 LONG_PROMPT = 200  # characters: a suggested command would repeat a longer prompt, so the message names the flag
 MAX_PENDING = 3  # tokens a character can still be arriving over: UTF-8 is at most 4 bytes, a token adds at least 1
 EXAMPLE_TURNS = "printf 'What is the capital of France?\\nAnd of Italy?\\n'"  # a conversation piped in, for messages
+_P = ParamSpec("_P")
 
 
 class _IdText:
@@ -252,7 +254,7 @@ class _Ask:
         return replace(self, kv_storage=storage), words
 
 
-def generate_command(
+def run_generate(
     checkpoint: Path | None = None,
     model: str | None = None,
     prompt: str = "",
@@ -269,7 +271,7 @@ def generate_command(
     compile: bool = False,
     threads: str = "auto",
     kv_dtype: str = "auto",
-) -> int:
+) -> Generated:
     """Print the prompt and its continuation, token by token, from a TinyGPT checkpoint or a pretrained model.
 
     Args:
@@ -290,45 +292,6 @@ def generate_command(
         threads: CPU threads: a count, or auto. The count sizes torch's thread pool, which runs the prefill's matmuls and attention, torch's ops and attnlab's quantized kernels (the fused gguf decode step splits each matmul's rows and the attention heads over that many threads, with a barrier after each); the prefill runs at it. auto: torch's count for the prefill (the machine's cores) and, on a CPU, the decode at the fastest of that count, one fewer and one, timed on the first steps and checked again now and then: beside other work that keeps a core busy, 2 threads waiting at each barrier for the descheduled one decoded 7-25x slower than 1 on a 2-core machine. A count applies to the prefill and every step.
         kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: float16 on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes; measured faster than float32 and int8 there), else the dtype K/V are computed in (exact). The weights line on stderr says which.
     """
-    return run_generate(
-        checkpoint=checkpoint,
-        model=model,
-        prompt=prompt,
-        chat=chat,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        greedy=greedy,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        compile=compile,
-        threads=threads,
-        kv_dtype=kv_dtype,
-    ).code
-
-
-def run_generate(
-    checkpoint: Path | None = None,
-    model: str | None = None,
-    prompt: str = "",
-    chat: bool = False,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = 200,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-    greedy: bool = False,
-    seed: int = 1337,
-    device: str = "auto",
-    dtype: str = "auto",
-    compile: bool = False,
-    threads: str | int | None = "auto",
-    kv_dtype: str = "auto",
-) -> Generated:
-    """:func:`generate_command` with what it measured: its exit code and each stream's rates (the demo prints them)."""
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     if greedy and temperature not in (None, 0, 0.0):
         raise UsageError(f"--greedy and --temperature {temperature} contradict each other; pass one of them.")
@@ -392,6 +355,20 @@ def run_generate(
     except UsageError:  # a chat line refused after the "> " prompt: the error goes below it
         out.end_line()
         raise
+
+
+# `attnlab generate` is run_generate with its exit code: the same flags (tyro reads them, and their help, from
+# run_generate's signature and docstring, which functools.wraps hands on); the demo calls run_generate itself
+# for the rates it measured.
+def _exit_code(run: Callable[_P, Generated]) -> Callable[_P, int]:
+    @functools.wraps(run)
+    def command(*args: _P.args, **kwargs: _P.kwargs) -> int:
+        return run(*args, **kwargs).code
+
+    return command
+
+
+generate_command = _exit_code(run_generate)
 
 
 def _pretrained(model: str) -> bool | None:

@@ -38,6 +38,8 @@ from ..runtime import (
     check_writable_dir,
     keep,
     kept,
+    missing_dirs,
+    remove_if_empty,
 )
 from ..weight_files.precision import choose_weights, loaded_weights_detail, parse_weights
 
@@ -184,25 +186,6 @@ def _check_flags(
     return name
 
 
-def _missing_dirs(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, deepest first: what ``check_writable_dir`` creates."""
-    missing = []
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing.append(p)
-    return missing
-
-
-def _remove_if_empty(created: list[Path]) -> None:
-    """Remove the directories this command created, deepest first, as long as they are empty."""
-    for p in created:
-        try:
-            p.rmdir()
-        except OSError:
-            return
-
-
 def result_bytes(heads: int, t: int, *, page: bool, page_budget_mb: float) -> dict[str, int]:
     """What the result set takes on disk, by file, for ``heads`` heads in all on ``t`` tokens: heads.json (every
     score of every head, and the tokens), heads.png (~0.5 MiB measured at 30 layers), index.html (the full
@@ -323,7 +306,7 @@ def inspect_command(
         text = _read_text_file(Path(text_file), max_tokens)
     elif text is not None:
         _check_bytes(len(text.encode("utf-8", "surrogateescape")), max_tokens, "--text")
-    created = _missing_dirs(Path(out_dir))
+    created = missing_dirs(Path(out_dir))
     out = check_writable_dir(Path(out_dir), "--out-dir")
     try:
         with RunLock(out):  # one command writes a folder at a time (issue 39); taken before the folder is looked at
@@ -344,7 +327,7 @@ def inspect_command(
                 page_budget_mb=page_budget_mb,
             )
     except BaseException:
-        _remove_if_empty(created)
+        remove_if_empty(created)
         raise
 
 

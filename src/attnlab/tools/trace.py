@@ -29,7 +29,7 @@ import textwrap
 import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -37,13 +37,24 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..check import dataflow as flow
 from ..check.adapters import AttentionAdapter, Unsupported
-from ..check.capture import Op, capture_until_error, departure_hint, first_departure, match_stages
+from ..check.capture import (
+    DOWNSTREAM,
+    FUSED,
+    MATCH_TOL,
+    Op,
+    capture_until_error,
+    departure_hint,
+    match_stages,
+    stage_error,
+)
 from ..check.cli import model_flag_conflicts, model_layer, say_layer_weights
 from ..check.probe import ProbedAdapter, as_adapter
 from ..check.recipe import STAGES, recipe_attention
 from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
+from ..hf.trace import hf_attention_route, trace_hf
 from ..runtime import UsageError, check_range
 from .trace_mla import trace_mla_command
 from .trace_rows import AttentionTrace, TraceRow, aligned
@@ -217,7 +228,14 @@ def trace(model: nn.Module) -> Iterator[list[AttentionTrace]]:
         with attnlab.trace(model) as calls:
             model(x)
         print(calls[0].to_text())
+
+    A Hugging Face model running ``attn_implementation="attnlab"`` is traced by :func:`attnlab.hf.trace.trace_hf`:
+    one :class:`attnlab.hf.trace.HFAttentionCall` per layer's call, beside the float64 reference.
     """
+    if hf_attention_route(model):  # a transformers model with no attnlab module in it: its layers' attnlab calls
+        with trace_hf(model) as hf_calls:
+            yield cast(list[AttentionTrace], hf_calls)  # HFAttentionCall: the same to_text() and to_dict()
+        return
     calls: list[AttentionTrace] = []
     active: list[_Recorder] = []
     handles = []
@@ -341,6 +359,7 @@ class TargetTrace:
     departure: Departure | None = None
     error: Raised | None = None
     weights: str = ""  # where the probe found the projections ("" when the adapter says nothing)
+    also: str = ""  # the calls traced besides this one, which reproduced every stage too
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -389,7 +408,8 @@ class TargetTrace:
         else:
             skipped = [s for s in STAGES if s not in self.matched and (s != "masked" or self.masks)]
             note = f"; not seen on their own: {', '.join(skipped)} (folded into a neighbouring step)" if skipped else ""
-            tail += wrap(f"every reference stage was reproduced: {', '.join(self.matched)}{note}", "  ")
+            also = f"; {self.also}" if self.also else ""
+            tail += wrap(f"every reference stage was reproduced: {', '.join(self.matched)}{note}{also}", "  ")
         return "\n".join([*title, *head, *(line for block in blocks for line in block), *tail])
 
 
@@ -436,6 +456,7 @@ def trace_module(
     key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
     name: str | None = None,
+    exercise: bool = True,
 ) -> TargetTrace:
     """Run ``target`` once; record every op it runs on its inputs and match each with the reference's stages.
 
@@ -449,22 +470,71 @@ def trace_module(
         key_padding_mask: bool ``(B, T_k)``, True = padding.
         is_causal: causal masking, aligned bottom-right.
         name: the title (default: the module's class name).
+        exercise: when no mask is given and the call reproduces every stage, trace it again with what the
+            module's forward also takes (:func:`_own_masks`: key padding, and causal where it takes a flag;
+            for self-attention, a separate context where it takes one), so that a mistake in how it masks or
+            where it reads K and V from shows; the first call that departs is returned, else the first one
+            with a note (``also``). False: the call as given only.
 
     The module runs as it is (train or eval mode untouched), under ``no_grad``. An exception from it is
     kept in ``error`` with the ops before it; :class:`~attnlab.check.adapters.Unsupported` (the module
-    cannot take these inputs or masks at all) propagates.
+    cannot take these inputs or masks at all) propagates. Masks the trace added itself are dropped again
+    when the module cannot take them or raises with them.
+
+    Each op's value is compared with the reference's stages in the layouts people use; where the module's
+    layout is its own (an einsum's ``(T_q, T_k, B, H)``, heads folded into the batch), the attention's
+    data flow places it (:func:`_flow_stages`): what meets in the score product, what reaches the softmax,
+    what the weights multiply.
     """
     adapter = as_adapter(target)
-    # An always-causal module (nanoGPT's forward(x)) masks the future by itself: the reference's stages too.
-    is_causal = is_causal or getattr(adapter, "always_causal", False)
     key = query if key is None else key
     value = key if value is None else value
+    given: dict[str, Any] = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
+    given = {k: v for k, v in given.items() if v is not None and v is not False}
+    title = name or getattr(adapter, "name", None) or type(target).__name__
+    first = _trace_call(adapter, title, query, key, value, given, {})
+    if not exercise or given or first.departure is not None or first.error is not None:
+        return first
+    # the call as asked reproduces every stage: again with what forward also takes, where a mistake may hide
+    added = _own_masks(adapter, query, key)
+    context = _own_context(adapter, query, key, value)
+    tries = [(context, added)] + ([(None, added)] if context is not None and added else [])
+    for ctx, masks in tries:
+        if ctx is None and not masks:
+            continue
+        try:
+            fuller = _trace_call(adapter, title, query, *(ctx, ctx) if ctx is not None else (key, value), {}, masks)
+        except Unsupported:
+            continue
+        if fuller.error is not None:
+            continue
+        if fuller.departure is not None:
+            return fuller
+        what = [_added_text(masks)] if masks else []
+        what += ["a separate context as key and value"] if ctx is not None else []
+        first.also = f"traced again with {' and '.join(what)}: every stage reproduced too"
+        break
+    return first
+
+
+def _trace_call(
+    adapter: AttentionAdapter,
+    title: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    given: dict[str, Any],
+    added: dict[str, Any],
+) -> TargetTrace:
+    """One call of the module with the masks ``given`` and ``added`` (by the trace), traced and matched."""
     inputs = _input_names(query, key, value)
-    masks: dict[str, Any] = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
-    masks = {k: v for k, v in masks.items() if v is not None and v is not False}
+    # An always-causal module (nanoGPT's forward(x)) masks the future by itself: the reference's stages too.
+    always = {"is_causal": True} if getattr(adapter, "always_causal", False) else {}
     module = getattr(adapter, "module", None)
     module = module if isinstance(module, nn.Module) else None
-    ops, error = capture_until_error(lambda: adapter(query, key, value, **masks), inputs, module)
+    masks = {**given, **added, **always}
+    with _in_convention(adapter):
+        ops, error = capture_until_error(lambda: adapter(query, key, value, **masks), inputs, module)
     if isinstance(error, Unsupported):
         raise error
 
@@ -481,7 +551,9 @@ def trace_module(
         )
 
     stages = reference(**masks)
-    match_stages(ops, stages)
+    given_inputs = list(inputs.values())
+    sites = _flow_sites(ops, given_inputs)
+    verdicts = _label(ops, stages, sites, given_inputs, masked=bool(masks))
     causal_inside = False
     if error is None and not masks and _may_mask_itself(adapter):
         # forward takes no mask, yet the module was not found causal by experiment (a mistake after the
@@ -489,14 +561,14 @@ def trace_module(
         # the module's ops do (they match more of it, or the same and mask something themselves)
         plain = len({op.stage for op in ops if op.stage})
         causal = reference(is_causal=True)
-        match_stages(ops, causal)
+        causal_verdicts = _label(ops, causal, sites, given_inputs, masked=True)
         followed = len({op.stage for op in ops if op.stage})
         masks_itself = any(op.func == "masked_fill" or op.kwargs.get("is_causal") == "True" for op in ops)
         if followed > plain or (followed == plain and masks_itself):
-            stages, is_causal, causal_inside = causal, True, True
+            stages, causal_inside, verdicts = causal, True, causal_verdicts
             masks = {"is_causal": True}
         else:
-            match_stages(ops, stages)
+            _label(ops, stages, sites, given_inputs, masked=False)
     rows: list[TargetRow] = []
     for i, op in enumerate(ops, 1):
         shown = _SHOWN.get(op.stage, op.stage) if op.stage else f"t{i}"
@@ -507,12 +579,16 @@ def trace_module(
         call = f"{shown} = {func}({', '.join(args)}){bracket}{part}"  # q = split(t1, 64, dim=2)[0]
         rows.append(TargetRow(i, shown, call, op.func, op.shape, dtype, op.memory, op.stage, ref))
     trace_ = TargetTrace(
-        module=name or getattr(adapter, "name", None) or type(target).__name__,
+        module=title,
         call=_call_form(adapter),
         mask=_mask_form(adapter)
-        + ("; causal by its own ops (compared with the causal reference, which they follow)" if causal_inside else ""),
+        + ("; causal by its own ops (compared with the causal reference, which they follow)" if causal_inside else "")
+        + (f"; the trace adds {_added_text(added)}, as forward takes them (--no-exercise: none)" if added else ""),
         inputs={n: list(t.shape) for n, t in inputs.items()},
-        masks=[k if isinstance(v, bool) else f"{k} {list(v.shape)}" for k, v in masks.items()],
+        masks=[
+            (k if isinstance(v, bool) else f"{k} {list(v.shape)}") + (" (added)" if k in added else "")
+            for k, v in masks.items()
+        ],
         training=bool(module is not None and module.training),
         reference={s: list(t.shape) for s, t in stages.items()},
         rows=rows,
@@ -522,13 +598,310 @@ def trace_module(
         trace_.matched = [s for s in STAGES if any(op.stage == s for op in ops)]
         trace_.error = _raised(error, module)
         return trace_
-    trace_.matched, missing, at = first_departure(ops, stages, masked=bool(masks))
-    trace_.departure = _departure(ops, stages, missing, at, adapter.scale)
+    trace_.matched, missing, at, view = _first_departure(ops, stages, verdicts, sites, given_inputs, masked=bool(masks))
+    trace_.departure = _departure(ops, stages, missing, at, adapter.scale, view)
     return trace_
 
 
+def _own_masks(adapter: AttentionAdapter, query: Tensor, key: Tensor) -> dict[str, Any]:
+    """The masks to trace a module with when none was given: those its forward takes, as check's probe found
+    them. Key padding (the last third of the first sequence's keys) wherever a mask reaches it (a key padding
+    argument or an attention mask); ``is_causal`` where it takes a causal flag of its own. One sequence padded
+    and the others not, so that masks spread over the wrong rows show too. Not through a mask handed one
+    sequence at a time (the calls would not be the batch's)."""
+    form, probed = getattr(adapter, "form", None), getattr(adapter, "masks", None)
+    B, T_q, T_k = query.size(0), query.size(1), key.size(1)
+    whole = probed is None or probed.layout != "per_sequence"
+    out: dict[str, Any] = {}
+    if T_k >= 2 and (form is None or form.padding_arg is not None or (form.mask_arg is not None and whole)):
+        pad = torch.zeros(B, T_k, dtype=torch.bool, device=query.device)  # (B, T_k), True = padding
+        pad[0, T_k - max(1, T_k // 3) :] = True
+        out["key_padding_mask"] = pad
+    if form is not None and form.causal_arg is not None and not form.torch_form and T_q <= T_k:
+        out["is_causal"] = True
+    return out
+
+
+def _own_context(adapter: AttentionAdapter, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+    """For self-attention of a module that takes a separate key/value source: a context of the query's shape
+    (seeded), so that K and V read from the wrong input show; None otherwise."""
+    if key is not query or value is not query or not getattr(adapter, "supports_cross_attention", False):
+        return None
+    g = torch.Generator().manual_seed(1)
+    width = int(getattr(adapter, "kdim", None) or query.size(-1))  # the context's own width, where it has one
+    shape = (query.size(0), query.size(1), width)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(query)  # (B, T_k = T_q, kdim)
+
+
+def _added_text(added: dict[str, Any]) -> str:
+    parts = []
+    if "key_padding_mask" in added:
+        pad = added["key_padding_mask"]
+        parts.append(f"key padding (the last {int(pad[0].sum())} keys of the first sequence)")
+    if "is_causal" in added:
+        parts.append("causal masking")
+    return " and ".join(parts)
+
+
+@contextmanager
+def _in_convention(adapter: AttentionAdapter) -> Iterator[None]:
+    """Masks handed over in the convention a module of its form takes (True = may attend, or torch's True =
+    blocked), not in the reverse reading the probe found it to have: that reading is then where it departs."""
+    masks, convention = getattr(adapter, "masks", None), getattr(adapter, "convention", None)
+    if (
+        masks is None
+        or convention is None
+        or masks.use not in ("bool", "int", "float01")
+        or masks.polarity == convention
+    ):
+        yield
+        return
+    cast(Any, adapter).masks = replace(masks, polarity=convention)
+    try:
+        yield
+    finally:
+        cast(Any, adapter).masks = masks
+
+
+# -- the attention's data flow: where each stage is, whatever the layout ------------------------------------
+
+
+@dataclass
+class _FlowSite:
+    """One attention computation found in the ops (:mod:`attnlab.check.dataflow`'s reading of them)."""
+
+    product: int  # the op of Q K^T
+    softmax: int | None  # the softmax over its scores (None: inside a fused kernel)
+    into_softmax: int | None  # the op whose tensor reaches the softmax: scaled (and masked) scores
+    weighted: int  # the op of weights V: the context
+    q: Tensor  # (L, T_q, D): L the (batch, head) groups, flattened in the op's own order
+    k: Tensor  # (L, T_k, D)
+    v: Tensor  # (L, T_k, D)
+    context: Tensor  # (L, T_q, D)
+
+
+def _flow_sites(ops: list[Op], inputs: list[Tensor]) -> list[_FlowSite]:
+    """Each attention computation of the ops: the softmax, the product that feeds it, the one its weights
+    feed; none when the data flow cannot be read that way."""
+    try:
+        found = flow._sites(ops, inputs)
+    except (flow._Unreadable, RuntimeError, IndexError, ValueError):
+        return []
+    out = []
+    for site in found:
+        op = ops[site.at]
+        if op.func in flow._FUSED:
+            out.append(_FlowSite(site.at, None, None, site.at, site.q, site.k, site.v, site.context))
+            continue
+        soft = next(
+            (
+                n
+                for n in range(site.at - 1, -1, -1)
+                if ops[n].func in flow._SOFTMAX and site.at in flow._descendants(ops, n)
+            ),
+            None,
+        )
+        if soft is None:  # a manual softmax (exp / sum): its steps are compared one by one
+            continue
+        try:
+            product = flow._score_product(ops, soft)
+        except flow._Unreadable:
+            continue
+        into = next((a for a in flow._tracked(ops[soft]) if a >= 0), None)
+        out.append(_FlowSite(product, soft, into, site.at, site.q, site.k, site.v, site.context))
+    return out
+
+
+def _score_rows(ops: list[Op], site: _FlowSite, t: Tensor, inputs: list[Tensor]) -> Tensor | None:
+    """``t``, a tensor on the way from the score product to the weights, as ``(L, T_q, T_k)`` in the site's
+    groups: read the way the product's result is read (an einsum's own axis order) when it has that shape."""
+    product = ops[site.product]
+    L, T_q, T_k = site.q.size(0), site.q.size(1), site.k.size(1)
+    if t.shape == product.out.shape:
+        try:
+            return flow._product_sides(replace(product, out=t), ops, inputs, first_is_weights=False)[2]
+        except (flow._Unreadable, RuntimeError):
+            return None
+    if product.func != "einsum" and t.dim() >= 2 and tuple(t.shape[-2:]) == (T_q, T_k) and t.numel() == L * T_q * T_k:
+        return t.reshape(L, T_q, T_k)
+    return None
+
+
+def _group_views(want: Tensor, L: int, part: tuple[int, int]) -> list[Tensor]:
+    """``want`` ``(B, n, X, Y)``'s heads ``part`` (start, stop) as ``(L, X, Y)``: batch-major, then heads-major."""
+    w = want[:, part[0] : part[1]]
+    if w.size(0) * w.size(1) != L:
+        return []
+    return [w.reshape(L, *w.shape[2:]), w.transpose(0, 1).reshape(L, *w.shape[2:])]
+
+
+def _parts(sites: list[_FlowSite], H: int) -> list[tuple[int, int]]:
+    """The heads each site computes: all of them, or, for one site per head group (a list of head modules),
+    the site's share in order."""
+    n = len(sites)
+    if n <= 1 or H % n:
+        return [(0, H)] * n
+    return [(i * H // n, (i + 1) * H // n) for i in range(n)]
+
+
+def _softmax_gaps(t: Tensor, want: Tensor) -> tuple[float, float, bool]:
+    """How far ``softmax(t)`` is from ``softmax(want)`` over the last axis (both ``(L, T_q, T_k)``): over every
+    pair, and over the pairs both keep (renormalised there); and whether, on those pairs, ``t`` is ``want``
+    times one factor (a scale mistake, wherever it was applied) rather than other scores. A per-row shift (the
+    max subtracted) and a finite fill (-1e4, finfo.min) where the reference has -inf are the same to a softmax;
+    rows the reference blocks entirely are left out (a module may give them anything)."""
+    t, want = t.double(), want.double()
+    live = torch.isfinite(want).any(-1)  # (L, T_q)
+    if not bool(live.any()) or bool(torch.isnan(t).any()):
+        return float("inf"), float("inf"), False
+    t, want = t[live], want[live]  # (rows, T_k)
+    top = t.masked_fill(~torch.isfinite(t), float("-inf")).amax(-1, keepdim=True)
+    both = torch.isfinite(want) & torch.isfinite(t) & (t > top - 30.0)  # exp(-30): nothing a softmax keeps
+    gap_all = float((torch.softmax(t, -1) - torch.softmax(want, -1)).abs().max())
+    rows = both.any(-1)
+    if not bool(rows.any()):
+        return gap_all, float("inf"), False
+    t, want, both = t[rows], want[rows], both[rows]
+    a = torch.softmax(t.masked_fill(~both, float("-inf")), -1)
+    b = torch.softmax(want.masked_fill(~both, float("-inf")), -1)
+    n = both.sum(-1, keepdim=True)
+    tc = torch.where(both, t - torch.where(both, t, 0.0).sum(-1, keepdim=True) / n, 0.0)  # centred per row
+    wc = torch.where(both, want - torch.where(both, want, 0.0).sum(-1, keepdim=True) / n, 0.0)
+    factor = float((tc * wc).sum() / (wc * wc).sum().clamp_min(1e-300))
+    scaled = float((tc - factor * wc).abs().max()) <= 1e-4 * float(tc.abs().max().clamp_min(1e-12))
+    return gap_all, float((a - b).abs().max()), scaled
+
+
+@dataclass
+class _FlowVerdict:
+    """What the data flow says of the scores that reach the softmax, against the reference's masked scores."""
+
+    op: int  # the op whose tensor reaches it
+    scale_right: bool  # the pairs both keep agree: Q K^T and its scale are the reference's
+    mask_right: bool  # and every pair too
+    scale_only: bool  # on the pairs both keep, they are the reference's times one factor: only the scale is off
+
+
+def _label(
+    ops: list[Op], stages: dict[str, Tensor], sites: list[_FlowSite], inputs: list[Tensor], *, masked: bool
+) -> list[_FlowVerdict]:
+    """Set each op's ``stage`` by value (:func:`attnlab.check.capture.match_stages`); then, through the data flow,
+    the ops that hold a stage in a layout of their own (the query heads, the scores reaching the softmax, the
+    weights, the context), and what reaches each softmax compared with the reference's masked scores."""
+    match_stages(ops, stages)
+    verdicts: list[_FlowVerdict] = []
+    if not sites:
+        return verdicts
+    H = stages["q_heads"].size(1)
+    G = stages["k_heads"].size(1)
+    k_rep = stages["k_heads"].repeat_interleave(H // G, dim=1) if G != H and H % G == 0 else stages["k_heads"]
+    v_rep = stages["v_heads"].repeat_interleave(H // G, dim=1) if G != H and H % G == 0 else stages["v_heads"]
+
+    def close(t: Tensor, want: Tensor, part: tuple[int, int]) -> bool:
+        errs = [stage_error(t, w) for w in _group_views(want, t.size(0), part)]
+        return any(e is not None and e <= MATCH_TOL for e in errs)
+
+    def mark(i: int | None, stage: str) -> None:
+        if i is not None and i >= 0 and ops[i].stage is None:
+            ops[i].stage = stage
+
+    for site, part in zip(sites, _parts(sites, H), strict=True):
+        product = ops[site.product]
+        operands = [a for a in product.args if isinstance(a, int)]
+        if operands and close(site.q, stages["q_heads"], part):
+            mark(operands[0], "q_heads")
+        if product.func == "einsum" and len(operands) > 1 and close(site.k, k_rep, part):
+            mark(operands[1], "k_heads")
+        weighted = [a for a in ops[site.weighted].args if isinstance(a, int)]
+        if site.softmax is not None and len(weighted) > 1 and close(site.v, v_rep, part):
+            mark(weighted[1], "v_heads")
+        if close(site.context, stages["context"], part):
+            mark(site.weighted, "context")
+        if site.softmax is None or site.into_softmax is None:
+            continue
+        soft = _score_rows(ops, site, ops[site.softmax].out, inputs)
+        if soft is not None and close(soft, stages["weights"], part):
+            mark(site.softmax, "weights")
+        into = _score_rows(ops, site, ops[site.into_softmax].out, inputs)
+        want = _group_views(stages["masked"], into.size(0), part) if into is not None else []
+        if into is None or not want:
+            continue
+        gaps = min((_softmax_gaps(into, w) for w in want), key=lambda g: (g[1], g[0]))
+        verdict = _FlowVerdict(site.into_softmax, gaps[1] <= MATCH_TOL, gaps[0] <= MATCH_TOL, gaps[2])
+        verdicts.append(verdict)
+        if verdict.mask_right and ops[site.into_softmax].stage not in ("scaled", "masked"):
+            ops[site.into_softmax].stage = "masked" if masked else "scaled"
+    return verdicts
+
+
+def _first_departure(
+    ops: list[Op],
+    stages: dict[str, Tensor],
+    verdicts: list[_FlowVerdict],
+    sites: list[_FlowSite],
+    inputs: list[Tensor],
+    *,
+    masked: bool,
+) -> tuple[list[str], str | None, Op | None, Tensor | None]:
+    """(the stages matched, the first stage not matched, the op that should have produced it, and that op's
+    tensor in the reference's layout where the data flow reads it so: the softmax's, ``(1, L, T_q, T_k)``).
+
+    As :func:`attnlab.check.capture.first_departure`, with what the data flow tells: Q, K or V that the module
+    never holds whole (a fused ``(B, T, H, 3, D)`` projection) is vouched for by its heads; and what reaches
+    the softmax is the judge of the scaled and masked scores, wherever the scale was applied (folded into Q
+    or K, split between them): on the pairs both keep it tells the scale, on the others the mask. A module
+    that masks by itself where no mask was given departs at the masked scores.
+    """
+    matched = [s for s in STAGES if any(op.stage == s for op in ops)]
+    # scores that differ otherwise than by a factor (K from the wrong head, Q K^T mixed up) are judged as before:
+    # by the first stage that shows them, the weights
+    verdicts = [v for v in verdicts if v.scale_right or v.scale_only]
+    wrong = next((v for v in verdicts if not v.mask_right), None)
+    required = ["q", "k", "v", "q_heads"]
+    if verdicts or "scores" in matched or "scaled" in matched:
+        required.append("scaled")
+        if masked or (wrong is not None and wrong.scale_right):
+            required.append("masked")
+    required += ["weights", "context", "merged", "out"]
+
+    def vouched(stage: str) -> bool:
+        if stage in ("q", "k", "v") and f"{stage}_heads" in matched:
+            return True
+        if stage in ("q", "k", "q_heads", "k_heads") and verdicts:  # Q K^T is the reference's (up to a factor):
+            return True  # so are Q and K, wherever each head's were computed (a list of head modules)
+        if stage in ("scaled", "masked") and verdicts:
+            return wrong is None or (stage == "scaled" and wrong.scale_right)
+        # a later stage vouches for a missing one only if it is computed from it: the scores and weights from Q
+        # and K alone, so V (a value projection mixed up) shows first in the context
+        vouching = ("context", "merged", "out") if stage in ("v", "v_heads") else DOWNSTREAM
+        return any(s in matched for s in STAGES[STAGES.index(stage) + 1 :] if s in vouching)
+
+    missing = next((s for s in required if s not in matched and not vouched(s)), None)
+    if missing is None:
+        return matched, None, None, None
+    if missing in ("scaled", "masked") and wrong is not None:
+        return matched, missing, ops[wrong.op], None
+    for site in sites if missing == "weights" else []:
+        if site.softmax is not None and ops[site.softmax].stage is None:
+            rows = _score_rows(ops, site, ops[site.softmax].out, inputs)  # (L, T_q, T_k)
+            return matched, missing, ops[site.softmax], None if rows is None else rows[None]
+    before = STAGES[: STAGES.index(missing)]
+    floats = [op for op in ops if op.out.is_floating_point()]
+    last = max((n for n, op in enumerate(floats) if op.stage in before), default=-1)
+    want = stages[missing]
+    candidate = next((op for op in floats[last + 1 :] if stage_error(op.out, want) is not None), None)
+    if candidate is None:  # computed inside a fused kernel (SDPA): the stage never leaves it, the kernel is the place
+        candidate = next((op for op in floats[last + 1 :] if op.func in FUSED), None)
+    return matched, missing, candidate, None
+
+
 def _departure(
-    ops: list[Op], stages: dict[str, Tensor], missing: str | None, op: Op | None, scale: float
+    ops: list[Op],
+    stages: dict[str, Tensor],
+    missing: str | None,
+    op: Op | None,
+    scale: float,
+    view: Tensor | None = None,
 ) -> Departure | None:
     """``missing`` (see :func:`attnlab.check.capture.first_departure`) as a departure, at the op where it should have been."""
     if missing is None:
@@ -536,9 +909,8 @@ def _departure(
     if op is None:
         return Departure(missing, list(stages[missing].shape), None, None, None)
     at = next(i for i, o in enumerate(ops, 1) if o is op)  # `is`: an Op holds tensors, == would compare them
-    return Departure(
-        missing, list(stages[missing].shape), at, op.func, op.shape, departure_hint(missing, op, stages, scale)
-    )
+    hint = departure_hint(missing, op if view is None else replace(op, out=view), stages, scale)
+    return Departure(missing, list(stages[missing].shape), at, op.func, op.shape, hint)
 
 
 def _may_mask_itself(adapter: AttentionAdapter) -> bool:
@@ -571,7 +943,8 @@ def _mask_form(adapter: AttentionAdapter) -> str:
         want = "may attend" if expected == "keep" else "blocked"
         return (
             f"{masks.describe()}: the reverse of the True = {want} that a module of this form takes (attnlab check "
-            "names it mask_polarity; the masks traced here are given in the module's own reading)"
+            f"names it mask_polarity; the masks traced here are given as True = {want}, so the trace departs where its "
+            "reading differs)"
         )
     return masks.describe()
 
@@ -597,6 +970,7 @@ def trace_command(
     sinks: bool = False,
     qk_norm: bool = False,
     target: str | None = None,
+    exercise: bool = True,
     mla: bool = False,
     path: Literal["naive", "absorbed", "both"] = "both",
     hidden_size: int = 896,
@@ -629,6 +1003,7 @@ def trace_command(
         sinks: a learned sink logit per head in the softmax denominator (gpt-oss; traced with values 0).
         qk_norm: RMSNorm on each head's q and k (Qwen 3).
         target: trace your own attention module, 'path/to/mine.py:Name' or 'package.module:Name' (a class, a factory or an instance), built at --embed-dim/--num-heads/--num-kv-heads: every op it runs on its inputs, each matched with the reference's stages, and the first stage it never produces marked. Default: attnlab's MultiHeadAttention.
+        exercise: with --target: when the call traced (no --pad, no --causal) reproduces every stage, trace it again with what the module's forward also takes (key padding on the first sequence's last keys, causal where it takes a flag, a separate context where it takes one), and show the first call that departs; --no-exercise: the one call only.
         mla: trace MultiHeadLatentAttention (DeepSeek-V2/V3's MLA) instead, sized by the DeepSeek-named flags below and --num-heads (defaults: V3's shapes, scaled down); both paths, then the cache per token of MHA, GQA, MQA and MLA, and the path 'auto' picks. --num-kv-heads sets the GQA row's G.
         path: with --mla: naive (the paper's form: latents expanded into per-head keys and values), absorbed (W_UK folded into the query, attention over the latents), or both.
         hidden_size: with --mla: E (DeepSeek-V3: 7168).
@@ -709,7 +1084,10 @@ def trace_command(
             dropout,
             json,
             seed,
+            exercise,
         )
+    if not exercise:
+        raise UsageError("--no-exercise applies to a traced --target (the calls added to it); drop it.")
     torch.manual_seed(seed)
     try:
         mha = MultiHeadAttention(
@@ -775,6 +1153,7 @@ def _trace_target(
     dropout: float,
     json: bool,
     seed: int,
+    exercise: bool = True,
 ) -> int:
     """Build ``--target``, trace one call on random input, print it; 1 when the module raised."""
     torch.manual_seed(seed)
@@ -796,7 +1175,9 @@ def _trace_target(
         kpm = torch.zeros(batch_size, t_k, dtype=torch.bool, device=w.device)  # (B, T_k), True = padding
         kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
     try:
-        traced = trace_module(adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=target)
+        traced = trace_module(
+            adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=target, exercise=exercise
+        )
     except Unsupported as err:
         flags = [f for f, on in (("--context-len", context_len), ("--causal", causal), ("--pad", pad)) if on]
         raise UsageError(f"--target {target!r}: {err}; drop {' / '.join(flags) or 'the masks'}.") from None

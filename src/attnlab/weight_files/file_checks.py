@@ -29,7 +29,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from ..runtime import LimitError, ModelFileError, available_bytes, gib, memory_l
 __all__ = [
     "FP16_MAX",
     "field_error",
+    "check_complete",
     "read_json_object",
     "check_gguf_layout",
     "SafetensorsEntry",
@@ -63,6 +64,19 @@ __all__ = [
 # files are converted from, nor run in fp16; random bytes in a block's fp16 scale exceed it about
 # one time in five (see check_values), real weights never come near (SmolLM2's largest is 9.25).
 FP16_MAX = 65504.0
+
+
+def check_complete(
+    expected: Iterable[str], loaded: set[str], source: str, implied_by: str, fix: str, error: type[ModelFileError]
+) -> None:
+    """Refuse a model file that lacks some of the ``expected`` tensors (those ``implied_by`` its config implies),
+    naming how many and the first three; ``loaded`` the names it held, ``source`` how the file is named."""
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise error(
+            f"{source} lacks {len(missing)} tensor(s) its {implied_by} implies, e.g. {missing[:3]}; it is incomplete: "
+            f"{fix}."
+        )
 
 
 def field_error(

@@ -43,7 +43,7 @@ from ..models.weight_maps import GGUF_BLOCK_NAMES, llama_name_from_gguf, unpermu
 from ..quant import FORMATS, QuantEmbedding, QuantLinear
 from ..quant import dequantize as dequantize_kept
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
-from .file_checks import FP16_MAX, check_gguf_layout, check_values, field_error
+from .file_checks import FP16_MAX, check_complete, check_gguf_layout, check_values, field_error
 
 if TYPE_CHECKING:  # annotations only: gguf and transformers are imported when a file is read
     from gguf import GGUFReader, ReaderField, ReaderTensor
@@ -156,14 +156,22 @@ def _describe(field: ReaderField) -> str:
     return f"the {types[0]} {shown}"
 
 
+def _checked_field(reader: GGUFReader, key: str, kind: str) -> Any:
+    """Metadata field ``key`` (its value not yet decoded), refused unless it holds ``kind`` ("int", "str[]", ...);
+    None if absent."""
+    field = reader.fields.get(key)
+    matches, words = _KINDS[kind]
+    if field is not None and not matches([int(t) for t in field.types]):
+        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
+    return field
+
+
 def _field(reader: GGUFReader, key: str, kind: str, default: Any = None) -> Any:
     """The value of metadata ``key`` if it holds ``kind`` ("int", "str[]", ...), ``default`` if absent."""
-    field = reader.fields.get(key)
+    field = _checked_field(reader, key, kind)
     if field is None:
         return default
-    matches, words = _KINDS[kind]
-    if not matches([int(t) for t in field.types]):
-        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
+    words = _KINDS[kind][1]  # what the field should hold, in words
     try:
         return field.contents()
     except UnicodeDecodeError as e:
@@ -174,13 +182,8 @@ def _field(reader: GGUFReader, key: str, kind: str, default: Any = None) -> Any:
 
 def _array_length(reader: GGUFReader, key: str, kind: str) -> int | None:
     """The length of array field ``key`` if it holds ``kind``, without decoding its values; None if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    matches, words = _KINDS[kind]
-    if not matches([int(t) for t in field.types]):
-        raise field_error(_path(reader), key, _describe(field), words, _FIX_METADATA, GGUFError)
-    return len(field.data)
+    field = _checked_field(reader, key, kind)
+    return None if field is None else len(field.data)
 
 
 def _positive(reader: GGUFReader, key: str, why: str, default: int | None = None) -> int:
@@ -383,12 +386,8 @@ def check_gguf_tensors(reader: GGUFReader, model: nn.Module) -> list[tuple[Reade
             )
         plan.append((tensor, params[name]))
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise GGUFError(
-            f"{path!r} lacks {len(missing)} tensor(s) its metadata implies, e.g. {missing[:3]}; it is incomplete: "
-            f"copy it again, or convert the model again with llama.cpp's convert_hf_to_gguf.py."
-        )
+    fix = "copy it again, or convert the model again with llama.cpp's convert_hf_to_gguf.py"
+    check_complete(params, loaded, repr(path), "metadata", fix, GGUFError)
     return plan
 
 

@@ -43,6 +43,7 @@ from . import gguf, hf_gpt2, hf_llama
 from .file_checks import (
     SAFETENSORS_TORCH_DTYPES,
     SafetensorsHeader,
+    check_complete,
     check_fits_in_memory,
     check_values,
     field_error,
@@ -122,12 +123,7 @@ def _copy_into(model: nn.Module, tensors: Iterable[tuple[str, Tensor]], source: 
             )
         params[name].copy_(tensor)
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ModelFileError(
-            f"{source} lacks {len(missing)} tensor(s) its config.json implies, e.g. {missing[:3]}; it is incomplete: "
-            f"{_FIX_HF}."
-        )
+    check_complete(params, loaded, source, "config.json", _FIX_HF, ModelFileError)
 
 
 def _from_gguf(path: Path, dtype: torch.dtype | str, device: torch.device) -> tuple[Llama, Any]:
@@ -253,13 +249,13 @@ def _converted(convert: Callable[[Any], C], hf_config: Any, config_path: Path) -
         raise UsageError(f"{str(config_path)!r}: {e}") from None
 
 
-def _llama_from_hf(
-    directory: Path,
-    raw: dict[str, Any],
-    headers: dict[Path, SafetensorsHeader],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> nn.Module:
+# What a Hugging Face family's reader hands _from_hf_dir: the model class, its config, and the map from the
+# checkpoint's (name, tensor) pairs to the model's, applied first to meta tensors (a dry run) and then to the real ones.
+_Weights = Callable[[Iterable[tuple[str, Tensor]]], Iterator[tuple[str, Tensor]]]
+_Family = tuple[type[nn.Module], Any, _Weights]
+
+
+def _llama_from_hf(directory: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device) -> _Family:
     config_path, source = directory / "config.json", f"the Hugging Face checkpoint {str(directory)!r}"
     hf_llama.check_config_json(raw, str(config_path), _FIX_HF)
     estimate = _converted(hf_llama.config_from_hf, raw, config_path)  # the file's sizes, before transformers reads it
@@ -277,20 +273,10 @@ def _llama_from_hf(
             if name is not None and not (tied and name == "lm_head.weight"):
                 yield name, value
 
-    model = _meta(Llama, config, dtype)
-    _copy_into(model, renamed(_meta_tensors(headers)), source)  # dry run: names and shapes, no memory
-    model = model.to_empty(device=device)
-    _copy_into(model, renamed(_safetensors(headers)), source)
-    return model
+    return Llama, config, renamed
 
 
-def _gpt2_from_hf(
-    directory: Path,
-    raw: dict[str, Any],
-    headers: dict[Path, SafetensorsHeader],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> nn.Module:
+def _gpt2_from_hf(directory: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device) -> _Family:
     config_path, source = directory / "config.json", f"the Hugging Face checkpoint {str(directory)!r}"
     hf_gpt2.check_config_json(raw, str(config_path), _FIX_HF)
     sizes = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
@@ -309,11 +295,7 @@ def _gpt2_from_hf(
         while state:  # each tensor freed once copied
             yield state.popitem()
 
-    model = _meta(TinyGPT, config, dtype)
-    _copy_into(model, converted(_meta_tensors(headers)), source)  # dry run: names and shapes, no memory
-    model = model.to_empty(device=device)
-    _copy_into(model, converted(_safetensors(headers)), source)
-    return model
+    return TinyGPT, config, converted
 
 
 def _hf_tokenizer(directory: Path) -> Any:
@@ -357,8 +339,13 @@ def _from_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> t
             f"from_pretrained converts 'llama' (to attnlab's Llama) and 'gpt2' (to TinyGPT); run this one with transformers itself."
         )
     headers = {file: safetensors_header(file, _FIX_HF) for file in _weight_files(directory)}
-    build = _llama_from_hf if model_type == "llama" else _gpt2_from_hf
-    model = build(directory, raw, headers, dtype, device)
+    family = _llama_from_hf if model_type == "llama" else _gpt2_from_hf
+    cls, config, weights = family(directory, raw, dtype, device)  # sizes checked against the memory first
+    source = f"the Hugging Face checkpoint {str(directory)!r}"
+    model = _meta(cls, config, dtype)
+    _copy_into(model, weights(_meta_tensors(headers)), source)  # dry run: names and shapes, no memory
+    model = model.to_empty(device=device)
+    _copy_into(model, weights(_safetensors(headers)), source)
     return model.eval(), _hf_tokenizer(directory)
 
 
