@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # two pytest workers, one per core, each on one thread (tests/conftest.py); a test file stays on one worker.
-# `make test` leaves out the tests marked slow (multi-process training runs, whole-model comparisons, the site's
-# build in a browser, the docs' quoted outputs rerun: minutes each), so that it stays the quick command;
-# `make test-all` runs every test, as CI does (.ci/run).
+# `make test`: the quick command, every test but those marked slow; under 5 min on 2 quiet cores. Slow are the
+# multi-process training runs, whole real models, the site's strict build and the browser on it, the docs' quoted
+# outputs and long blocks rerun, and the heaviest cases of a sweep whose property a quick case keeps here.
+# `make test-all`: every test, the slow ones too (21 min on 2 busy cores in its last full run); CI runs it (.ci/run).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = smollm2_path()
-    mf, tok = attnlab.from_pretrained("smollm2")
+    # the reference: float32 by name, since from_pretrained's default ("auto") is gguf on a CPU
+    mf, tok = attnlab.from_pretrained("smollm2", dtype="float32")
     mq, _ = attnlab.from_pretrained("smollm2", dtype="gguf")
     peer = llama_cpp_runner(path, torch.get_num_threads())
     rows = []

@@ -194,9 +194,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     missing = missing_docs_modules()
     if missing:
         pytest.skip(f"the docs extra is not installed (no {', '.join(missing)}): {DOCS_INSTALL}")
-    # Under pytest-xdist the docs test files may run on different workers; they share one build (about
-    # 35 s of two busy cores) through the session's common temp directory, the first worker building
-    # it while the other waits on the lock.
+    # Under pytest-xdist the docs test files may run on different workers; they share one build (about a
+    # minute of CPU; 12 min of wall on 2 cores under load 14) through the session's common temp directory,
+    # the first worker building it while the other waits on the lock.
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()

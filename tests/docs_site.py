@@ -53,7 +53,8 @@ def build_site(site: Path) -> str:
         text=True,
         env=env,
         cwd=site.parent,  # not the repository: mkdocs.yml's paths must hold from anywhere
-        timeout=300,
+        # a hang guard, not a speed goal: about a minute of CPU time, but 5 min on 2 cores shared with other jobs
+        timeout=1200,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"mkdocs build --strict failed (exit {proc.returncode}):\n{log[-6000:]}"

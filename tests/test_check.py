@@ -27,8 +27,21 @@ def attnlab_module(backend: str, **kw) -> MultiHeadAttention:
     return m
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
-@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+# `make test` keeps one diagonal of the grid (each backend once, each head layout once: about 10 s of CPU each);
+# the other six pairs are slow (`make test-all`).
+QUICK_PAIRS = {("math", 4), ("sdpa", 2), ("auto", 1)}
+
+
+@pytest.mark.parametrize(
+    ("backend", "num_kv_heads"),
+    [
+        pytest.param(
+            backend, kv, id=f"{layout}-{backend}", marks=[] if (backend, kv) in QUICK_PAIRS else [pytest.mark.slow]
+        )
+        for layout, kv in (("mha", 4), ("gqa", 2), ("mqa", 1))
+        for backend in ("math", "sdpa", "auto")
+    ],
+)
 def test_attnlab_passes_every_check(backend, num_kv_heads, device_with_float64):
     report = run_checks(attnlab_module(backend, num_kv_heads=num_kv_heads).to(device_with_float64))
     statuses = {r.name: r.status for r in report.results}

@@ -90,7 +90,27 @@ def _where_it_fails(path: Path, device: torch.device, monkeypatch: pytest.Monkey
     return random_biases(module(embed_dim=32, num_heads=4, dropout=0.1), 0)
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+# The corpus names some mistakes twice, in two module styles. `make test` runs one file of each such pair, and
+# these (their twins, a few seconds of CPU each) only in `make test-all`: the mistake is still named first in
+# the quick set, and every style keeps its other files there (test_each_slow_corpus_file_has_a_quick_twin).
+SLOW_TWINS = {
+    "gqa_key_length_from_query",
+    "gqa_padding_on_queries",
+    "seed000_fully_masked_uniform",
+    "seed000_scale_embed_dim",
+    "seed000_scale_missing",
+    "seed002_float64_downcast",
+    "seed002_softmax_query_axis",
+    "seed002_split_without_transpose",
+    "torchlike_fully_masked_nan",
+    "torchlike_padded_values_nan",
+    "torchlike_padding_ignored",
+}
+
+
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TWINS else []) for p in FILES]
+)
 def test_the_corpus_mistake_is_named_first(path, device, monkeypatch):
     expected, also = _expected(path)
     if getattr(_corpus_module(path), "DEVICE_ONLY", False):
@@ -111,6 +131,17 @@ def test_the_corpus_mistake_is_named_first(path, device, monkeypatch):
         assert ids[:1] == [expected], (ids, [r.name for r in report.failures])
     explained = {n for c in report.diagnosis for n in c.explains}
     assert explained == {r.name for r in report.failing}  # every failing row sits under a cause
+
+
+def test_each_slow_corpus_file_has_a_quick_twin():
+    """Each file of SLOW_TWINS exists, and a file `make test` runs names the same single mistake first."""
+    stems = {p.stem for p in FILES}
+    assert SLOW_TWINS <= stems, sorted(SLOW_TWINS - stems)
+    quick_ids = {_expected(p)[0] for p in FILES if p.stem not in SLOW_TWINS and not _expected(p)[1]}
+    for stem in sorted(SLOW_TWINS):
+        expected, also = _expected(CORPUS / f"{stem}.py")
+        assert not also and expected != "pass", f"{stem}: only a single named mistake has a twin"
+        assert expected in quick_ids, f"{stem}: no file in `make test` names {expected!r} first"
 
 
 def test_every_catalogued_mistake_is_in_the_corpus():

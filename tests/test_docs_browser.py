@@ -54,7 +54,7 @@ PAGES = {
     "zh/learn/shapes.html": None,
 }
 
-pytestmark = pytest.mark.slow  # the shared strict build (~12 s) and a browser
+pytestmark = pytest.mark.slow  # the shared strict build (about a minute of CPU) and a browser
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):

@@ -52,7 +52,7 @@ RESOURCE_ATTRS = {
 EXTERNAL = re.compile(r"^\s*(?:https?:)?//", re.IGNORECASE)
 CSS_URL = re.compile(r"""(?:url\(\s*['"]?|@import\s+['"])\s*((?:https?:)?//[^'")\s]+)""", re.IGNORECASE)
 
-pytestmark = pytest.mark.slow  # one strict build (shared with tests/test_docs_browser.py): about 12 s on two cores
+pytestmark = pytest.mark.slow  # one strict build (shared with tests/test_docs_browser.py): about a minute of CPU
 
 
 def test_strict_build_has_no_warnings(built: tuple[Path, str]) -> None:

@@ -123,6 +123,15 @@ def code_blocks(path: Path) -> list[tuple[str, str]]:
     return [(m["info"].strip(), m["body"]) for m in FENCE.finditer(path.read_text("utf-8"))]
 
 
+# a mkdocstrings entry (reference/api.md): the `::: dotted.name` line and its indented options
+API_ENTRY = re.compile(r"^::: .*\n(?:[ \t]+.*\n)*", re.MULTILINE)
+
+
+def api_entries(path: Path) -> list[str]:
+    """The page's ``::: name`` entries with their options, in order: each is code the build runs."""
+    return API_ENTRY.findall(path.read_text("utf-8"))
+
+
 def figures(text: str) -> set[str]:
     """Every number-with-unit of a page's prose (tables and headings included, code and comments not)."""
     prose = "\n".join(line for _, line in _prose_lines(COMMENT.sub("", text)))
@@ -180,6 +189,9 @@ def test_twin_is_in_step_with_its_english_page(twin: Path) -> None:
     assert len(zh_code) == len(en_code), f"{where}: {len(zh_code)} code blocks, {english.name} has {len(en_code)}"
     for number, (en, zh) in enumerate(zip(en_code, zh_code, strict=True), 1):
         assert zh == en, f"{where}: code block {number} differs from {english.name}'s (run --sync-code)"
+    assert api_entries(twin) == api_entries(english), (
+        f"{where}: its `::: name` API entries differ from {english.name}'s"
+    )
     missing = figures(english.read_text("utf-8")) - figures(twin.read_text("utf-8"))
     assert not missing, f"{where}: figures of {english.name} missing: {sorted(missing)}"
 

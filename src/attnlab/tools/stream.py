@@ -190,12 +190,17 @@ def stream(
         max_new_tokens: at most this many new tokens (the end-of-sequence token stops earlier); default 200, or
             all that fit in the model's context.
         greedy: always the most likely token, no repetition penalty (``--temperature 0``).
-        temperature, top_k, top_p, repetition_penalty: sampling; ``None`` takes the default, for a chat
-            :data:`CHAT_SAMPLING` (0.2, 200, 0.9, 1.1), for a continuation :data:`CONTINUE_SAMPLING` (0.8, 200,
-            none, 1.0). ``top_p=1.0`` is no nucleus limit.
+        temperature: ``None`` takes the default: for a chat :data:`CHAT_SAMPLING`'s 0.2, for a continuation
+            :data:`CONTINUE_SAMPLING`'s 0.8.
+        top_k: sample among the ``top_k`` most likely tokens (``None``: all of them).
+        top_p: the nucleus; ``None`` takes the default (0.9 for a chat, none for a continuation); ``1.0`` is no
+            limit.
+        repetition_penalty: > 1 makes every token already seen less likely, 1 is none; ``None`` takes the default
+            (1.1 for a chat, 1.0 for a continuation, 1.0 when greedy).
         seed: of the sampling generator; the same seed gives the same text.
-        dtype, device: as :func:`attnlab.from_pretrained` takes them (``"auto"``: generate's default, the
-            GGUF's blocks as stored on a CPU).
+        dtype: as :func:`attnlab.from_pretrained` takes it (``"auto"``: generate's default, the GGUF's blocks as
+            stored on a CPU).
+        device: as :func:`attnlab.from_pretrained` takes it.
         kv_dtype: what the KV cache stores, as ``attnlab generate --kv-dtype`` takes it (``"auto"``: generate's
             default, float16 on a CPU with the fused gguf decode step, else the compute dtype; ``"float32"``,
             ``"float16"``, ``"bfloat16"``, ``"int8"``); the weights line names a compact cache.
