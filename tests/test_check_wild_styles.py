@@ -103,18 +103,14 @@ def test_a_wild_style_is_read_as_written_and_judged_right(path: Path) -> None:
 # traced as asked, then, when it reproduces every stage, again with the masks and the context forward takes
 TRACE_NOT_YET: dict[str, str] = {
     **dict.fromkeys(
-        ("flashattn_padding_inverted", "opennmt_padding_inverted", "torchfunc_padding_inverted"),
-        "the inverted padding reads as the other convention (True = padding where True = keep was meant): the "
-        "probe hands the masks in the reading it found, so nothing departs",
+        ("opennmt_padding_inverted", "torchfunc_padding_inverted"),
+        "the inverted padding reads as the other convention (True = padding where True = keep was meant) and the "
+        "module's own words state none: the probe hands the masks in the reading it found, so nothing departs",
     ),
-    **dict.fromkeys(
-        ("clip_mask_ignored", "xtransformers_padding_on_queries"),
-        "the probe hands the masks to another of its mask arguments (attention_mask, attn_mask) than the one "
-        "the mistake is in",
-    ),
+    "xtransformers_padding_on_queries": "the probe hands the masks to another of its mask arguments "
+    "(attention_mask, attn_mask) than the one the mistake is in",
     "swin_rows_misassigned": "the window mask is handed one per sequence: with as many windows as masks the "
     "misassigned rows are the right ones",
-    "torchfunc_batch_seq_swapped": "the module is read as time-first by experiment, and traced so: consistent",
     "lucidrotary_rotary_on_values": "rotary on V is no position map the data flow fits: the reference has no "
     "rotary, and the scores depart first",
     "neox_rotary_q_only": "built at E=64, H=8 its rotary_ndims is 0: the mistake is not in the module traced",
