@@ -138,7 +138,7 @@ def bench_decode(
             same file with flash attention off and on, each in a process of its own, alternated
             (:mod:`attnlab.bench.decode_lengths`); writes decode_lengths.json and .md. Takes --max-new-tokens
             (default 32), --repeats, --threads (default: auto, the decode's count chosen by timing steps),
-            --llama-python, --out-dir and --seed.
+            --kv-dtype (attnlab's cache, default auto as attnlab generate), --llama-python, --out-dir and --seed.
         llama_python: with --prompt-lengths, the Python interpreter whose llama_cpp runs llama.cpp (default: this one).
         contexts: prompt lengths to measure.
         max_new_tokens: tokens generated per cached run (HF and attnlab with cache); >= 2. Default
@@ -180,7 +180,7 @@ def bench_decode(
             raise UsageError("--prompt-lengths measures a GGUF model against llama.cpp: pass --model smollm2 with it.")
         lengths = parse_lengths(prompt_lengths)
         new = 32 if max_new_tokens is None else max_new_tokens
-        return bench_decode_lengths(model, lengths, new, repeats, threads, out_dir, seed, llama_python)
+        return bench_decode_lengths(model, lengths, new, repeats, threads, out_dir, seed, llama_python, kv_dtype)
     if mla:
         sweep_flags = {
             "--model": model is not None,

@@ -3,11 +3,15 @@ length, attnlab (the GGUF as stored) against llama.cpp on the same file with its
 
 Each runner is a process of its own (:mod:`attnlab.bench.lengths_worker`), kept for the whole run and sent the
 same prompt ids; runners take turns inside each repeat (the order rotating), so that a change of load hits every
-runner alike. Per length and runner:
+runner alike. attnlab runs what ``attnlab generate`` runs: its KV cache as ``--kv-dtype`` chooses (auto: float16 on
+a CPU with the fused decode step), named in the header. Each repeat is one run of ``--max-new-tokens`` tokens
+whose every token is timed as the runner's iterator yields it (attnlab's ``generate_steps``, llama.cpp's
+``generate``). Per length and runner, medians over the repeats:
 
-* time to first token: a generation of 1 token, the prefill and the sampling of its last logits (``t(1)``);
-  prefill tokens/s is the length over it;
-* decode tokens/s at that context: ``(n - 1) / (t(n) - t(1))``, the prefill cancelled;
+* time to first token: from the call to the first token, the prefill and the sampling of its last logits
+  (``t_first``); prefill tokens/s is the length over it;
+* decode tokens/s at that context: ``(n - 1) / (t_last - t_first)`` within the same run, ``n`` the tokens it
+  actually produced, so that the prefill's noise (seconds at 7000 tokens) never enters the decode's rate;
 * peak RSS: the runner process's peak resident set during that length's runs (the model, the K/V cache, the
   prefill's work memory; an attnlab process also holds torch, a llama.cpp process neither torch nor attnlab);
 * the bytes a decode step reads (the weights as stored, plus the K/V cache at the mean context of the decode:
@@ -23,16 +27,18 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
 
+from ..core.kv_cache import resolve_kv_dtype
 from ..runtime import UsageError, atomic_write_text, check_range, check_writable_dir, cpu_info
 from .table import terminal_width, wrap
 from .timing import copy_bandwidth
 
-__all__ = ["RUNNERS", "Worker", "bench_decode_lengths", "parse_lengths"]
+__all__ = ["RUNNERS", "Worker", "bench_decode_lengths", "parse_lengths", "run_repeats", "summarize_runs"]
 
 RUNNERS = ("attnlab", "llama.cpp", "llama.cpp-fa")
 _LABEL = {"attnlab": "attnlab", "llama.cpp": "llama.cpp", "llama.cpp-fa": "llama.cpp FA"}
@@ -65,14 +71,16 @@ def gguf_source(source: str) -> Path | None:
 class Worker:
     """A runner's process: one JSON command a line in, one answer a line out (see :mod:`lengths_worker`)."""
 
-    def __init__(self, name: str, python: str, model: Path, threads: str, n_ctx: int) -> None:
+    def __init__(
+        self, name: str, python: str, model: Path, threads: str, n_ctx: int, kv_dtype: str | None = None
+    ) -> None:
         script = Path(__file__).with_name("lengths_worker.py")
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parents[2])  # where this attnlab is imported from (src/attnlab/bench/..)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.name = name
         self.proc = subprocess.Popen(
-            [python, str(script), name, str(model), threads, str(n_ctx)],
+            [python, str(script), name, str(model), threads, str(n_ctx)] + ([kv_dtype] if kv_dtype else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -105,6 +113,42 @@ class Worker:
             self.proc.kill()
 
 
+class Asks(Protocol):
+    """What :func:`run_repeats` needs of a runner: :meth:`Worker.ask`."""
+
+    def ask(self, **cmd: Any) -> dict[str, Any]: ...
+
+
+def run_repeats(
+    workers: Mapping[str, Asks], ids: list[int], new_tokens: int, repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` timed runs of ``new_tokens`` tokens after ``ids`` for every runner, the runners taking turns (their
+    order rotated each repeat); ``{runner: [each run's answer: first_s, last_s, tokens]}``."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
+    order = list(workers)
+    for r in range(repeats):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            runs[name].append(workers[name].ask(cmd="generate", ids=ids, n=new_tokens))
+    return runs
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One runner's figures at one length from its runs (:func:`run_repeats`): the medians over the runs of the time
+    to first token (``first_s``) and of the decode rate ``(n - 1) / (last_s - first_s)``, ``n`` the tokens that run
+    produced; a run of fewer than 2 tokens has no rate (None where no run has one)."""
+    firsts = [r["first_s"] for r in runs if r["first_s"] is not None]
+    rates = [
+        (len(r["tokens"]) - 1) / (r["last_s"] - r["first_s"])
+        for r in runs
+        if len(r["tokens"]) >= 2 and r["last_s"] > r["first_s"]
+    ]
+    return {
+        "ttft_s": statistics.median(firsts) if firsts else None,
+        "decode_tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_produced": [len(r["tokens"]) for r in runs],
+    }
+
+
 def cast_io(stream: IO[str] | None) -> IO[str]:
     assert stream is not None  # Popen was given PIPE
     return stream
@@ -119,9 +163,11 @@ def bench_decode_lengths(
     out_dir: Path,
     seed: int,
     llama_python: str | None = None,
+    kv_dtype: str = "auto",
 ) -> int:
     """Measure every length of ``lengths`` for attnlab and llama.cpp (FA off, on); print the table, write
-    decode_lengths.json and decode_lengths.md in ``out_dir``."""
+    decode_lengths.json and decode_lengths.md in ``out_dir``. ``kv_dtype``: attnlab's KV cache, as ``attnlab
+    generate --kv-dtype`` takes it (auto: what a user gets by default)."""
     from ..weight_files.gguf import open_gguf
     from ..weight_files.pretrained import from_pretrained
 
@@ -133,7 +179,7 @@ def bench_decode_lengths(
         )
     for length in lengths:
         check_range("--prompt-lengths", length, low=1, integer=True)
-    check_range("--max-new-tokens", max_new_tokens, low=2, integer=True, hint="decode tokens/s needs t(n) - t(1)")
+    check_range("--max-new-tokens", max_new_tokens, low=2, integer=True, hint="decode tokens/s needs t_last - t_first")
     check_range("--repeats", repeats, low=1, integer=True)
     if threads is not None:
         check_range("--threads", threads, low=1, integer=True, hint="or leave it out: auto, chosen by timing steps")
@@ -146,20 +192,30 @@ def bench_decode_lengths(
             f"--prompt-lengths up to {max(lengths)} + --max-new-tokens {max_new_tokens} exceeds the model's "
             f"{block} positions; pass lengths of at most {block - max_new_tokens}."
         )
+    try:
+        storage, kv_why = resolve_kv_dtype(kv_dtype, torch.device("cpu"), bool(meta.has_fused_decode))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     weight_bytes = {"attnlab": meta.weight_bytes(), "llama": sum(int(t.n_bytes) for t in open_gguf(path).tensors)}
     per_value = meta.kv_cache_bytes_per_token // meta._kv_dtype().itemsize  # K/V values one token caches
-    kv_token = {"attnlab": meta.kv_cache_bytes_per_token, "llama": per_value * _LLAMA_KV_BYTES}
+    attnlab_kv = sum(c.bytes_per_token for c in meta.setup_caches(1, 1, storage))  # at its storage, int8 scales too
+    kv_token = {"attnlab": attnlab_kv, "llama": per_value * _LLAMA_KV_BYTES}
+    kv_name = storage or str(meta._kv_dtype()).removeprefix("torch.")
     vocab = int(meta.config.vocab_size)
     del meta
     width = terminal_width()
     thread_arg = "auto" if threads is None else str(threads)
     n_ctx = max(lengths) + max_new_tokens + 8
+    print(
+        wrap(f"KV cache: attnlab {kv_name} ({kv_why}), llama.cpp float16 (its default)", width),
+        flush=True,
+    )
     workers: dict[str, Worker] = {}
     failures: dict[str, str] = {}
     for name in RUNNERS:
         python = sys.executable if name == "attnlab" else (llama_python or sys.executable)
         print(f"starting {_LABEL[name]} ...", flush=True)
-        w = Worker(name, python, path, thread_arg, n_ctx)
+        w = Worker(name, python, path, thread_arg, n_ctx, storage if name == "attnlab" else None)
         if w.error is None:
             workers[name] = w
         else:
@@ -174,38 +230,31 @@ def bench_decode_lengths(
         for length in lengths:
             ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed + length)).tolist()
             bandwidth = copy_bandwidth(torch.device("cpu"))
-            times: dict[str, dict[int, list[float]]] = {n: {1: [], max_new_tokens: []} for n in workers}
-            tokens: dict[str, list[int]] = {}
             for w in workers.values():
                 w.ask(cmd="reset_peak")
-            order = list(workers)
-            for r in range(repeats):
-                for name in order[r % len(order) :] + order[: r % len(order)]:  # rotated each repeat
-                    for n in (1, max_new_tokens):
-                        answer = workers[name].ask(cmd="generate", ids=ids, n=n)
-                        times[name][n].append(answer["seconds"])
-                        if n == max_new_tokens:
-                            tokens[name] = answer["tokens"]
+            runs = run_repeats(workers, ids, max_new_tokens, repeats)
             row: dict[str, Any] = {"length": length, "copy_GB_per_s": bandwidth / 1e9}
             mean_ctx = length + max_new_tokens / 2
+            ref = runs["attnlab"][-1]["tokens"]
             for name, w in workers.items():
-                t1, tn = statistics.median(times[name][1]), statistics.median(times[name][max_new_tokens])
-                step = (tn - t1) / (max_new_tokens - 1)
+                figures = summarize_runs(runs[name])
+                rate = figures["decode_tokens_per_s"]
                 kind = "attnlab" if name == "attnlab" else "llama"
                 step_bytes = weight_bytes[kind] + mean_ctx * kv_token[kind]
-                ref = tokens["attnlab"]
-                same = sum(a == b for a, b in zip(tokens[name], ref, strict=False)) / max(1, len(ref))
+                tokens = runs[name][-1]["tokens"]
+                same = sum(a == b for a, b in zip(tokens, ref, strict=False)) / max(1, len(ref))
+                ttft = figures["ttft_s"]
                 row[name] = {
-                    "ttft_s": t1,
-                    "prefill_tokens_per_s": length / t1,
-                    # None where noise made t(n) <= t(1): no rate to report
-                    "decode_tokens_per_s": 1 / step if step > 0 else None,
-                    "decode_ms": 1e3 * step,
+                    "ttft_s": ttft,
+                    "prefill_tokens_per_s": length / ttft if ttft else None,
+                    "decode_tokens_per_s": rate,  # None where no run produced 2 tokens
+                    "decode_ms": 1e3 / rate if rate else None,
+                    "tokens_produced": figures["tokens_produced"],
                     "peak_rss_bytes": w.ask(cmd="peak")["rss_peak"],
                     "step_bytes": step_bytes,
-                    "bandwidth_fraction": step_bytes / step / bandwidth if step > 0 else None,
+                    "bandwidth_fraction": step_bytes * rate / bandwidth if rate else None,
                     "same_tokens": same,
-                    "times": times[name],
+                    "runs": [{"first_s": r["first_s"], "last_s": r["last_s"]} for r in runs[name]],
                 }
             results.append(row)
             print(f"{length} tokens: done", flush=True)
@@ -218,6 +267,7 @@ def bench_decode_lengths(
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "threads": thread_arg,
+        "kv_dtype": {"attnlab": kv_name, "asked": kv_dtype, "why": kv_why, "llama.cpp": "float16"},
         "torch": torch.__version__,
         "cpu": cpu_info(),
         "load_average": os.getloadavg(),
@@ -256,8 +306,8 @@ def lengths_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
                 [
                     str(row["length"]),
                     _LABEL[name],
-                    f"{r['ttft_s']:.2f}",
-                    f"{r['prefill_tokens_per_s']:.0f}",
+                    "-" if r["ttft_s"] is None else f"{r['ttft_s']:.2f}",
+                    "-" if r["prefill_tokens_per_s"] is None else f"{r['prefill_tokens_per_s']:.0f}",
                     "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
                     f"{r['peak_rss_bytes'] / 1e6:.0f}",
                     "-" if r["bandwidth_fraction"] is None else f"{100 * r['bandwidth_fraction']:.0f}%",

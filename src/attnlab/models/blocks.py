@@ -20,7 +20,7 @@ from ..core.masks import Masks
 from ..core.mla import MultiHeadLatentAttention
 from .config import DecoderConfig
 
-__all__ = ["RMSNorm", "GeluMLP", "SwiGLUMLP", "Block", "make_norm", "make_mlp", "make_attention"]
+__all__ = ["RMSNorm", "GeluMLP", "SwiGLUMLP", "Block", "MLP_ROWS", "make_norm", "make_mlp", "make_attention"]
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +120,13 @@ def make_attention(config: DecoderConfig) -> nn.Module:
     )
 
 
+# Positions per MLP call in a no-grad call over more of them (a long prefill; see Block.forward). The MLP's
+# hidden activations are (B, T, F) float32 several times over: SmolLM2's fused gate|up alone is 100 MB at
+# T = 8192 (F = 1536), and glibc keeps such freed blocks resident. 512 rows hold them to ~6 MB a call; the
+# quantized matmuls read their weights once more per 512 rows (~1 MB a layer for SmolLM2), next to nothing.
+MLP_ROWS = 512
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm_1(x))``, then ``x + mlp(norm_2(x))``.
 
@@ -175,4 +182,17 @@ class Block(nn.Module):
             **extra,
         )  # (B, T, E)
         x = x + self.resid_dropout(a)
-        return x + self.mlp(self.mlp_norm_module(x))  # (B, T, E)
+        if (
+            x.size(1) <= MLP_ROWS
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not isinstance(self.mlp, (GeluMLP, SwiGLUMLP))
+        ):
+            return x + self.mlp(self.mlp_norm_module(x))  # (B, T, E)
+        # A long prompt without autograd (a prefill): the MLP, which treats each position alone, MLP_ROWS
+        # positions at a time, added in place into x (this call's own sum), so that its (B, T, F) hidden
+        # activations never exist whole.
+        for start in range(0, x.size(1), MLP_ROWS):
+            rows = x[:, start : start + MLP_ROWS]  # (B, <= MLP_ROWS, E), a view of x
+            rows += self.mlp(self.mlp_norm_module(rows))
+        return x  # (B, T, E)
