@@ -46,11 +46,24 @@ from torch import Tensor, nn
 
 from .capture import Op, capture_until_error
 
-__all__ = ["Reading", "Rotary", "RowSource", "read_dataflow"]
+__all__ = [
+    "FUSED_OPS",
+    "SOFTMAX_OPS",
+    "Reading",
+    "Rotary",
+    "RowSource",
+    "Unreadable",
+    "attention_sites",
+    "descendants",
+    "product_sides",
+    "read_dataflow",
+    "score_product",
+    "tracked_args",
+]
 
-_SOFTMAX = ("softmax", "_softmax", "softmax_")
+SOFTMAX_OPS = ("softmax", "_softmax", "softmax_")
 _PRODUCTS = ("matmul", "bmm", "einsum", "baddbmm", "rmatmul")
-_FUSED = ("scaled_dot_product_attention",)
+FUSED_OPS = ("scaled_dot_product_attention",)
 MATCH = 1e-6  # float64 probe: a row that is the parameter's matches to ~1e-15; anything else is far off
 PROBE_T = 5
 PROBE_B = 12  # sequences: each feature's 12 values at position 0 tell its parameter row apart from all others
@@ -170,7 +183,7 @@ class Reading:
         return text
 
 
-class _Unreadable(Exception):
+class Unreadable(Exception):
     pass
 
 
@@ -186,7 +199,7 @@ def _tensor(ops: list[Op], ref: int | str, inputs: list[Tensor]) -> Tensor | Non
     return None
 
 
-def _tracked(op: Op) -> list[int]:
+def tracked_args(op: Op) -> list[int]:
     return op.inputs or [a for a in op.args if isinstance(a, int)]
 
 
@@ -216,40 +229,38 @@ def _as_rows(x: Tensor, letters: str, keep: tuple[str, str], group: str) -> Tens
     return x.permute(order)
 
 
-def _product_sides(
-    op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
     """For Q K^T (``first_is_weights`` False): ``(Q (L, T_q, D), K (L, T_k, D), scores)``; for P V:
     ``(P (L, T_q, T_k), V (L, T_k, D), context (L, T_q, D))``, the group dims flattened to L."""
     tensors = _operands(op, ops, inputs)
     if op.func == "baddbmm":
         tensors = tensors[1:]
     if len(tensors) != 2:
-        raise _Unreadable(f"{op.func} with {len(tensors)} tensor operands")
+        raise Unreadable(f"{op.func} with {len(tensors)} tensor operands")
     a, b = tensors
     res = op.out
     if op.func == "einsum":
         parsed = _einsum_letters(op)
         if parsed is None or len(parsed[0]) != 2:
-            raise _Unreadable("einsum equation not read")
+            raise Unreadable("einsum equation not read")
         (la, lb), lo = parsed
         contracted = [c for c in la if c in lb and c not in lo]
         if len(contracted) != 1:
-            raise _Unreadable("einsum contracts more than one index")
+            raise Unreadable("einsum contracts more than one index")
         c = contracted[0]
         ta = next((x for x in la if x in lo and x not in lb), None)
         tb = next((x for x in lb if x in lo and x not in la), None)
         if ta is None or tb is None:
-            raise _Unreadable("einsum without two free position indices")
+            raise Unreadable("einsum without two free position indices")
         group = "".join(x for x in lo if x not in (ta, tb))
         if any(x not in la or x not in lb for x in group):
-            raise _Unreadable("einsum broadcasts a group index")
+            raise Unreadable("einsum broadcasts a group index")
         A = _as_rows(a, la, (ta, c), group)
         Bm = _as_rows(b, lb, (tb, c), group)
         R = _as_rows(res, lo, (ta, tb), group)
     else:
         if a.dim() < 2 or b.dim() < 2:
-            raise _Unreadable("a product of vectors")
+            raise Unreadable("a product of vectors")
         A, Bm, R = a, b.transpose(-2, -1), res  # A (..., T_q, C), Bm (..., T_k, C)
         lead = torch.broadcast_shapes(A.shape[:-2], Bm.shape[:-2])
         A = A.expand(*lead, *A.shape[-2:])
@@ -263,25 +274,25 @@ def _product_sides(
     return A, Bm, R
 
 
-def _descendants(ops: list[Op], start: int) -> set[int]:
+def descendants(ops: list[Op], start: int) -> set[int]:
     seen = {start}
     for i in range(start + 1, len(ops)):
-        if any(a in seen for a in _tracked(ops[i])):
+        if any(a in seen for a in tracked_args(ops[i])):
             seen.add(i)
     return seen
 
 
-def _score_product(ops: list[Op], s: int) -> int:
+def score_product(ops: list[Op], s: int) -> int:
     """The product whose result flows, through elementwise steps, into the softmax at ``s``."""
     i = s
     for _ in range(40):
-        args = [a for a in _tracked(ops[i]) if a >= 0]
+        args = [a for a in tracked_args(ops[i]) if a >= 0]
         if not args:
             break
         i = args[0]
-        if ops[i].func in _PRODUCTS and len([a for a in _tracked(ops[i])]) >= 2:
+        if ops[i].func in _PRODUCTS and len([a for a in tracked_args(ops[i])]) >= 2:
             return i
-    raise _Unreadable("no product of two computed tensors feeds the softmax")
+    raise Unreadable("no product of two computed tensors feeds the softmax")
 
 
 @dataclass
@@ -295,13 +306,13 @@ class _Site:
     at: int  # the op that produced the context
 
 
-def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
+def attention_sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
     sites: list[_Site] = []
     for n, op in enumerate(ops):
-        if op.func in _FUSED:
+        if op.func in FUSED_OPS:
             q, k, v = (_tensor(ops, a, inputs) for a in op.args[:3])
             if q is None or k is None or v is None:
-                raise _Unreadable("a fused attention call on a tensor not computed from the input")
+                raise Unreadable("a fused attention call on a tensor not computed from the input")
             L = int(math.prod(q.shape[:-2]))
             kk = k.expand(*q.shape[:-2], *k.shape[-2:]) if k.dim() == q.dim() else k
             vv = v.expand(*q.shape[:-2], *v.shape[-2:]) if v.dim() == q.dim() else v
@@ -314,24 +325,24 @@ def _sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
                     n,
                 )
             )
-        elif op.func in _SOFTMAX or op.func == "exp":
+        elif op.func in SOFTMAX_OPS or op.func == "exp":
             # a manual softmax: exp of the scores minus their max, then divided by their sum
             if op.func == "exp" and not any(o.func == "sum" for o in ops[n + 1 : n + 4]):
                 continue
-            sp = _score_product(ops, n)
-            q, k, _ = _product_sides(ops[sp], ops, inputs, first_is_weights=False)
-            below = _descendants(ops, n)
+            sp = score_product(ops, n)
+            q, k, _ = product_sides(ops[sp], ops, inputs, first_is_weights=False)
+            below = descendants(ops, n)
             pv = next(
                 (
                     i
                     for i in sorted(below)
-                    if i > n and ops[i].func in _PRODUCTS and any(a not in below for a in _tracked(ops[i]))
+                    if i > n and ops[i].func in _PRODUCTS and any(a not in below for a in tracked_args(ops[i]))
                 ),
                 None,
             )
             if pv is None:
-                raise _Unreadable("nothing multiplies the attention weights")
-            _, v, ctx = _product_sides(ops[pv], ops, inputs, first_is_weights=True)
+                raise Unreadable("nothing multiplies the attention weights")
+            _, v, ctx = product_sides(ops[pv], ops, inputs, first_is_weights=True)
             sites.append(_Site(q, k, v, ctx, pv))
     return sites
 
@@ -439,12 +450,12 @@ def _role_rows(
     (in the module's own per-head order) and the role's source in the parameters' order."""
     hits = bank.match_all(torch.cat(feats, dim=1), x0, tol)
     if any(h is None for h in hits):
-        raise _Unreadable("a feature is not any parameter's row")
+        raise Unreadable("a feature is not any parameter's row")
     matched = [h[0] for h in hits if h is not None]
     factors = [h[1] for h in hits if h is not None]
     fac = factors[0]
     if any(abs(x - fac) > 1e-6 * abs(fac) for x in factors):
-        raise _Unreadable("features scaled unevenly")
+        raise Unreadable("features scaled unevenly")
     return _source(module, matched, fac, [h[2] for h in hits if h is not None], tol), matched
 
 
@@ -459,7 +470,7 @@ def _source(
     eff_sorted = torch.tensor([bias_by[e] for e in unique], dtype=torch.float64)
     bias, ok = _bias_source(module, unique, fac, eff_sorted, max(tol, 1e-9))
     if not ok:
-        raise _Unreadable("a bias that is no parameter's")
+        raise Unreadable("a bias that is no parameter's")
     return RowSource(_runs_of(unique), bias, fac)
 
 
@@ -480,7 +491,7 @@ def _mapped_rows(
     for pairs in ([(i, i + 1) for i in range(0, D - 1, 2)], [(i, i + D // 2) for i in range(D // 2)]):
         try:
             found = [_pair_rows(f[:, 0], pairs, Y, Yc, units, tol) for f in feats]
-        except _Unreadable:
+        except Unreadable:
             continue
         matched = [bank.entries[i] for idx, _, _ in found for i in idx]
         maps = [M for _, M, _ in found]
@@ -488,7 +499,7 @@ def _mapped_rows(
         eff = (torch.cat([b for _, _, b in found]) * fac).tolist()
         preds = [x.double() @ bank.raw[idx].t() + b for idx, _, b in found]  # (B, T, D) per head
         return _source(module, matched, fac, eff, tol), matched, maps, preds
-    raise _Unreadable("a feature is not any parameter's row, nor a mix of two in rotary's pairs")
+    raise Unreadable("a feature is not any parameter's row, nor a mix of two in rotary's pairs")
 
 
 def _pair_rows(
@@ -505,7 +516,7 @@ def _pair_rows(
         basis = torch.linalg.qr(fc[:, pair]).Q  # (B, 2)
         near = ((units - basis @ (basis.t() @ units)).norm(dim=0) <= max(tol, 1e-9) * 100).nonzero().flatten()
         if near.numel() != 2:
-            raise _Unreadable("a pair of features is no mix of two parameter rows")
+            raise Unreadable("a pair of features is no mix of two parameter rows")
         for n, d in zip(near.tolist(), pair, strict=True):
             idx[d] = n
         rows = torch.tensor(pair)
@@ -533,7 +544,7 @@ def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: 
     flat_y = y.double().reshape(-1, E)
     below: set[int] = set()
     for i in sorted(contexts_at):
-        below |= _descendants(ops, i)
+        below |= descendants(ops, i)
     params = [(n, p.detach().double()) for n, p in module.named_parameters() if p.dim() == 2 and p.is_floating_point()]
     ones = {n: p for n, p in module.named_parameters() if p.dim() == 1}
     for i in sorted(below):
@@ -576,10 +587,10 @@ def _fit_rotary(actual: list[Tensor], predicted: list[Tensor], tol: float) -> Ro
     if float((A - P).abs().max() / size) <= tol * 100:
         return None
     if P.size(1) < 3:
-        raise _Unreadable("too few positions to read a position map")
+        raise Unreadable("too few positions to read a position map")
     rot = _rotation(torch.linalg.lstsq(P[:, 1], A[:, 1]).solution.t())  # (D, D): A_1 = P_1 @ R1^T
     if float((rot.apply(P) - A).abs().max() / size) > 1e-6:
-        raise _Unreadable("a position map other than a rotation linear in the position")
+        raise Unreadable("a position map other than a rotation linear in the position")
     return rot
 
 
@@ -590,13 +601,13 @@ def _heads_rotary(actual: list[Tensor], preds: list[Tensor], maps: list[Tensor])
     A, P = torch.stack(actual, dim=-2), torch.stack(preds, dim=-2)  # (B, T, H, D)
     size = A.abs().max().clamp_min(1e-12)
     if float((torch.einsum("bthd,hde->bthe", P, torch.stack(maps)) - A).abs().max() / size) > 1e-6:
-        raise _Unreadable("a map after the projection that changes with the position and turns position 0")
+        raise Unreadable("a map after the projection that changes with the position and turns position 0")
     c = float(maps[0].square().sum().div(maps[0].size(0)).sqrt())
     if len(maps) < 2 or all(bool(torch.allclose(M / c, torch.eye(M.size(0), dtype=M.dtype), atol=1e-6)) for M in maps):
         return None
     rot = _rotation(maps[1].t() / c)
     if float((c * rot.apply(P) - A).abs().max() / size) > 1e-6:  # along -2: the heads
-        raise _Unreadable("a map after the projection that is no rotation linear in the head index")
+        raise Unreadable("a map after the projection that is no rotation linear in the head index")
     return rot
 
 
@@ -614,14 +625,14 @@ def _rotation(R1: Tensor) -> Rotary:
         j = int(off.abs().argmax())
         if float(off.abs().max()) < 1e-9:
             if abs(float(R1[i, i]) - 1.0) > 1e-6:
-                raise _Unreadable("a position map that is not a rotation")
+                raise Unreadable("a position map that is not a rotation")
             used.add(i)
             continue
         pairs.append((i, j))
         omega.append(math.atan2(float(R1[j, i]), float(R1[i, i])))
         used |= {i, j}
     if not pairs:
-        raise _Unreadable("a position map that is not a rotation")
+        raise Unreadable("a position map that is not a rotation")
     return Rotary(tuple(pairs), tuple(omega))
 
 
@@ -644,7 +655,7 @@ def read_dataflow(
         with warnings.catch_warnings():  # the module's own warnings (a complex cast ...) are no reason to fail here
             warnings.simplefilter("ignore")
             return _read(module, call, embed_dim, seed)
-    except (_Unreadable, RuntimeError, IndexError, ValueError, TypeError, UserWarning):
+    except (Unreadable, RuntimeError, IndexError, ValueError, TypeError, UserWarning):
         return None
 
 
@@ -670,23 +681,23 @@ def _read(
         with torch.no_grad():  # read only: no graph (an in-place op on a split's view is then allowed, as in eval)
             ops, err = capture_until_error(run, {"x": inp}, probe)
         if err is not None:
-            raise _Unreadable(f"the probe call raised {type(err).__name__}: {err}")
-        results.append((ops, _sites(ops, [inp])))
+            raise Unreadable(f"the probe call raised {type(err).__name__}: {err}")
+        results.append((ops, attention_sites(ops, [inp])))
     (ops, sites), (_, sites2) = results
     if not sites or len(sites) != len(sites2):
-        raise _Unreadable("no attention weights found")
+        raise Unreadable("no attention weights found")
     with torch.no_grad():
         out = call(probe, x)
     y = out[0] if isinstance(out, tuple | list) else out
     if not isinstance(y, Tensor) or y.shape != x.shape:
-        raise _Unreadable("the output is not (B, T, E)")
+        raise Unreadable("the output is not (B, T, E)")
     B = x.size(0)
     feats: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}  # per head: (B, T, D)
     for site, site2 in zip(sites, sites2, strict=True):
         for role, t, t2 in (("q", site.q, site2.q), ("k", site.k, site2.k), ("v", site.v, site2.v)):
             rows = _batch_rows(t, t2, B)
             if rows is None:
-                raise _Unreadable(f"the {role} groups are not read as (batch, heads)")
+                raise Unreadable(f"the {role} groups are not read as (batch, heads)")
             n = t.size(0) // B
             per_b = t[torch.argsort(rows, stable=True)].reshape(B, n, *t.shape[1:])  # (B, n, T, D)
             feats[role] += [per_b[:, h].double() for h in range(n)]
@@ -702,12 +713,12 @@ def _read(
     for role in ("q", "k", "v"):
         try:
             sources[role], matched[role] = _role_rows(probe, [f[:, 0] for f in feats[role]], x0, bank, tol)
-        except _Unreadable:
+        except Unreadable:
             sources[role], matched[role], *rest = _mapped_rows(probe, feats[role], x, bank, tol)
             mapped[role] = (rest[0], rest[1])
     Dk = sources["k"].rows
     if sources["q"].rows != H * D or Dk % D:
-        raise _Unreadable("head widths do not add up")
+        raise Unreadable("head widths do not add up")
     G = Dk // D
     params = dict(probe.named_parameters())
 

@@ -684,30 +684,30 @@ def _flow_sites(ops: list[Op], inputs: list[Tensor]) -> list[_FlowSite]:
     """Each attention computation of the ops: the softmax, the product that feeds it, the one its weights
     feed; none when the data flow cannot be read that way."""
     try:
-        found = flow._sites(ops, inputs)
-    except (flow._Unreadable, RuntimeError, IndexError, ValueError):
+        found = flow.attention_sites(ops, inputs)
+    except (flow.Unreadable, RuntimeError, IndexError, ValueError):
         return []
     out = []
     for site in found:
         op = ops[site.at]
-        if op.func in flow._FUSED:
+        if op.func in flow.FUSED_OPS:
             out.append(_FlowSite(site.at, None, None, site.at, site.q, site.k, site.v, site.context))
             continue
         soft = next(
             (
                 n
                 for n in range(site.at - 1, -1, -1)
-                if ops[n].func in flow._SOFTMAX and site.at in flow._descendants(ops, n)
+                if ops[n].func in flow.SOFTMAX_OPS and site.at in flow.descendants(ops, n)
             ),
             None,
         )
         if soft is None:  # a manual softmax (exp / sum): its steps are compared one by one
             continue
         try:
-            product = flow._score_product(ops, soft)
-        except flow._Unreadable:
+            product = flow.score_product(ops, soft)
+        except flow.Unreadable:
             continue
-        into = next((a for a in flow._tracked(ops[soft]) if a >= 0), None)
+        into = next((a for a in flow.tracked_args(ops[soft]) if a >= 0), None)
         out.append(_FlowSite(product, soft, into, site.at, site.q, site.k, site.v, site.context))
     return out
 
@@ -719,8 +719,8 @@ def _score_rows(ops: list[Op], site: _FlowSite, t: Tensor, inputs: list[Tensor])
     L, T_q, T_k = site.q.size(0), site.q.size(1), site.k.size(1)
     if t.shape == product.out.shape:
         try:
-            return flow._product_sides(replace(product, out=t), ops, inputs, first_is_weights=False)[2]
-        except (flow._Unreadable, RuntimeError):
+            return flow.product_sides(replace(product, out=t), ops, inputs, first_is_weights=False)[2]
+        except (flow.Unreadable, RuntimeError):
             return None
     if product.func != "einsum" and t.dim() >= 2 and tuple(t.shape[-2:]) == (T_q, T_k) and t.numel() == L * T_q * T_k:
         return t.reshape(L, T_q, T_k)
