@@ -76,6 +76,8 @@ __all__ = [
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "heads", "nhead", "h", "num_attention_heads", "head_count")
 _SCALE_ATTRS = ("scale", "scaling", "softmax_scale", "scale_factor", "attn_scale", "inv_sqrt_d")
 _MASK_ARGS = ("attn_mask", "mask", "attention_mask", "valid_lens", "valid_len", "src_mask")
+# mask arguments a plain self-attention call may rightly leave unused (so one that changes nothing is no mistake)
+_UNUSED_ALONE = ("padding", "head", "encoder", "cross", "context")
 _INPUT_ROLES = {
     "query": ("query", "q", "queries", "xq", "qin"),
     "key": ("key", "k", "keys", "xk", "kin"),
@@ -949,8 +951,9 @@ class ProbedAdapter(AttentionAdapter):
 
         A mask argument that changes nothing, in the form the first one takes, while the first one hides a key,
         is the mistake ``mask_ignored``: the checks hand their masks through it, so that their rows show it.
-        The arguments looked at are the listed mask names and any other ``*causal*mask*`` (never padding, head
-        or encoder masks, which a self-attention call may leave unused)."""
+        The arguments looked at are the listed mask names and any other ``*mask*`` but those of
+        :data:`_UNUSED_ALONE` (padding, head, encoder, cross or context masks, which a self-attention call may
+        leave unused)."""
         form, masks = self.form, self.masks
         if form.mask_arg is None or masks.use == "lens":
             return form, masks
@@ -960,7 +963,7 @@ class ProbedAdapter(AttentionAdapter):
             for n, p in params.items()
             if n != form.mask_arg
             and p.default is None
-            and (n in _MASK_ARGS or ("causal" in name_key(n) and "mask" in name_key(n)))
+            and (n in _MASK_ARGS or ("mask" in name_key(n) and not any(w in name_key(n) for w in _UNUSED_ALONE)))
         ]
         if not others:
             return form, masks
