@@ -265,6 +265,7 @@ def test_layer_without_model_and_a_conflicting_width_are_errors(command, cli, ca
 # -- demo ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole real model answering 200 tokens, ~25 s on 2 cores; README's `make demo` runs the step quick
 def test_demo_step_answers_with_smollm2_and_prints_its_speed(cli, generations, capsys, monkeypatch):
     sampled: list[dict] = []
     spy = generate_cli.generate_steps

@@ -38,7 +38,8 @@ def _run_worker(tmp: Path, n: int, quick: bool) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["N2", "N4"])
+# N4 is slow (four processes on 2 cores); N2 keeps every property in the quick suite
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["N2", "N4"])
 def run(request, tmp_path_factory) -> dict[str, Any]:
     n = request.param
     return _run_worker(tmp_path_factory.mktemp(f"cp{n}"), n, quick=n == 4)

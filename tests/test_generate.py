@@ -135,6 +135,7 @@ def test_generation_errors_name_the_argument_and_the_fix():
         left_pad([[1], []])
 
 
+@pytest.mark.slow  # inductor compiles a whole decoder's step, ~25 s on 2 cores; tests/test_kv_cache.py compiles the attention step fullgraph quick
 def test_decode_step_compiles_once_fullgraph_and_matches_eager(device):
     """On CUDA the compiled step runs under CUDA graphs (mode="reduce-overhead"); the same counts hold."""
     torch._dynamo.reset()
@@ -207,6 +208,7 @@ def test_generate_runs_under_autocast(flags, device):
     torch.testing.assert_close(cached[0].logits.float(), full, atol=0.1 * full.abs().max().item(), rtol=0)
 
 
+@pytest.mark.slow  # two inductor compiles, ~10 s on 2 cores
 def test_compiled_generate_rechecks_guards_on_each_call():
     """A model changed between compiled calls (here to float64) is re-guarded and recompiled,
     never run through the old graph."""

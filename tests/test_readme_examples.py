@@ -284,7 +284,8 @@ def _skip_reason(argv: tuple[str, ...]) -> str | None:
 
 class Session:
     """Runs the README's commands in order in one scratch directory, each once, lazily: a test of the
-    N-th command first runs every command before it (its prerequisites, as for a reader)."""
+    N-th command first runs every command before it (its prerequisites, as for a reader), but the slow
+    ones (:func:`_slow`), which `make test` leaves out."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -295,9 +296,21 @@ class Session:
 
     def result(self, index: int, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
         for i in range(index + 1):
+            if i < index and _slow(COMMANDS[i].argv):
+                continue  # a slow command is no one's prerequisite: what it writes, no later command reads
             if i not in self.results and _skip_reason(COMMANDS[i].argv) is None:
-                self.results[i] = self._run(COMMANDS[i].argv, capsys)
+                same = self._same_run(i)
+                self.results[i] = self.results[same] if same is not None else self._run(COMMANDS[i].argv, capsys)
         return self.results[index]
+
+    def _same_run(self, index: int) -> int | None:
+        """An earlier command with the same words whose result this one can take: one that reads no file of
+        the scratch directory (a shipped model, not a run folder or a target), so running it again prints the
+        same. Three pages quote the same `generate --model smollm2 --chat` question; it runs once."""
+        argv = COMMANDS[index].argv
+        if "--model" not in argv or any(a in argv for a in ("--out-dir", "--checkpoint", "--target", "--path")):
+            return None
+        return next((j for j in self.results if COMMANDS[j].argv == argv), None)
 
     def _run(self, argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
         args = ["demo"] if argv[0] == "make" else list(argv[1:])
@@ -396,7 +409,18 @@ def test_the_parser_reads_every_form():
 
 def _slow(argv: tuple[str, ...]) -> bool:
     """A command that takes minutes even with :data:`SMALL`'s flags: among the slow tests (``make test-all``)."""
-    return argv[1:4] == ("bench", "--variant", "window")  # compiles flex kernels at each length
+    if argv[1:4] == ("bench", "--variant", "window"):  # compiles flex kernels at each length
+        return True
+    if argv[0] == "torchrun":  # several processes training on 2 cores; tests/test_lab_context_parallel.py is quick
+        return True
+    # a full-size run whose quick form is tested elsewhere at small sizes: tests/test_trace_mla.py runs
+    # `trace --mla` on both paths, tests/test_bench_decode.py bench-decode's table at several contexts,
+    # tests/test_inspect.py inspect's pages on a small model
+    if argv[1:3] == ("trace", "--mla") and "--path" not in argv:
+        return True
+    if argv[1:2] == ("bench-decode",):
+        return "--contexts" in argv
+    return argv[1:2] == ("inspect",) and "smollm2" in argv
 
 
 @pytest.mark.parametrize(
