@@ -610,7 +610,8 @@ def _trace_call(
 def _own_masks(adapter: AttentionAdapter, query: Tensor, key: Tensor) -> dict[str, Any]:
     """The masks to trace a module with when none was given: those its forward takes, as check's probe found
     them. Key padding (the last third of the first sequence's keys) wherever a mask reaches it (a key padding
-    argument or an attention mask); ``is_causal`` where it takes a causal flag of its own. One sequence padded
+    argument or an attention mask); ``is_causal`` where it takes a causal flag of its own, or an attention mask
+    besides a key padding argument (so that the mask argument is exercised too). One sequence padded
     and the others not, so that masks spread over the wrong rows show too. Not through a mask handed one
     sequence at a time (the calls would not be the batch's)."""
     form, probed = getattr(adapter, "form", None), getattr(adapter, "masks", None)
@@ -623,6 +624,8 @@ def _own_masks(adapter: AttentionAdapter, query: Tensor, key: Tensor) -> dict[st
         out["key_padding_mask"] = pad
     if form is not None and form.causal_arg is not None and not form.torch_form and T_q <= T_k:
         out["is_causal"] = True
+    elif form is not None and form.padding_arg is not None and form.mask_arg is not None and whole and T_q <= T_k:
+        out["is_causal"] = True  # key padding has an argument of its own: causal masking reaches the attention mask
     return out
 
 
