@@ -372,7 +372,7 @@ def test_cli_trace_target_fits_80_columns_and_json_parses(capsys, monkeypatch):
     # traced again with the masks and the context its forward takes, where a mask or context mistake would show
     assert verdict.endswith(
         "traced again with key padding (the last 3 keys of the first sequence) and a separate context as key and "
-        "value: every stage reproduced too"
+        "value, and with the same masks in self-attention: every stage reproduced too"
     ), verdict
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["trace", "--target", spec]) == 0

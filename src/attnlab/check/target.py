@@ -499,6 +499,27 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
     return kwargs
 
 
+def _own_width(spec: str, obj: Callable, wanted: dict[str, object]) -> int | None:
+    """The width ``obj`` is built at when it cannot be built at ``wanted``'s: an integer global of its file that
+    its source reads under a width's name (``n_embd = 32``), divisible by the heads, at which it runs; None when
+    there is none."""
+    home, H = inspect.getmodule(obj), cast(int, wanted["num_heads"])
+    source = _own_source(obj)
+    sentinel = -7  # a width no module has: a name _guess takes for the width answers it
+    for name in dict.fromkeys(re.findall(r"\b([A-Za-z_]\w*)\b", source)):
+        value = getattr(home, name, None)
+        if type(value) is not int or value <= 0 or value % H or value == wanted["embed_dim"]:
+            continue
+        if _guess(name, sentinel, 3, 5) != sentinel:
+            continue
+        try:
+            _constructor_kwargs(spec, obj, {**wanted, "embed_dim": value})
+        except TargetError:
+            continue
+        return value
+    return None
+
+
 def is_attention_function(obj: object) -> bool:
     """Whether ``obj`` may be an attention function (then :func:`attention_function` decides by experiment): a
     callable that is neither a class nor a module, whose first three positional arguments have no default, none
@@ -554,7 +575,14 @@ def build_target(
                 f"--target {spec!r}: {attr} is an attention function f(q, k, v, ...), not a module to build; "
                 f"`attnlab check --target {spec}` checks it (trace and run_checks read nn.Modules)."
             )
-        kwargs = _constructor_kwargs(spec, obj, wanted)
+        try:
+            kwargs = _constructor_kwargs(spec, obj, wanted)
+        except TargetError:
+            width = _own_width(spec, obj, wanted)  # its width fixed by a global of its file (nanoGPT's n_embd)
+            if width is None:
+                raise
+            wanted["embed_dim"] = embed_dim = width
+            kwargs = _constructor_kwargs(spec, obj, wanted)
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         torch.manual_seed(seed)
         try:

@@ -472,9 +472,9 @@ def trace_module(
         name: the title (default: the module's class name).
         exercise: when no mask is given and the call reproduces every stage, trace it again with what the
             module's forward also takes (:func:`_own_masks`: key padding, and causal where it takes a flag;
-            for self-attention, a separate context where it takes one), so that a mistake in how it masks or
-            where it reads K and V from shows; the first call that departs is returned, else the first one
-            with a note (``also``). False: the call as given only.
+            for self-attention, a separate context where it takes one, then those masks without it), so that a
+            mistake in how it masks or where it reads K and V from shows; the first call that departs is
+            returned, else the first one with a note (``also``). False: the call as given only.
 
     The module runs as it is (train or eval mode untouched), under ``no_grad``. An exception from it is
     kept in ``error`` with the ops before it; :class:`~attnlab.check.adapters.Unsupported` (the module
@@ -498,7 +498,10 @@ def trace_module(
     # the call as asked reproduces every stage: again with what forward also takes, where a mistake may hide
     added = _own_masks(adapter, query, key)
     context = _own_context(adapter, query, key, value)
+    # with a context and without: a module may hand key padding to another argument in cross-attention (one that
+    # folds it into the attention mask) than in self-attention, and a mistake in either shows only in its call
     tries = [(context, added)] + ([(None, added)] if context is not None and added else [])
+    reproduced: list[str] = []
     for ctx, masks in tries:
         if ctx is None and not masks:
             continue
@@ -512,8 +515,9 @@ def trace_module(
             return fuller
         what = [_added_text(masks)] if masks else []
         what += ["a separate context as key and value"] if ctx is not None else []
-        first.also = f"traced again with {' and '.join(what)}: every stage reproduced too"
-        break
+        reproduced.append("the same masks in self-attention" if reproduced else " and ".join(what))
+    if reproduced:
+        first.also = f"traced again with {', and with '.join(reproduced)}: every stage reproduced too"
     return first
 
 
@@ -606,7 +610,8 @@ def _trace_call(
 def _own_masks(adapter: AttentionAdapter, query: Tensor, key: Tensor) -> dict[str, Any]:
     """The masks to trace a module with when none was given: those its forward takes, as check's probe found
     them. Key padding (the last third of the first sequence's keys) wherever a mask reaches it (a key padding
-    argument or an attention mask); ``is_causal`` where it takes a causal flag of its own. One sequence padded
+    argument or an attention mask); ``is_causal`` where it takes a causal flag of its own, or an attention mask
+    besides a key padding argument (so that the mask argument is exercised too). One sequence padded
     and the others not, so that masks spread over the wrong rows show too. Not through a mask handed one
     sequence at a time (the calls would not be the batch's)."""
     form, probed = getattr(adapter, "form", None), getattr(adapter, "masks", None)
@@ -619,6 +624,8 @@ def _own_masks(adapter: AttentionAdapter, query: Tensor, key: Tensor) -> dict[st
         out["key_padding_mask"] = pad
     if form is not None and form.causal_arg is not None and not form.torch_form and T_q <= T_k:
         out["is_causal"] = True
+    elif form is not None and form.padding_arg is not None and form.mask_arg is not None and whole and T_q <= T_k:
+        out["is_causal"] = True  # key padding has an argument of its own: causal masking reaches the attention mask
     return out
 
 
@@ -678,6 +685,9 @@ class _FlowSite:
     k: Tensor  # (L, T_k, D)
     v: Tensor  # (L, T_k, D)
     context: Tensor  # (L, T_q, D)
+    # a fused kernel (the weights unseen) given the reference's Q and K heads and other values: the first stage off
+    # is V as it reaches the kernel (rotary or another map applied to it); set by :func:`_label` for its reference
+    v_off: bool = False
 
 
 def _flow_sites(ops: list[Op], inputs: list[Tensor]) -> list[_FlowSite]:
@@ -789,6 +799,7 @@ def _label(
     the ops that hold a stage in a layout of their own (the query heads, the scores reaching the softmax, the
     weights, the context), and what reaches each softmax compared with the reference's masked scores."""
     match_stages(ops, stages)
+    _label_unrotated(ops, stages)
     verdicts: list[_FlowVerdict] = []
     if not sites:
         return verdicts
@@ -815,6 +826,12 @@ def _label(
         weighted = [a for a in ops[site.weighted].args if isinstance(a, int)]
         if site.softmax is not None and len(weighted) > 1 and close(site.v, v_rep, part):
             mark(weighted[1], "v_heads")
+        site.v_off = (
+            site.softmax is None
+            and close(site.q, stages["q_heads"], part)
+            and close(site.k, k_rep, part)
+            and not close(site.v, v_rep, part)
+        )
         if close(site.context, stages["context"], part):
             mark(site.weighted, "context")
         if site.softmax is None or site.into_softmax is None:
@@ -832,6 +849,28 @@ def _label(
         if verdict.mask_right and ops[site.into_softmax].stage not in ("scaled", "masked"):
             ops[site.into_softmax].stage = "masked" if masked else "scaled"
     return verdicts
+
+
+def _label_unrotated(ops: list[Op], stages: dict[str, Tensor]) -> None:
+    """Q, K or V that the module holds only cut into heads, before its position map (rotary) turns them (a fused
+    projection viewed as ``(B, T, H, 3 D)``): such a tensor is the projection itself, per head, and is labelled
+    with the projection's stage where no op holds it whole. Nothing changes where the reference's heads are the
+    plain split (no rotary): those tensors already carry the heads' stages."""
+    for name, heads in (("q", "q_heads"), ("k", "k_heads"), ("v", "v_heads")):
+        if any(op.stage == name for op in ops):
+            continue
+        proj, want = stages[name], stages[heads]  # (B, T, n*D), (B, n, T, D)
+        B, n, T, D = want.shape
+        if proj.shape != (B, T, n * D):
+            continue
+        split = proj.view(B, T, n, D).transpose(1, 2)  # (B, n, T, D), unturned
+        same = stage_error(split, want)
+        if same is not None and same <= MATCH_TOL:
+            continue  # nothing turns them: the heads' stage says it all
+        for op in ops:
+            err = stage_error(op.out, split) if op.stage is None and op.out.is_floating_point() else None
+            if err is not None and err <= MATCH_TOL:
+                op.stage = name
 
 
 def _first_departure(
@@ -877,6 +916,12 @@ def _first_departure(
         return any(s in matched for s in STAGES[STAGES.index(stage) + 1 :] if s in vouching)
 
     missing = next((s for s in required if s not in matched and not vouched(s)), None)
+    off_v = next((site for site in sites if site.v_off), None)
+    if off_v is not None and (missing is None or STAGES.index(missing) > STAGES.index("v_heads")):
+        # the kernel's Q and K heads are the reference's and its V is not: V departs before anything inside it
+        fed = [a for a in ops[off_v.weighted].args if isinstance(a, int)]
+        at = fed[2] if len(fed) > 2 and fed[2] >= 0 else off_v.weighted
+        return matched, "v_heads", ops[at], None
     if missing is None:
         return matched, None, None, None
     if missing in ("scaled", "masked") and wrong is not None:
@@ -1174,9 +1219,12 @@ def _trace_target(
     if pad:
         kpm = torch.zeros(batch_size, t_k, dtype=torch.bool, device=w.device)  # (B, T_k), True = padding
         kpm[0, t_k - pad :] = True  # the first sequence ends with `pad` padding tokens
+    title = target
+    if adapter.embed_dim != embed_dim:  # a global of its file fixes its width (nanoGPT's n_embd): built at that
+        title += f" (built at E = {adapter.embed_dim}, the width its file fixes, not --embed-dim {embed_dim})"
     try:
         traced = trace_module(
-            adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=target, exercise=exercise
+            adapter, x, ctx, ctx, key_padding_mask=kpm, is_causal=causal, name=title, exercise=exercise
         )
     except Unsupported as err:
         flags = [f for f, on in (("--context-len", context_len), ("--causal", causal), ("--pad", pad)) if on]
