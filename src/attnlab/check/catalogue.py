@@ -245,6 +245,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "V is computed with k_proj: v = k_proj(value)",
         "v = self.v_proj(value)",
         S_PROJ, "every output row (and dropout_rate, whose contexts are V)", _R(v_from=("k", "value")),
+        also=(_R(v_from=("k", "value"), cross_only=True),),  # in the cross-attention branch alone
     ),
     Mistake(
         "v_uses_q_proj", "recipe",

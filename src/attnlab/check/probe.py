@@ -170,6 +170,11 @@ class CallForm:
     padding_self_only: bool = False
     # it declares batch_first = True yet reads (T, B, E): called batch-first (the mistake shows), read time-first
     declared_batch_first: bool = False
+    # the inputs after the first are not the next positional parameters (T5's forward(hidden_states, mask=None,
+    # key_value_states=None)): they go by keyword
+    rest_by_name: bool = False
+    # the output is the query plus the attention (mmcv's identity connection): the query is taken off again
+    residual: bool = False
 
     def describe(self) -> str:
         sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
@@ -182,6 +187,12 @@ def _roles(names: list[str]) -> list[str] | None:
     """``names`` as query/key/value when each names one of them (``forward(v, k, q)``), else None."""
     roles = [next((r for r, spellings in _INPUT_ROLES.items() if name_key(n) in spellings), "") for n in names]
     return roles if sorted(roles) == ["key", "query", "value"] else None
+
+
+def _rest_by_name(params: dict[str, inspect.Parameter], names: tuple[str, ...]) -> bool:
+    """Whether ``names`` (the inputs, in order) are not the first positional parameters of the signature."""
+    order = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return list(names) != order[: len(names)]
 
 
 def read_call_form(module: nn.Module) -> CallForm:
@@ -220,6 +231,9 @@ def read_call_form(module: nn.Module) -> CallForm:
         by_name=roles is not None and roles != ["query", "key", "value"],
         keyword_only=bool(inputs) and params[inputs[0]].kind == inspect.Parameter.KEYWORD_ONLY,
         context_optional=n_inputs == 2 and params[inputs[1]].default is None,
+        rest_by_name=bool(inputs)
+        and params[inputs[0]].kind != inspect.Parameter.KEYWORD_ONLY
+        and _rest_by_name(params, tuple(inputs[:n_inputs])),
     )
 
 
@@ -227,6 +241,11 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
     """``module`` called in ``form`` with ``qkv`` (the first ``form.inputs`` of them) and ``kwargs``; a mask
     argument without a default gets None when ``kwargs`` has none."""
     kwargs = {**{n: None for n in form.required_none}, **kwargs}
+    if form.residual:  # the output less the query it adds back
+        out = _call(module, replace(form, residual=False), qkv, kwargs)
+        if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
+            return (out[0] - qkv[0], *out[1:])
+        return out - qkv[0] if isinstance(out, Tensor) else out
     if form.time_first:  # (B, T, E) -> (T, B, E) in, and the output back
         out = _call(module, replace(form, time_first=False), tuple(t.transpose(0, 1) for t in qkv), kwargs)
         if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
@@ -236,6 +255,8 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
         return module(qkv[0], **kwargs)
     if form.keyword_only:
         return module(**dict(zip(form.input_names, qkv, strict=False)), **kwargs)
+    if form.rest_by_name and not form.by_name:  # forward(x, mask=None, context=None): the context by its name
+        return module(qkv[0], **dict(zip(form.input_names[1:], qkv[1 : form.inputs], strict=False)), **kwargs)
     if form.by_name:  # forward(v, k, q): each by its own name
         roles = _roles(list(form.input_names))
         assert roles is not None  # read_call_form saw them
@@ -265,7 +286,8 @@ def _with_context(module: nn.Module, form: CallForm, E: int, dtype: torch.dtype)
     named = any(w in name_key(names[1]) for w in ("xa", "context", "memory", "encoder", "kv", "src", "source", "cross"))
     if not depends and not named:  # a context that changes nothing, under a name that says nothing: not one
         return form
-    return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True)
+    return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True,
+                   rest_by_name=_rest_by_name(params, (names[0], names[1])))  # fmt: skip
 
 
 def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
@@ -276,15 +298,38 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
     A module that declares ``batch_first = True`` (an attribute, as ``nn.MultiheadAttention``'s) is called
     batch-first whatever it does: one that then reads its inputs as (T, B, E) makes the ``batch_seq_swapped``
     mistake (time-first inputs handed to ``F.multi_head_attention_forward`` untransposed), which the checks show."""
-    found = _layout_by_experiment(module, form, embed_dim)
+    found = _with_residual(module, _layout_by_experiment(module, form, embed_dim), embed_dim)
     if found.time_first and getattr(module, "batch_first", None) is True:
-        return replace(form, declared_batch_first=True)
+        return replace(found, time_first=False, declared_batch_first=True)
     return found
 
 
 @torch.no_grad()
+def _with_residual(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` with ``residual`` set when the module adds its query to what it returns (mmcv's identity
+    connection): with every parameter zero the attention gives zeros, and such a module gives back its query."""
+    if embed_dim is None or form.inputs == 0:
+        return form
+    g = torch.Generator().manual_seed(97)
+    try:
+        zeroed = copy.deepcopy(module).eval()
+        for p in zeroed.parameters():
+            p.zero_()
+        dtype = next((p.dtype for p in zeroed.parameters() if p.is_floating_point()), torch.float32)
+        x = torch.randn(2, 5, embed_dim, generator=g).to(dtype)
+        out = _first(_call(zeroed, form, (x, x, x), {}))
+    except Exception:
+        return form
+    if not isinstance(out, Tensor) or out.shape != x.shape or not torch.allclose(out, x, atol=1e-6, rtol=1e-5):
+        return form
+    return replace(form, residual=True)
+
+
+@torch.no_grad()
 def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
-    if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
+    # (a wrapper that says batch_first = False, as mmcv's does, is time-first by its own word: found by experiment)
+    wrapper_says = getattr(module, "batch_first", None) is False and not isinstance(module, nn.MultiheadAttention)
+    if not wrapper_says and any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
         # a wrapper of torch's layer: its batch_first decides, and a wrapper that hands it (B, T, E) while it reads
         # (T, B, E) makes the batch_seq_swapped mistake (the wrapper's inputs are taken as batch-first)
         return form
@@ -561,6 +606,11 @@ class ProbedAdapter(AttentionAdapter):
             f"every check stays within it)"
         )
 
+    @property
+    def adds_query(self) -> bool:
+        """Whether the module returns query + attention (an identity connection), taken off by each call."""
+        return self.form.residual
+
     def describe_call(self) -> str | None:
         """One line: the call form, the mask convention found, causality, and where the weights came from."""
         f, parts = self.form, [f"called as {self.form.describe()}"]
@@ -574,6 +624,8 @@ class ProbedAdapter(AttentionAdapter):
             parts.append(f"key padding: {f.padding_arg} (True = {own}{apart})")
             if self.padding_note:
                 parts.append(self.padding_note)
+        if f.residual:
+            parts.append("returns query + attention (an identity connection): the query is taken off the output")
         if self.always_causal:
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:

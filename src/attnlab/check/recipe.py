@@ -70,6 +70,9 @@ class Recipe:
     out_proj: bool = True
     # which of Q, K, V the module's position map (rotary) turns: "qk" as it should, "q" alone, or V as well
     rotary: Literal["qk", "q", "qkv"] = "qk"
+    # q_from, k_from and v_from hold only when K and V come from another tensor than the queries: a mistake in the
+    # cross-attention branch (Perceiver's ``if is_cross_attention:``), self-attention computed as it should be
+    cross_only: bool = False
 
     def changes(self) -> dict[str, object]:
         """The fields that differ from the textbook recipe."""
@@ -197,7 +200,12 @@ def recipe_attention(
     linear = {"q": (w.q_weight, w.q_bias), "k": (w.k_weight, w.k_bias), "v": (w.v_weight, w.v_bias)}
     H, G = num_heads, num_kv_heads
     s: dict[str, Tensor] = {}
-    for name, (proj, src) in (("q", recipe.q_from), ("k", recipe.k_from), ("v", recipe.v_from)):
+    sources = (("q", recipe.q_from), ("k", recipe.k_from), ("v", recipe.v_from))
+    if recipe.cross_only and all(
+        t is query or (t.shape == query.shape and torch.equal(t, query)) for t in (key, value)
+    ):
+        sources = (("q", ("q", "query")), ("k", ("k", "key")), ("v", ("v", "value")))  # self-attention: textbook
+    for name, (proj, src) in sources:
         s[name] = F.linear(inputs[src], *linear[proj])  # (B, T, n*D)
     B, T_q, T_k = query.size(0), query.size(1), s["k"].size(1)
     D = s["q"].size(-1) // H

@@ -292,7 +292,12 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
     if _shares_dropout(obj, param.name):
         p = 0.0  # nanoGPT's config.dropout also drops the output: the rate checks would see both; off
     default = param.default if param.default is not inspect.Parameter.empty else None
-    config = copy.copy(default) if default is not None else _annotated_default(obj, param, read) or SimpleNamespace()
+    known = {
+        f: v(E, H, G, p) if callable(v) else v for f in read if (v := _CONFIG_VALUES.get(f, _MISSING)) is not _MISSING
+    }
+    config = (
+        copy.copy(default) if default is not None else _annotated_default(obj, param, read, known) or SimpleNamespace()
+    )
     unknown: list[str] = []
     guessed: list[str] = []
     for field in read:
@@ -332,10 +337,14 @@ def _unfillable(spec: str, obj: Callable, arg: str, fields: list[str]) -> Target
     )
 
 
-def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str]) -> object | None:
+def _annotated_default(
+    obj: Callable, param: inspect.Parameter, read: list[str], known: dict[str, object] | None = None
+) -> object | None:
     """A config built from its own class's defaults: the class ``param`` is annotated with (Mistral's ``args:
     ModelArgs``), else the class of ``obj``'s file that builds with no arguments and carries the most of the
-    fields ``obj`` reads (at least half); None when there is none."""
+    fields ``obj`` reads (at least half); None when there is none. The ``known`` fields its constructor takes are
+    handed to it, so that the fields it derives from them (gpt-fast's ``__post_init__``: K/V heads, head_dim)
+    follow."""
     home = inspect.getmodule(obj)
     ann = param.annotation
     if isinstance(ann, str):  # from __future__ import annotations: look the name up where obj lives
@@ -351,9 +360,15 @@ def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str])
         classes = [c for _, c in sorted(scored, key=lambda t: -t[0])]
     for c in classes:
         try:
-            return c()
-        except Exception:
-            continue
+            takes = inspect.signature(c).parameters
+            kw = {k: v for k, v in (known or {}).items() if k in takes}
+        except (TypeError, ValueError):
+            kw = {}
+        for args in (kw, {}) if kw else ({},):
+            try:
+                return c(**args)
+            except Exception:
+                continue
     return None
 
 
