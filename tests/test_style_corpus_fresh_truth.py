@@ -1,10 +1,11 @@
 """Ground truth for tests/style_corpus_fresh/: each correct module is attention, each mistake visibly is not.
 
-The corpus holds modules written in eight styles no other corpus here covers: Meta's gpt-fast (fused ``wqkv``, a
+The corpus holds modules written in nine styles no other corpus here covers: Meta's gpt-fast (fused ``wqkv``, a
 ``kv_cache`` slot, SDPA with a bool mask), torchtune's MultiHeadAttention (projections handed in as modules,
 ``forward(x, y)``), DiT/PixArt's timm Attention with qk-norm, Hugging Face's Perceiver cross-attention (latents attend
 to inputs), T5 (d_kv, the mask folded into position_bias), mmcv's wrapper of ``nn.MultiheadAttention`` (time-first,
-an identity residual), Qwen2 (GQA with biased q/k/v, rotary inside, repeat_kv) and a JAX/Flax port (kernels as bare
+an identity residual), Qwen2 (GQA with biased q/k/v, rotary inside, repeat_kv), Qwen3 (Qwen2's with RMSNorm qk-norm
+before the rotary) and a JAX/Flax port (kernels as bare
 Parameters, ``einsum('...qhd,...khd->...hqk')``). Per style one correct module, one or two one-mistake modules, and
 each mistake's repaired twin (the correct code under the twin's docstring).
 
@@ -18,9 +19,7 @@ or repaired module must match to 1e-10 on every input; a mistake must miss by mo
 from __future__ import annotations
 
 import ast
-import math
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -32,13 +31,12 @@ from torch import Tensor, nn
 from attnlab.check.catalogue import MISTAKES
 from test_style_corpus_truth import declared
 from test_style_corpus_wild_truth import (
-    EXACT,
     F64,
     LENGTHS_S,
-    VISIBLE,
     B,
     Case,
     D,
+    Drivers,
     E,
     G,
     H,
@@ -48,15 +46,15 @@ from test_style_corpus_wild_truth import (
     additive,
     attend,
     causal_keep,
-    first,
     inputs,
+    judge,
     lin,
-    load,
     loop_attention,
     pad_keep,
     rotary_halves,
     rotary_pairs,
     rows,
+    run_cases,
     split,
     tf,
     with_attr,
@@ -64,7 +62,7 @@ from test_style_corpus_wild_truth import (
 
 CORPUS = Path(__file__).parent / "style_corpus_fresh"
 FILES = sorted(CORPUS.glob("*.py"))
-STYLES = ("gptfast", "torchtune", "dit", "perceiver", "t5", "mmcv", "qwen2", "jaxport")
+STYLES = ("gptfast", "torchtune", "dit", "perceiver", "t5", "mmcv", "qwen2", "qwen3", "jaxport")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -224,6 +222,35 @@ def cases_qwen2(m: nn.Module) -> list[Case]:
     ]  # fmt: skip
 
 
+def build_qwen3(mod: ModuleType) -> nn.Module:
+    m = mod.Qwen3Attention(mod.Qwen3Config(hidden_size=E, num_attention_heads=H, num_key_value_heads=G))
+    _seeded_(m.q_norm.weight, m.k_norm.weight)
+    return m
+
+
+def cases_qwen3(m: nn.Module) -> list[Case]:
+    i = inputs()
+    rope = rotary_halves(m.rotary_emb.inv_freq, D)
+    causal = causal_keep()
+    eps = m.q_norm.variance_epsilon
+
+    def rms(x: Tensor, weight: Tensor) -> Tensor:  # over the head's D features
+        return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def want(x: Tensor, keep: Tensor | None) -> Tensor:
+        qh = rope(rms(split(x, lin(m.q_proj), H), m.q_norm.weight))
+        kh = rope(rms(split(x, lin(m.k_proj), G), m.k_norm.weight)).repeat_interleave(H // G, dim=1)
+        vh = split(x, lin(m.v_proj), G).repeat_interleave(H // G, dim=1)
+        return F.linear(loop_attention(qh, kh, vh, keep).transpose(1, 2).flatten(2), *lin(m.o_proj))
+
+    return [
+        ("no mask", lambda: m(i.x)[0], want(i.x, None)),
+        ("causal (B,1,T,T) additive", lambda: m(i.x, attention_mask=additive(causal[None, None].expand(B, 1, T, T)))[0],
+         want(i.x, causal)),
+        ("T=5, no mask", lambda: m(i.k)[0], want(i.k, None)),
+    ]  # fmt: skip
+
+
 def build_jaxport(mod: ModuleType) -> nn.Module:
     m = mod.MultiHeadDotProductAttention(H, E)
     _seeded_(m.query.bias, m.key.bias, m.value.bias, m.out.bias)
@@ -247,31 +274,7 @@ def cases_jaxport(m: nn.Module) -> list[Case]:
     ]  # fmt: skip
 
 
-DRIVERS: dict[str, tuple[Callable[[ModuleType], nn.Module], Callable[[nn.Module], list[Case]]]] = {
-    s: (globals()[f"build_{s}"], globals()[f"cases_{s}"]) for s in STYLES
-}
-
-
-def run_cases(path: Path) -> list[tuple[str, float | Exception]]:
-    """[(label, max abs diff from the reference, or the exception the module raised)] for one corpus file."""
-    mod = load(path)
-    build, cases = DRIVERS[mod.STYLE]
-    torch.manual_seed(0)
-    m = build(mod).double().eval()
-    assert type(m).__name__ == mod.TARGET
-    results: list[tuple[str, float | Exception]] = []
-    with torch.no_grad():
-        for label, call, want in cases(m):
-            try:
-                got = first(call())
-            except Exception as err:  # a mistake may break one call form; the others must still show it
-                results.append((label, err))
-                continue
-            assert got.shape == want.shape, (
-                f"{path.name} [{label}]: output {tuple(got.shape)}, want {tuple(want.shape)}"
-            )
-            results.append((label, (got - want).abs().nan_to_num(nan=math.inf).max().item()))
-    return results
+DRIVERS: Drivers = {s: (globals()[f"build_{s}"], globals()[f"cases_{s}"]) for s in STYLES}
 
 
 # ----------------------------------------------------------------------------- tests
@@ -316,11 +319,4 @@ def test_every_style_has_a_correct_module_and_twinned_mistakes() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_against_reference(path: Path) -> None:
-    results = run_cases(path)
-    table = "; ".join(f"{label}: {r if isinstance(r, Exception) else f'{r:.2e}'}" for label, r in results)
-    if declared(path)["EXPECTED"] == "pass":
-        bad = [(label, r) for label, r in results if isinstance(r, Exception) or r > EXACT]
-        assert not bad, f"{path.name} is declared correct but misses the reference: {table}"
-    else:
-        worst = max((r for _, r in results if not isinstance(r, Exception)), default=0.0)
-        assert worst > VISIBLE, f"{path.name} ({declared(path)['EXPECTED']}) matches the reference: {table}"
+    judge(path, run_cases(path, DRIVERS))

@@ -212,6 +212,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "heads are split with view(B, H, T, D) directly, without view(B, T, H, D).transpose(1, 2): positions and heads are mixed",
         "q = q.view(B, T, num_heads, head_dim).transpose(1, 2)  # (B, H, T, D)",
         S_SPLIT, "every output row", _R(split="no_transpose"),
+        also=(_R(split="time_first_memory"),),  # fairseq's view(B*H, T, D) of (T, B, E) memory, not transposed
     ),
     Mistake(
         "merge_without_transpose", "recipe",
