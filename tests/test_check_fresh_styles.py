@@ -33,8 +33,9 @@ NOT_YET: dict[str, str] = {
             "jaxport_softmax_query_axis",
             "jaxport_softmax_query_axis_repaired",
         ),
-        "no nn.Linear: the projections are bare (in, H, D) and (H, D, E) Parameters applied by einsum; names find "
-        "none, and the data-flow reading raises on the '...'-einsums (a permute of the wrong rank)",
+        "no nn.Linear: the projections are bare (in, H, D) and (H, D, E) Parameters applied by einsum, so names "
+        "find none; the data-flow reading stops at the '...' of the einsum equations (product_sides does not "
+        "expand it), and past that reads a feature only as a row of a 2-D parameter, not a slice of a 3-D kernel",
     ),
     "gptfast_gqa_kv_heads_tiled": "gpt-fast's n_local_heads is no K/V-heads name check knows, and its default (-1) "
     "means as many as the heads: built as plain multi-head attention the tiling changes nothing",

@@ -1652,6 +1652,17 @@ class HeadMap:
 
 @torch.no_grad()
 def find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G: int) -> dict[str, HeadMap]:
+    """The maps the module applies to each Q or K vector before the scores (qk-norm), found in eval mode (the
+    experiments compare calls: dropout off); see :func:`_find_head_maps`."""
+    training = module.training
+    module.eval()
+    try:
+        return _find_head_maps(module, form, p, H, G)
+    finally:
+        module.train(training)
+
+
+def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G: int) -> dict[str, HeadMap]:
     """The submodules the module applies to the Q or K heads before the scores, each to every vector alone
     (qk-norm), by data flow: a call of a submodule whose input is a projection's output (merged, (B, T, n, D),
     (B, n, T, D) or (B*n, T, D)), whose output differs from it and whose map commutes with reordering positions
