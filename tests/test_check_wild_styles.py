@@ -57,27 +57,29 @@ NOT_YET: dict[str, str] = {
     ),
     "swin_rows_misassigned": "the window mask has one row per window, fewer than the folded batch: handed one row per "
     "sequence (as many as the batch), a repeat_interleave where the windows repeat fastest changes nothing",
-    "fairseq_split_without_transpose": "a time-first module whose split mixes batch rows and positions is called "
-    "batch-first (neither layout keeps the rows apart), and no recipe folds heads from (T, B, E) memory",
 }
 
 
-def _quick(path: Path) -> bool:
+def _quick(path: Path, files: list[Path] | None = None) -> bool:
     """Each style's correct module and its first mistake (by name) run in ``make test``; the rest are slow."""
     style = path.stem.split("_")[0]
-    same = [p for p in FILES if p.stem.split("_")[0] == style]
+    same = [p for p in (FILES if files is None else files) if p.stem.split("_")[0] == style]
     mistakes = [p for p in same if _constants(p)["EXPECTED"] != "pass"]
     return path.stem == f"{style}_correct" or (bool(mistakes) and path == mistakes[0])
 
 
-def _marks(path: Path) -> list[pytest.MarkDecorator]:
-    marks = [] if _quick(path) else [pytest.mark.slow]
-    if path.stem in NOT_YET:
-        marks.append(pytest.mark.xfail(strict=True, reason=NOT_YET[path.stem]))
+def marks_of(
+    path: Path, files: list[Path] | None = None, not_yet: dict[str, str] | None = None
+) -> list[pytest.MarkDecorator]:
+    """``slow`` unless the file runs in ``make test``; a strict xfail where ``not_yet`` (default: NOT_YET) names it."""
+    known = NOT_YET if not_yet is None else not_yet
+    marks = [] if _quick(path, files) else [pytest.mark.slow]
+    if path.stem in known:
+        marks.append(pytest.mark.xfail(strict=True, reason=known[path.stem]))
     return marks
 
 
-CASES = [pytest.param(p, id=p.stem, marks=_marks(p)) for p in FILES]
+CASES = [pytest.param(p, id=p.stem, marks=marks_of(p)) for p in FILES]
 
 
 @pytest.mark.parametrize("path", CASES)

@@ -606,10 +606,14 @@ STYLES = (
 DRIVERS = {s: (globals()[f"build_{s}"], globals()[f"cases_{s}"]) for s in STYLES}
 
 
-def run_cases(path: Path) -> list[tuple[str, float | Exception]]:
-    """[(label, max abs diff from the reference, or the exception the module raised)] for one corpus file."""
+Drivers = dict[str, tuple[Callable[[ModuleType], nn.Module], Callable[[nn.Module], list[Case]]]]
+
+
+def run_cases(path: Path, drivers: Drivers | None = None) -> list[tuple[str, float | Exception]]:
+    """[(label, max abs diff from the reference, or the exception the module raised)] for one corpus file, by its
+    style's driver in ``drivers`` (default: this corpus's)."""
     mod = load(path)
-    build, cases = DRIVERS[mod.STYLE]
+    build, cases = (DRIVERS if drivers is None else drivers)[mod.STYLE]
     torch.manual_seed(0)
     m = build(mod).double().eval()
     assert type(m).__name__ == mod.TARGET
@@ -682,7 +686,11 @@ def test_the_corpus_is_wide() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_against_reference(path: Path) -> None:
-    results = run_cases(path)
+    judge(path, run_cases(path))
+
+
+def judge(path: Path, results: list[tuple[str, float | Exception]]) -> None:
+    """A module declared correct matches the reference on every case; a mistake misses it visibly on one."""
     table = "; ".join(f"{label}: {r if isinstance(r, Exception) else f'{r:.2e}'}" for label, r in results)
     if declared(path)["EXPECTED"] == "pass":
         bad = [(label, r) for label, r in results if isinstance(r, Exception) or r > EXACT]

@@ -94,6 +94,9 @@ class Projections:
     # a position map the module applies to Q and K after the projection (rotary), found by
     # attnlab.check.dataflow: the reference applies the same one (an object with apply(x (..., T, D)))
     rotary: Any = None
+    # maps the module applies to the Q or K heads after the projection and before the scores, each to every vector
+    # alone (qk-norm: DiT's, Qwen3's q_norm and k_norm): {"q": map, "k": map}, each an object with apply(x (B, n, T, D))
+    head_maps: Any = None
 
     def to(self, dtype: torch.dtype) -> Projections:
         """Detached copies in ``dtype``: the reference must not feed gradients into the target."""
@@ -101,8 +104,14 @@ class Projections:
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(dtype)
 
-        weights = {f: cast(getattr(self, f)) for f in self.__dataclass_fields__ if f != "rotary"}
-        return Projections(**weights, rotary=self.rotary)  # type: ignore[arg-type]
+        weights = {f: cast(getattr(self, f)) for f in self.__dataclass_fields__ if f not in ("rotary", "head_maps")}
+        return Projections(**weights, rotary=self.rotary, head_maps=self.head_maps)  # type: ignore[arg-type]
+
+    def normed(self, role: str, x: Tensor) -> Tensor:
+        """``x`` ``(B, n, T, D)``, the ``role`` ("q" or "k") heads, through the module's own map for them (none: as
+        it is)."""
+        found = (self.head_maps or {}).get(role)
+        return x if found is None else found.apply(x)
 
     def rotate(self, x: Tensor) -> Tensor:
         """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is)."""

@@ -212,6 +212,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "heads are split with view(B, H, T, D) directly, without view(B, T, H, D).transpose(1, 2): positions and heads are mixed",
         "q = q.view(B, T, num_heads, head_dim).transpose(1, 2)  # (B, H, T, D)",
         S_SPLIT, "every output row", _R(split="no_transpose"),
+        also=(_R(split="time_first_memory"),),  # fairseq's view(B*H, T, D) of (T, B, E) memory, not transposed
     ),
     Mistake(
         "merge_without_transpose", "recipe",
@@ -245,6 +246,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "V is computed with k_proj: v = k_proj(value)",
         "v = self.v_proj(value)",
         S_PROJ, "every output row (and dropout_rate, whose contexts are V)", _R(v_from=("k", "value")),
+        also=(_R(v_from=("k", "value"), cross_only=True),),  # in the cross-attention branch alone
     ),
     Mistake(
         "v_uses_q_proj", "recipe",

@@ -151,6 +151,10 @@ def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
         k = rnd(B, Tk, a.kdim)  # (B, T_k, kdim)
         v = k if getattr(a, "shared_kv", False) else rnd(B, Tk, a.vdim)  # (B, T_k, vdim)
         probes.insert(1, _Probe("cross", rnd(B, T, E), k, v, {}))
+        if Tk != T:  # K and V as long as the queries: a mistake that crashes at another length shows what it does
+            k2 = rnd(B, T, a.kdim)  # (B, T, kdim)
+            v2 = k2 if getattr(a, "shared_kv", False) else rnd(B, T, a.vdim)
+            probes.insert(2, _Probe("cross, T_k = T_q", rnd(B, T, E), k2, v2, {}))
     masks = getattr(a, "masks", None)
     if masks is not None and masks.bool_reading is None and masks.use == "float":
         raw = keep[0]  # (T, T): handed untranslated, as a user would
@@ -802,12 +806,22 @@ def diagnose(
         )
         return causes
     rest = [r.name for r in failing if r.name not in explained]
-    probes = _run_probes(a, seed) if rest else []
+    # K and V viewed with the key's length crash when they were computed from the query: that mistake, if the
+    # recipes find it, is the cause, and the crash its consequence
+    length = next((c for c in causes if c.id == "key_length_from_query"), None)
+    probes = _run_probes(a, seed) if rest or length is not None else []
     textbook_off = False
-    if rest:
+    if rest or length is not None:
         found, textbook_off = _recipe_causes(
-            a, probes, rest, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_by_mistake
-        )
+            a, probes, [*rest, *(length.explains if length else ())], seed=seed, batch=batch, seq_len=seq_len,
+            nan_rows=nan_by_mistake,
+        )  # fmt: skip
+        from_query = next((c for c in found[:3] if c.id == "kv_from_query"), None)
+        if length is not None and from_query is not None:
+            causes.remove(length)
+            explained.difference_update(length.explains)
+            joined = replace(from_query, explains=tuple(dict.fromkeys((*from_query.explains, *length.explains))))
+            found = [joined, *(c for c in found if c.id != "kv_from_query")]
         # most likely first; more than three fitting mistakes would say that the probes cannot tell them apart
         for c in found[:3]:
             add(c)

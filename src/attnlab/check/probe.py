@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -170,6 +171,11 @@ class CallForm:
     padding_self_only: bool = False
     # it declares batch_first = True yet reads (T, B, E): called batch-first (the mistake shows), read time-first
     declared_batch_first: bool = False
+    # the inputs after the first are not the next positional parameters (T5's forward(hidden_states, mask=None,
+    # key_value_states=None)): they go by keyword
+    rest_by_name: bool = False
+    # the output is the query plus the attention (mmcv's identity connection): the query is taken off again
+    residual: bool = False
 
     def describe(self) -> str:
         sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
@@ -182,6 +188,12 @@ def _roles(names: list[str]) -> list[str] | None:
     """``names`` as query/key/value when each names one of them (``forward(v, k, q)``), else None."""
     roles = [next((r for r, spellings in _INPUT_ROLES.items() if name_key(n) in spellings), "") for n in names]
     return roles if sorted(roles) == ["key", "query", "value"] else None
+
+
+def _rest_by_name(params: dict[str, inspect.Parameter], names: tuple[str, ...]) -> bool:
+    """Whether ``names`` (the inputs, in order) are not the first positional parameters of the signature."""
+    order = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return list(names) != order[: len(names)]
 
 
 def read_call_form(module: nn.Module) -> CallForm:
@@ -220,6 +232,9 @@ def read_call_form(module: nn.Module) -> CallForm:
         by_name=roles is not None and roles != ["query", "key", "value"],
         keyword_only=bool(inputs) and params[inputs[0]].kind == inspect.Parameter.KEYWORD_ONLY,
         context_optional=n_inputs == 2 and params[inputs[1]].default is None,
+        rest_by_name=bool(inputs)
+        and params[inputs[0]].kind != inspect.Parameter.KEYWORD_ONLY
+        and _rest_by_name(params, tuple(inputs[:n_inputs])),
     )
 
 
@@ -227,6 +242,11 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
     """``module`` called in ``form`` with ``qkv`` (the first ``form.inputs`` of them) and ``kwargs``; a mask
     argument without a default gets None when ``kwargs`` has none."""
     kwargs = {**{n: None for n in form.required_none}, **kwargs}
+    if form.residual:  # the output less the query it adds back
+        out = _call(module, replace(form, residual=False), qkv, kwargs)
+        if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
+            return (out[0] - qkv[0], *out[1:])
+        return out - qkv[0] if isinstance(out, Tensor) else out
     if form.time_first:  # (B, T, E) -> (T, B, E) in, and the output back
         out = _call(module, replace(form, time_first=False), tuple(t.transpose(0, 1) for t in qkv), kwargs)
         if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
@@ -236,6 +256,8 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
         return module(qkv[0], **kwargs)
     if form.keyword_only:
         return module(**dict(zip(form.input_names, qkv, strict=False)), **kwargs)
+    if form.rest_by_name and not form.by_name:  # forward(x, mask=None, context=None): the context by its name
+        return module(qkv[0], **dict(zip(form.input_names[1:], qkv[1 : form.inputs], strict=False)), **kwargs)
     if form.by_name:  # forward(v, k, q): each by its own name
         roles = _roles(list(form.input_names))
         assert roles is not None  # read_call_form saw them
@@ -265,7 +287,8 @@ def _with_context(module: nn.Module, form: CallForm, E: int, dtype: torch.dtype)
     named = any(w in name_key(names[1]) for w in ("xa", "context", "memory", "encoder", "kv", "src", "source", "cross"))
     if not depends and not named:  # a context that changes nothing, under a name that says nothing: not one
         return form
-    return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True)
+    return replace(form, inputs=2, input_names=(names[0], names[1]), context_optional=True,
+                   rest_by_name=_rest_by_name(params, (names[0], names[1])))  # fmt: skip
 
 
 def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
@@ -276,15 +299,65 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
     A module that declares ``batch_first = True`` (an attribute, as ``nn.MultiheadAttention``'s) is called
     batch-first whatever it does: one that then reads its inputs as (T, B, E) makes the ``batch_seq_swapped``
     mistake (time-first inputs handed to ``F.multi_head_attention_forward`` untransposed), which the checks show."""
-    found = _layout_by_experiment(module, form, embed_dim)
+    form = context_required(module, form, embed_dim)
+    found = _with_residual(module, _layout_by_experiment(module, form, embed_dim), embed_dim)
     if found.time_first and getattr(module, "batch_first", None) is True:
-        return replace(form, declared_batch_first=True)
+        return replace(found, time_first=False, declared_batch_first=True)
     return found
 
 
 @torch.no_grad()
+def context_required(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` taking K and V from its second argument when the module, called with the first alone, raises but
+    runs with both (torchtune's ``forward(x, y=None)``: self-attention passes x twice, y=None reads a cache)."""
+    names, params = _param_names(module.forward)
+    names = [n for n in names if n not in _CAUSAL_ARGS + _WEIGHTS_ARGS]
+    widths = [embed_dim] if embed_dim else [p.size(-1) for p in module.parameters() if p.dim() == 2][:1]
+    if form.inputs != 1 or len(names) < 2 or not widths or form.keyword_only:
+        return form
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    x = torch.randn(2, 5, widths[0], generator=torch.Generator().manual_seed(94)).to(dtype)
+    try:
+        _call(module, form, (x, x, x), {})
+        return form  # it runs on its own
+    except Exception:
+        pass
+    both = replace(
+        form, inputs=2, input_names=(names[0], names[1]), rest_by_name=_rest_by_name(params, (names[0], names[1]))
+    )
+    try:
+        out = _first(_call(module, both, (x, x, x), {}))
+    except Exception:
+        return form
+    return both if isinstance(out, Tensor) and out.shape == x.shape else form
+
+
+@torch.no_grad()
+def _with_residual(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` with ``residual`` set when the module adds its query to what it returns (mmcv's identity
+    connection): with every parameter zero the attention gives zeros, and such a module gives back its query."""
+    if embed_dim is None or form.inputs == 0:
+        return form
+    g = torch.Generator().manual_seed(97)
+    try:
+        zeroed = copy.deepcopy(module).eval()
+        for p in zeroed.parameters():
+            p.zero_()
+        dtype = next((p.dtype for p in zeroed.parameters() if p.is_floating_point()), torch.float32)
+        x = torch.randn(2, 5, embed_dim, generator=g).to(dtype)
+        out = _first(_call(zeroed, form, (x, x, x), {}))
+    except Exception:
+        return form
+    if not isinstance(out, Tensor) or out.shape != x.shape or not torch.allclose(out, x, atol=1e-6, rtol=1e-5):
+        return form
+    return replace(form, residual=True)
+
+
+@torch.no_grad()
 def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
-    if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
+    # (a wrapper that says batch_first = False, as mmcv's does, is time-first by its own word: found by experiment)
+    wrapper_says = getattr(module, "batch_first", None) is False and not isinstance(module, nn.MultiheadAttention)
+    if not wrapper_says and any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
         # a wrapper of torch's layer: its batch_first decides, and a wrapper that hands it (B, T, E) while it reads
         # (T, B, E) makes the batch_seq_swapped mistake (the wrapper's inputs are taken as batch-first)
         return form
@@ -317,10 +390,27 @@ def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | No
                 return form
             if float(diff[:, 1:].max()) <= 1e-6 * size:
                 return replace(form, time_first=True)
-            return form
+            return _layout_by_padding(module, form, x)  # rows mixed either way (a mistaken split): the masks say
     finally:
         module.train(training)
     return form
+
+
+def _layout_by_padding(module: nn.Module, form: CallForm, x: Tensor) -> CallForm:
+    """``form`` time-first when a key padding mask ``(B, T)`` fits the module only called so: a module whose rows
+    mix in either layout (fairseq's split from (T, B, E) memory without its transpose) still reads its masks in
+    its own."""
+    if form.padding_arg is None:
+        return form
+    pad = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T), nothing padded
+    runs = {}
+    for time_first in (False, True):
+        try:
+            _call(module, replace(form, time_first=time_first), (x, x, x), {form.padding_arg: pad})
+            runs[time_first] = True
+        except Exception:
+            runs[time_first] = False
+    return replace(form, time_first=True) if runs[True] and not runs[False] else form
 
 
 _Layout = Literal[
@@ -396,6 +486,7 @@ class _Probed:
     reading: Reading | None = None  # the data flow, at this size (another size reads it again)
     padding_keeps: bool = False  # its key padding mask reads True = a real token (flash-attn's, HF's)
     max_len: int | None = None  # the longest sequence it runs (a causal buffer of fixed length); None: any
+    causal_unless_masked: bool = False  # causal when no mask is handed, the mask alone otherwise
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -515,7 +606,11 @@ class ProbedAdapter(AttentionAdapter):
                 if not self._compares_mask():  # masked_fill(mask, -inf): True = blocked is its own convention
                     self.convention = "block"
                     self.bool_mask_convention = self.convention
+            self.causal_unless_masked = False  # until probed
+            self.causal_unless_masked = self.always_causal and self.probe_causal_unless_masked()
+            self.always_causal = self.always_causal and not self.causal_unless_masked
         else:
+            self.causal_unless_masked = _forms.causal_unless_masked
             self.form, self.masks = _forms.form, _forms.masks
             self.padding_keeps, self.max_len = _forms.padding_keeps, _forms.max_len
             self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
@@ -537,8 +632,9 @@ class ProbedAdapter(AttentionAdapter):
 
     def _probed(self) -> _Probed:
         return _Probed(
-            self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps, self.max_len
-        )
+            self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps, self.max_len,
+            self.causal_unless_masked,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """How check calls the module, for the report: its call form, what its mask means, what is folded into it."""
@@ -561,6 +657,11 @@ class ProbedAdapter(AttentionAdapter):
             f"every check stays within it)"
         )
 
+    @property
+    def adds_query(self) -> bool:
+        """Whether the module returns query + attention (an identity connection), taken off by each call."""
+        return self.form.residual
+
     def describe_call(self) -> str | None:
         """One line: the call form, the mask convention found, causality, and where the weights came from."""
         f, parts = self.form, [f"called as {self.form.describe()}"]
@@ -574,6 +675,8 @@ class ProbedAdapter(AttentionAdapter):
             parts.append(f"key padding: {f.padding_arg} (True = {own}{apart})")
             if self.padding_note:
                 parts.append(self.padding_note)
+        if f.residual:
+            parts.append("returns query + attention (an identity connection): the query is taken off the output")
         if self.always_causal:
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
@@ -581,6 +684,13 @@ class ProbedAdapter(AttentionAdapter):
         if self.max_len is not None:
             parts.append(self._longest().removeprefix("; "))
         parts.append(self.describe_weights())
+        maps = self.projections().head_maps or {}
+        if maps:
+            names = {id(m): n for n, m in self.module.named_modules()}
+            each = ", ".join(f"{names.get(id(h.module), type(h.module).__name__)} on {r}" for r, h in maps.items())
+            parts.append(f"a per-vector map of the heads before the scores ({each}; qk-norm), applied by the reference")
+            if self._mapless is not None and self._mapless.rotary is not None:
+                parts.append(f"then {self._mapless.rotary.describe()}, read with those maps taken out")
         return "; ".join(parts)
 
     def describe_weights(self) -> str:
@@ -615,6 +725,22 @@ class ProbedAdapter(AttentionAdapter):
         return self.expected_scale
 
     def projections(self) -> Projections:
+        p = self._projections()
+        if not hasattr(self, "form"):  # still being built: its call form is not known yet
+            return p
+        if not hasattr(self, "_head_maps"):
+            self._head_maps = find_head_maps(self.module, self.form, p, self.num_heads, self.num_kv_heads)
+            # the data flow cannot be read through a norm: read once more with the maps taken out, for the rotary
+            # the module applies after them (Qwen3's, OLMo's q_norm then rotary)
+            self._mapless: Reading | None = None
+            if self._head_maps and p.rotary is None:
+                form = replace(self.form, time_first=self.form.time_first or self.form.declared_batch_first)
+                self._mapless = _read(_without(self.module, self._head_maps), form, self.found, self.embed_dim)
+        if self._mapless is not None and self._mapless.rotary is not None and p.rotary is None:
+            p = replace(p, rotary=self._mapless.rotary)
+        return replace(p, head_maps=self._head_maps) if self._head_maps else p
+
+    def _projections(self) -> Projections:
         f, m = self.found, self.module
         if self.use_reading and self.reading is not None:
             return _read_projections(m, self.reading, f)
@@ -841,6 +967,8 @@ class ProbedAdapter(AttentionAdapter):
             else:
                 pad_keep = (~key_padding_mask)[:, None, :].expand(B, T_q, T_k)  # (B, T_q, T_k)
                 keep = pad_keep if keep is None else keep & pad_keep
+        if self.causal_unless_masked and keep is None and not is_causal:  # mask-less it would be causal: all keys
+            keep = torch.ones(T_q, T_k, dtype=torch.bool, device=query.device)  # (T_q, T_k)
         if is_causal and not self.always_causal:  # an always-causal module masks the future by itself
             if form.causal_arg is not None and not form.torch_form:
                 kwargs[form.causal_arg] = True
@@ -1184,6 +1312,32 @@ class ProbedAdapter(AttentionAdapter):
         return past_alone and reaches_later and earlier_reaches
 
     @torch.no_grad()
+    def probe_causal_unless_masked(self) -> bool:
+        """Whether a module found causal is so only when no mask is handed (torchtune's and Hugging Face's SDPA
+        paths: ``is_causal = mask is None``): with a mask that keeps every key, a later token reaches earlier
+        outputs."""
+        if self.form.mask_arg is None or self.form.causal_arg is not None:
+            return False
+        g = torch.Generator().manual_seed(4322)
+        w = self.projections().q_weight
+        B, T, p = 2, 7, 4
+        x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
+        moved = x.clone()
+        moved[:, p] += 3.0 * torch.randn(B, self.embed_dim, generator=g).to(w)
+        every = torch.ones(T, T, dtype=torch.bool, device=w.device)  # (T, T): every key kept
+        training = self.module.training
+        self.module.eval()
+        try:
+            base = _first(self._run(x, x, x, every, None, False, weights=False))
+            late = _first(self._run(moved, moved, moved, every, None, False, weights=False)) - base
+        except Exception:
+            return False
+        finally:
+            self.module.train(training)
+        size = base.abs().max().clamp_min(1e-12)
+        return float(late[:, :p].abs().max() / size) > SEEN
+
+    @torch.no_grad()
     def probe_qkv_order(self) -> tuple[str, ...] | None:
         """A fused projection's thirds in their order of use, told apart by adding a constant vector to one third's
         output at every position: softmax ignores it on the keys; on the values, it shifts every output alike
@@ -1473,6 +1627,138 @@ def stated_polarity(fn: Callable, arg: str) -> Literal["keep", "block"] | None:
                 found.add(("block" if kind == "keep" else "keep") if negated else kind)
                 break
     return next(iter(found)) if len(found) == 1 else None
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """A map the module applies to each Q or K vector alone between the projection and the scores (qk-norm), found
+    by :func:`find_head_maps`: the reference calls the module's own submodule, with its weights in the reference's
+    dtype, on ``(B, n, T, D)`` heads (or on them merged to ``(B, T, n*D)`` when the module calls it so)."""
+
+    module: nn.Module
+    flat: bool  # called on the merged heads (B, T, n*D) rather than on (..., D)
+
+    def apply(self, x: Tensor) -> Tensor:
+        state = {
+            n: t.detach().to(device=x.device, dtype=x.dtype) if t.is_floating_point() else t.to(x.device)
+            for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]
+        }
+        if not self.flat:
+            return torch.func.functional_call(self.module, state, (x,))
+        B, n, T, D = x.shape
+        y = torch.func.functional_call(self.module, state, (x.transpose(1, 2).reshape(B, T, n * D),))
+        return y.view(B, T, n, D).transpose(1, 2)
+
+
+@torch.no_grad()
+def find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G: int) -> dict[str, HeadMap]:
+    """The maps the module applies to each Q or K vector before the scores (qk-norm), found in eval mode (the
+    experiments compare calls: dropout off); see :func:`_find_head_maps`."""
+    training = module.training
+    module.eval()
+    try:
+        return _find_head_maps(module, form, p, H, G)
+    finally:
+        module.train(training)
+
+
+def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G: int) -> dict[str, HeadMap]:
+    """The submodules the module applies to the Q or K heads before the scores, each to every vector alone
+    (qk-norm), by data flow: a call of a submodule whose input is a projection's output (merged, (B, T, n, D),
+    (B, n, T, D) or (B*n, T, D)), whose output differs from it and whose map commutes with reordering positions
+    and heads. Which side of the scores it feeds is found by experiment: moved at position 0, a map on the query
+    side changes output row 0 alone, one on the key side the other rows too. {} when there is none."""
+    if form.time_first or form.residual:
+        return {}
+    E = p.q_weight.size(-1)
+    params = [t for t in module.parameters() if t.is_floating_point()]
+    if not params:
+        return {}
+    dtype, device = params[0].dtype, params[0].device
+    x = torch.randn(2, 5, E, generator=torch.Generator().manual_seed(96)).to(device=device, dtype=dtype)
+    B, T = x.shape[:2]
+    refs: list[tuple[Tensor, int]] = []  # (a projection's output in each layout, the layout's position axis)
+    for w, b, n in ((p.q_weight, p.q_bias, H), (p.k_weight, p.k_bias, G)):
+        flat = F.linear(x, w.to(dtype), None if b is None else b.to(dtype))  # (B, T, n*D)
+        heads = flat.view(B, T, n, -1)
+        refs += [(flat, 1), (heads, 1), (heads.transpose(1, 2), 2), (heads.transpose(1, 2).flatten(0, 1), 1)]
+    leaves = [m for m in module.modules() if m is not module and not any(True for _ in m.children())]
+    calls: list[tuple[nn.Module, object, object]] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, i[0] if i else None, o))) for m in leaves]
+    try:
+        base = _first(_call(module, form, (x, x, x), {}))
+    except Exception:
+        return {}
+    finally:
+        for h in hooks:
+            h.remove()
+    if not isinstance(base, Tensor) or base.shape[:2] != (B, T):
+        return {}
+    size = float(base.abs().max().clamp_min(1e-12))
+    found: dict[str, HeadMap] = {}
+    for index, (sub, t, out) in enumerate(calls):
+        if not (isinstance(t, Tensor) and isinstance(out, Tensor) and out.shape == t.shape and t.dim() >= 3):
+            continue
+        axis = next((a for r, a in refs if r.shape == t.shape and torch.allclose(t, r, rtol=1e-4, atol=1e-5)), None)
+        if axis is None or torch.allclose(out, t, rtol=1e-4, atol=1e-5) or not _per_vector(sub, t, out):
+            continue
+        side = _side_of_scores(module, form, x, base, size, index, axis)
+        if side is not None and side not in found:
+            found[side] = HeadMap(sub, flat=t.size(-1) != p.q_weight.size(0) // H)
+    return found
+
+
+def _without(module: nn.Module, maps: dict[str, HeadMap]) -> nn.Module:
+    """A copy of ``module`` with the submodules of ``maps`` replaced by ``nn.Identity``."""
+    ids = {id(h.module) for h in maps.values()}
+    names = [n for n, m in module.named_modules() if id(m) in ids and n]
+    made = copy.deepcopy(module)
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        setattr(made.get_submodule(parent) if parent else made, leaf, nn.Identity())
+    return made
+
+
+def _per_vector(sub: nn.Module, t: Tensor, out: Tensor) -> bool:
+    """Whether ``sub`` maps each vector alone: its output commutes with reversing any axis but the last."""
+    try:
+        return all(
+            torch.allclose(sub(t.flip(d)), out.flip(d), rtol=1e-4, atol=1e-5)
+            for d in range(t.dim() - 1)
+            if t.size(d) > 1
+        )
+    except Exception:
+        return False
+
+
+def _side_of_scores(
+    module: nn.Module, form: CallForm, x: Tensor, base: Tensor, size: float, index: int, axis: int
+) -> str | None:
+    """ "q" or "k": the side of the scores the ``index``-th submodule call feeds, by moving its output at position 0."""
+    seen = [0]
+
+    def move(m: nn.Module, i: tuple, o: Tensor) -> Tensor | None:
+        seen[0] += 1
+        if seen[0] - 1 != index:
+            return None
+        o = o.clone()
+        row = o.select(axis, 0)  # a random push: a constant one may be orthogonal to what it meets (a normed K)
+        row.add_(torch.randn(row.shape, generator=torch.Generator().manual_seed(95)).to(row))
+        return o
+
+    leaves = [m for m in module.modules() if m is not module and not any(True for _ in m.children())]
+    hooks = [m.register_forward_hook(move) for m in leaves]
+    try:
+        moved = _first(_call(module, form, (x, x, x), {}))
+    except Exception:
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+    diff = (moved - base).abs()
+    if float(diff[:, 1:].max()) > 1e-6 * size:
+        return "k"
+    return "q" if float(diff[:, 0].max()) > 1e-6 * size else None
 
 
 def _sequence(query: Tensor, key: Tensor, value: Tensor, b: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -41,7 +41,11 @@ class Recipe:
     q_from: tuple[Proj, Source] = ("q", "query")  # Q = q_proj(query)
     k_from: tuple[Proj, Source] = ("k", "key")  # K = k_proj(key)
     v_from: tuple[Proj, Source] = ("v", "value")  # V = v_proj(value)
-    split: Literal["heads", "no_transpose", "interleaved"] = "heads"  # view(B, T, H, D).transpose(1, 2)
+    # "time_first_memory": fairseq's view(B*H, T, D) taken straight from (T, B, E) memory: batch rows, heads and
+    # positions mixed
+    split: Literal["heads", "no_transpose", "interleaved", "time_first_memory"] = (
+        "heads"  # view(B, T, H, D).transpose(1, 2)
+    )
     kv_repeat: Literal["interleave", "tile"] = "interleave"  # GQA: K/V head g serves queries g*H/G ..
     scale: Literal["expected", "embed_dim", "none", "head_dim", "multiplied", "quarter", "length"] = "expected"
     scale_after_softmax: bool = False  # the factor applied to the weights instead of the scores
@@ -70,6 +74,9 @@ class Recipe:
     out_proj: bool = True
     # which of Q, K, V the module's position map (rotary) turns: "qk" as it should, "q" alone, or V as well
     rotary: Literal["qk", "q", "qkv"] = "qk"
+    # q_from, k_from and v_from hold only when K and V come from another tensor than the queries: a mistake in the
+    # cross-attention branch (Perceiver's ``if is_cross_attention:``), self-attention computed as it should be
+    cross_only: bool = False
 
     def changes(self) -> dict[str, object]:
         """The fields that differ from the textbook recipe."""
@@ -115,6 +122,8 @@ def _split(x: Tensor, n: int, how: str) -> Tensor:
         return x.reshape(B, n, T, D)  # the memory of (B, T, n*D) reread as (B, n, T, D): positions and heads mixed
     if how == "interleaved":
         return x.view(B, T, D, n).permute(0, 3, 1, 2)  # head h takes every n-th feature
+    if how == "time_first_memory":  # the (T, B, n*D) memory of a time-first module reread as (B*n, T, D)
+        return x.transpose(0, 1).reshape(B * n, T, D).view(B, n, T, D)
     return x.view(B, T, n, D).transpose(1, 2)  # (B, n, T, D)
 
 
@@ -197,13 +206,20 @@ def recipe_attention(
     linear = {"q": (w.q_weight, w.q_bias), "k": (w.k_weight, w.k_bias), "v": (w.v_weight, w.v_bias)}
     H, G = num_heads, num_kv_heads
     s: dict[str, Tensor] = {}
-    for name, (proj, src) in (("q", recipe.q_from), ("k", recipe.k_from), ("v", recipe.v_from)):
+    sources = (("q", recipe.q_from), ("k", recipe.k_from), ("v", recipe.v_from))
+    if recipe.cross_only and all(
+        t is query or (t.shape == query.shape and torch.equal(t, query)) for t in (key, value)
+    ):
+        sources = (("q", ("q", "query")), ("k", ("k", "key")), ("v", ("v", "value")))  # self-attention: textbook
+    for name, (proj, src) in sources:
         s[name] = F.linear(inputs[src], *linear[proj])  # (B, T, n*D)
     B, T_q, T_k = query.size(0), query.size(1), s["k"].size(1)
     D = s["q"].size(-1) // H
     s["q_heads"] = _split(s["q"], H, recipe.split)  # (B, H, T_q, D)
     s["k_heads"] = _split(s["k"], G, recipe.split)  # (B, G, T_k, D)
     s["v_heads"] = _split(s["v"], G, recipe.split)  # (B, G, T_k, D)
+    for name in ("q", "k"):  # the module's own per-vector maps of the Q and K heads (qk-norm), before any rotary
+        s[f"{name}_heads"] = w.normed(name, s[f"{name}_heads"])
     if w.rotary is not None:  # the module's own position map on Q and K (rotary), or a mistaken use of it
         rotated = {"qk": ("q", "k"), "q": ("q",), "qkv": ("q", "k", "v")}[recipe.rotary]
         for name in rotated:

@@ -53,7 +53,7 @@ def _project(
     q = F.linear(query, p.q_weight, p.q_bias).view(B, T_q, H, D).transpose(1, 2)  # (B, H, T_q, D)
     k = F.linear(key, p.k_weight, p.k_bias).view(B, T_k, G, D).transpose(1, 2)  # (B, G, T_k, D)
     v = F.linear(value, p.v_weight, p.v_bias).view(B, T_k, G, D).transpose(1, 2)  # (B, G, T_k, D)
-    return p.rotate(q), p.rotate(k), v
+    return p.rotate(p.normed("q", q)), p.rotate(p.normed("k", k)), v
 
 
 def _merge(p: Projections, context: Tensor) -> Tensor:

@@ -292,7 +292,12 @@ def _make_config(spec: str, obj: Callable, param: inspect.Parameter, wanted: dic
     if _shares_dropout(obj, param.name):
         p = 0.0  # nanoGPT's config.dropout also drops the output: the rate checks would see both; off
     default = param.default if param.default is not inspect.Parameter.empty else None
-    config = copy.copy(default) if default is not None else _annotated_default(obj, param, read) or SimpleNamespace()
+    known = {
+        f: v(E, H, G, p) if callable(v) else v for f in read if (v := _CONFIG_VALUES.get(f, _MISSING)) is not _MISSING
+    }
+    config = (
+        copy.copy(default) if default is not None else _annotated_default(obj, param, read, known) or SimpleNamespace()
+    )
     unknown: list[str] = []
     guessed: list[str] = []
     for field in read:
@@ -332,10 +337,14 @@ def _unfillable(spec: str, obj: Callable, arg: str, fields: list[str]) -> Target
     )
 
 
-def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str]) -> object | None:
+def _annotated_default(
+    obj: Callable, param: inspect.Parameter, read: list[str], known: dict[str, object] | None = None
+) -> object | None:
     """A config built from its own class's defaults: the class ``param`` is annotated with (Mistral's ``args:
     ModelArgs``), else the class of ``obj``'s file that builds with no arguments and carries the most of the
-    fields ``obj`` reads (at least half); None when there is none."""
+    fields ``obj`` reads (at least half); None when there is none. The ``known`` fields its constructor takes are
+    handed to it, so that the fields it derives from them (gpt-fast's ``__post_init__``: K/V heads, head_dim)
+    follow."""
     home = inspect.getmodule(obj)
     ann = param.annotation
     if isinstance(ann, str):  # from __future__ import annotations: look the name up where obj lives
@@ -351,9 +360,15 @@ def _annotated_default(obj: Callable, param: inspect.Parameter, read: list[str])
         classes = [c for _, c in sorted(scored, key=lambda t: -t[0])]
     for c in classes:
         try:
-            return c()
-        except Exception:
-            continue
+            takes = inspect.signature(c).parameters
+            kw = {k: v for k, v in (known or {}).items() if k in takes}
+        except (TypeError, ValueError):
+            kw = {}
+        for args in (kw, {}) if kw else ({},):
+            try:
+                return c(**args)
+            except Exception:
+                continue
     return None
 
 
@@ -414,10 +429,26 @@ def _candidates(name: str, E: int, H: int, G: int) -> list[object]:
     )
 
 
+def _takes_module(param: inspect.Parameter) -> bool:
+    """Whether ``param`` is annotated as an ``nn.Module`` (a layer handed to the constructor)."""
+    ann = param.annotation
+    if isinstance(ann, str):
+        return ann.split("[")[0].split(".")[-1].strip() == "Module"
+    return inspect.isclass(ann) and issubclass(ann, nn.Module)
+
+
+def _linears(E: int, H: int, G: int, kwargs: dict[str, object]) -> list[nn.Module]:
+    """Layers to try for a constructor argument that takes one: E -> E (Q, the output) and E -> G*D (K and V
+    of grouped-query attention, when the constructor is handed fewer K/V heads than heads), each its own."""
+    kv = next((v for n, v in kwargs.items() if n in ALIASES["num_kv_heads"] and isinstance(v, int)), H)
+    widths = dict.fromkeys([E, kv * (E // H), G * (E // H)])
+    return [nn.Linear(E, w, bias=False) for w in widths]
+
+
 def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
     """Whether ``obj(**kwargs)`` builds a module whose self-attention of ``(2, 7, E)`` returns ``(2, 7, E)``,
     finite, and whose data flow has H heads where it can be read."""
-    from .probe import _call, read_call_form
+    from .probe import _call, context_required, read_call_form
 
     try:
         with torch.random.fork_rng():
@@ -425,7 +456,7 @@ def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
             if not isinstance(made, nn.Module):
                 return True
             made.eval()
-            form = read_call_form(made)
+            form = context_required(made, read_call_form(made), E)
             x = torch.randn(2, 7, E)
             with torch.no_grad():
                 out = _call(made, form, (x, x, x), {})
@@ -481,10 +512,12 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
         else:  # no value of them makes it run as attention: say which fields, as before any was tried
             raise _unfillable(spec, obj, name, fields)
     unguessable = [n for n in params if n in required and n not in kwargs]
-    if unguessable and len(unguessable) <= 3:  # sizes under names no list has: tried, kept where it runs
+    layers = [n for n in unguessable if _takes_module(params[n])]  # torchtune's q_proj: nn.Module handed in
+    if unguessable and len(unguessable) - len(layers) <= 3 and len(layers) <= 4:  # tried, kept where it runs
         E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
         G = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H)
-        for combo in itertools.islice(itertools.product(*(_candidates(n, E, H, G) for n in unguessable)), 64):
+        options = [_linears(E, H, G, kwargs) if n in layers else _candidates(n, E, H, G) for n in unguessable]
+        for combo in itertools.islice(itertools.product(*options), 64):
             trial = {**kwargs, **dict(zip(unguessable, combo, strict=True))}
             if _runs(obj, trial, E, H):
                 return trial
