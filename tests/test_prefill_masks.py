@@ -141,14 +141,20 @@ def test_chunked_and_padded_prefill_masks_cover_the_filled_slots_only(monkeypatc
     assert {c[2] for c in calls} == {8, 16, 20} and all(c[0] is not None and c[0][-1] == c[2] for c in calls)
 
 
-def test_auto_chunks_a_padded_prompt_only(monkeypatch):
-    """chunk="auto": one causal call without padding (the least attention work), PREFILL_CHUNK queries a call
-    with it (the masks bounded)."""
+def test_auto_chunks_a_prompt_longer_than_a_chunk(monkeypatch):
+    """chunk="auto" without padding: the first PREFILL_FIRST tokens in one causal call (no mask), then
+    PREFILL_CHUNK a call (the work memory bounded); with padding PREFILL_CHUNK a call from the start."""
     monkeypatch.setattr("attnlab.models.generation.PREFILL_CHUNK", 8)
+    monkeypatch.setattr("attnlab.models.generation.PREFILL_FIRST", 12)
     model = tiny().float()
     built, _ = spy_masks(monkeypatch)
-    run_prefill(model, torch.randint(0, V, (2, 20)), torch.zeros(2, 20, dtype=torch.bool), slots=30, chunk="auto")
+    run_prefill(model, torch.randint(0, V, (2, 12)), torch.zeros(2, 12, dtype=torch.bool), slots=30, chunk="auto")
     assert len(built) == 1 and built[0].causal
+    built.clear()
+    run_prefill(model, torch.randint(0, V, (2, 25)), torch.zeros(2, 25, dtype=torch.bool), slots=30, chunk="auto")
+    assert len(built) == 3 and built[0].causal and built[0].keep is None  # 12 tokens: SDPA's causal path
+    for m, shape in zip(built[1:], ((8, 20), (5, 25)), strict=True):  # then their causal mask over the filled slots
+        assert m.keep is not None and tuple(m.keep.shape[-2:]) == shape and m.opened_bias is None
     built.clear()
     idx, pad = left_pad([torch.randint(0, V, (n,)).tolist() for n in (20, 13)])
     run_prefill(model, idx, pad, slots=30, chunk="auto")

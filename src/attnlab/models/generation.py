@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..core.kv_cache import KVCache, RollingKVCache
 from ..core.mla_cache import MLACache
-from ..runtime import LimitError, UsageError, check_range
+from ..runtime import LimitError, UsageError, check_range, release_freed_heap
 from ..runtime.threads import ThreadChooser, Threads, check_threads, free_cpus, resolve_threads
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "readable_int",
     "left_pad",
     "PREFILL_CHUNK",
+    "PREFILL_FIRST",
     "prefill",
     "decode_step",
     "sample_next",
@@ -122,9 +123,31 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
     return (real.cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
-# Queries per prefill call of a padded prompt (see :func:`prefill`): its masks take B x 512 x T x 6 bytes (bool
-# keep, bool opened, float32 bias), 96 MB at T = 8192 for each row, where one call would take 16x that.
+# Queries per prefill call (see :func:`prefill`, chunk="auto"), issue 51. A prompt without padding runs its first
+# PREFILL_FIRST tokens in one call (SDPA's causal path, no mask: the least attention work), then PREFILL_CHUNK a call;
+# a padded one runs PREFILL_CHUNK a call from the start, its masks B x 512 x T x 6 bytes (bool keep, bool opened,
+# float32 bias), 96 MB at T = 8192 for each row, where one call would take 16x that.
+# Why chunks: one call over T tokens holds about ten (T, n_embd) float32 activations at once (the residual, its norm,
+# Q|K|V, Q and K after RoPE, the cache's keys and values read back in float32, the attention's context, its merged
+# heads, the output projection), ~190 MB for SmolLM2 at 8192 tokens on top of its 189 MB float16 cache. A chunk of 512
+# holds ~12 MB of them, plus its causal mask over the slots filled so far (512 x T bool, and the float32 copy SDPA
+# makes of it in each layer: 21 MB at T = 8192). The first call may be larger: the cache's pages become resident as
+# they are written, so at 2048 tokens the call's work memory and the filled cache together stay under the end's,
+# provided the freed work memory goes back to the OS (malloc_trim after the first call; without it the peak at 8184
+# tokens was 23 MB higher than with 512 a call throughout).
+# Why not smaller chunks: each call reads the whole cache so far back in the compute dtype (a float16 or int8 cache is
+# converted again per chunk), and SDPA with a mask computes the whole chunk x filled rectangle where the causal call
+# skips the blocks above the diagonal (T x 256 more score entries in all at 512); both grow as chunks shrink. The
+# quantized matmuls take x 4 rows at a time, so their speed does not depend on it; the MLP's own row limit
+# (attnlab.models.blocks.MLP_ROWS) is the same 512.
+# The chunks give the whole call's numbers bit for bit on a CPU (SmolLM2's GGUF at 1024 tokens: logits and cache
+# equal; greedy tokens equal at 2048 and 8184): torch's CPU flash kernel walks the keys in the same blocks with or
+# without the mask, and a masked key adds exactly 0. Two mask-free calls joined by their log-sum-exp (the chunk's keys
+# causal, the earlier ones unmasked) were faster (1.05x the whole prompt's attention against 1.22x, T = 4096 in 512s,
+# one thread, loaded machine) but not equal: SmolLM2 turned their 1e-7 into logits 0.5 apart and changed the greedy
+# tokens of random prompts.
 PREFILL_CHUNK = 512
+PREFILL_FIRST = 2048
 
 
 def prefill(
@@ -141,13 +164,14 @@ def prefill(
     ``key_padding_mask`` is ``(B, S)`` over all cache slots. Returns the last position's logits ``(B, V)``.
 
     The caches are filled in append mode (:mod:`attnlab.core.kv_cache`), ``chunk`` queries a call (None: the
-    whole prompt in one call; ``"auto"``: one call for a prompt without padding, :data:`PREFILL_CHUNK` queries a
-    call for a padded one). Each call attends over the slots filled so far, never over the empty rest of the
-    ``S``-slot buffers, so no mask of ``T x S`` is built. A prompt without padding in one call runs SDPA's causal
-    path with no mask tensor at all, the least attention work (SDPA skips the blocks above the diagonal; a
-    later chunk's mask makes it compute its whole ``chunk x filled`` rectangle). Padding needs a mask, ``(B, 1,
-    chunk, filled)``, which chunks keep small. Caches that only know position mode (a :class:`RollingKVCache`)
-    are filled as before, in one call over their whole buffer.
+    whole prompt in one call; ``"auto"``: without padding the first :data:`PREFILL_FIRST` tokens in one call, then
+    :data:`PREFILL_CHUNK` a call; with padding :data:`PREFILL_CHUNK` a call). Each call attends over the slots
+    filled so far, never over the empty rest of the ``S``-slot buffers, so no mask of ``T x S`` is built. A prompt in one call without padding runs SDPA's causal
+    path with no mask tensor at all; a later chunk needs its causal mask ``(chunk, filled)``, and padding a mask
+    ``(B, 1, chunk, filled)``, which chunks keep small. On a CPU the chunks give the logits and cache of one call
+    exactly (see :data:`PREFILL_CHUNK`).
+    Caches that only know position mode (a :class:`RollingKVCache`) are filled as before, in one call over
+    their whole buffer.
     """
     if chunk is not None and chunk != "auto":
         check_count("chunk", chunk, low=1, hint="or None for the whole prompt in one call, or 'auto'")
@@ -167,10 +191,12 @@ def prefill(
         cast(KVCache | MLACache, cache).reset()  # append mode writes from slot 0
     padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
     if chunk == "auto":
-        chunk = PREFILL_CHUNK if padded else None
+        chunk, first = PREFILL_CHUNK, (PREFILL_CHUNK if padded else max(PREFILL_CHUNK, PREFILL_FIRST))
+    else:
+        first = T if chunk is None else chunk
     step = T if chunk is None else chunk
-    for start in range(0, T, step):
-        end = min(T, start + step)
+    ends = [*range(min(T, first), T, step), T]  # where each call's tokens end
+    for start, end in zip([0, *ends[:-1]], ends, strict=True):
         logits = model(
             idx[:, start:end],
             positions=positions[:, start:end],
@@ -178,6 +204,9 @@ def prefill(
             caches=caches,
             only_last=True,
         )
+        if start == 0 and end < T and idx.device.type == "cpu":
+            # the first call's work memory, freed: glibc would keep it resident beside the cache filling up
+            release_freed_heap()
     return logits[:, -1]  # (B, V)
 
 
@@ -477,6 +506,9 @@ def _steps(
             # kv_dtype only where asked: a CausalLM's setup_caches need not take it
             caches = model.setup_caches(B, S) if kv_dtype is None else cast(Any, model).setup_caches(B, S, kv_dtype)
             logits = prefill(model, idx, positions[:, :T], pad, caches)  # (B, V)
+            if device.type == "cpu" and T > PREFILL_FIRST:
+                # the prefill's freed work memory, which glibc would keep resident for the whole decode
+                release_freed_heap()
         else:
             seq = idx  # (B, T), grows by one column per step
             logits = model(seq, positions=positions[:, :T], key_padding_mask=prompt_pad, only_last=True)[
