@@ -62,7 +62,6 @@ from torch import Tensor, nn
 from ..core.attention import Backend, MultiHeadAttention
 from ..core.functional import causal_keep
 from ..core.kv_cache import KVCache
-from .projections import NotAttention
 
 __all__ = [
     "AttentionAdapter",
@@ -77,6 +76,10 @@ __all__ = [
 
 class Unsupported(Exception):
     """Raised by an adapter's capability method: the target lacks the feature (the message says why)."""
+
+
+class NotAttention(TypeError):
+    """The module cannot be read as multi-head attention (no projections found, or it does not run as one)."""
 
 
 @dataclass(frozen=True)
