@@ -133,8 +133,8 @@ def settle_roles(module: nn.Module, r: Reading) -> Reading:
 
     A role made with another role's weight while a weight of that shape goes unused takes the unused one;
     whole weights used as a permutation of the roles their hints give (K through ``v_proj`` and V through
-    ``k_proj``) are read by the hints; an output projection the module leaves unused is still the one the
-    module meant. The module's mistake then shows against the reference.
+    ``k_proj``) are read by the hints; an output projection the module leaves unused (or that the reading
+    took from a weight Q, K or V uses: fully masked rows blur it) is still the one the module meant. The module's mistake then shows against the reference.
     """
     roles = {"q": r.q, "k": r.k, "v": r.v}
     params = dict(module.named_parameters())
@@ -151,8 +151,8 @@ def settle_roles(module: nn.Module, r: Reading) -> Reading:
     hints = {role: _hint(module, src.parts[0][0]) if len(src.parts) == 1 else None for role, src in roles.items()}
     if sorted(map(str, hints.values())) == ["k", "q", "v"] and any(h != role for role, h in hints.items()):
         roles = {cast(str, hints[role]): src for role, src in roles.items()}
-    out = r.out
-    if out is None:  # nothing projects the merged heads: a Linear of the output's shape left unused is still its
+    out, used = r.out, {path for src in roles.values() for path, _, _ in src.parts}
+    if out is None or any(path in used for path, _, _ in out.parts):  # none read, or a role's weight again:
         E, HD = r.embed_dim, r.q.rows
         fits = [n for n in spare if params[n].shape == (E, HD) and _hint(module, n) in ("out", None)]
         pick = next((n for n in fits if _hint(module, n) == "out"), fits[0] if len(fits) == 1 else None)
