@@ -27,6 +27,8 @@ Optional (each missing one skips the checks that need it, with the reason):
     ``dropout_p: float`` and ``set_training(mode: bool)``;
     ``raw_bool_mask(query, mask) -> output``: self-attention with a bool ``(T_q, T_k)`` mask
     handed to the module untranslated, for the mask-semantics probe;
+    ``attention_weights(query, key, value, **masks)``: the weights the target returns, ``(B, H, T_q, T_k)``
+    or ``(B, T_q, T_k)`` averaged over heads, with the masks ``__call__`` takes;
     ``decode_with_cache(x, chunks) -> (B, T, E)``: causal self-attention of ``x`` fed in
     chunks of the given lengths through the module's KV cache;
     ``cast(dtype) -> adapter``: a copy of the target in another dtype;
@@ -62,7 +64,6 @@ from torch import Tensor, nn
 from ..core.attention import Backend, MultiHeadAttention
 from ..core.functional import causal_keep
 from ..core.kv_cache import KVCache
-from .projections import NotAttention
 
 __all__ = [
     "AttentionAdapter",
@@ -77,6 +78,10 @@ __all__ = [
 
 class Unsupported(Exception):
     """Raised by an adapter's capability method: the target lacks the feature (the message says why)."""
+
+
+class NotAttention(TypeError):
+    """The module cannot be read as multi-head attention (no projections found, or it does not run as one)."""
 
 
 @dataclass(frozen=True)
@@ -181,19 +186,6 @@ class AttentionAdapter:
 
     def raw_bool_mask(self, query: Tensor, mask: Tensor) -> Tensor:
         raise Unsupported(f"{type(self).__name__} does not implement raw_bool_mask")
-
-    def attention_weights(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        *,
-        keep_mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-    ) -> Tensor:
-        """The attention weights the target returns: ``(B, H, T_q, T_k)``, or ``(B, T_q, T_k)`` averaged over heads."""
-        raise Unsupported(f"{type(self).__name__} does not return attention weights")
 
     def decode_with_cache(self, x: Tensor, chunks: list[int]) -> Tensor:
         raise Unsupported(f"{type(self).__name__} does not implement decode_with_cache (no KV cache)")

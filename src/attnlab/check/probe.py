@@ -5,8 +5,8 @@ G key/value heads, D head dim.
 
 :class:`ProbedAdapter` reads three things off a module, so that nobody has to write an adapter:
 
-- **the weights**: its ``nn.Linear`` children, by the names people give them (``q_proj``,
-  ``w_q``, ``query``, ``to_q``, ``W_o``, ``fc_out``, a fused ``qkv``/``in_proj``/``c_attn``...);
+- **the weights**: the parameter rows that make Q, K, V and the output, read off its data flow
+  (:mod:`attnlab.check.dataflow`, settled by :mod:`attnlab.check.projections`), whatever their names;
 - **the call form**, from ``forward``'s signature: ``forward(query, key, value, ...)``,
   ``forward(x_query, x_context, ...)`` (K and V from one context) or ``forward(x, ...)``
   (self-attention only); which keyword carries the mask (``attn_mask``, ``mask``,
@@ -24,9 +24,8 @@ float (either polarity), additive float, in the shapes ``(B, T_q, T_k)``, ``(B, 
 ``(B*H, T_q, T_k)``, ``(B, 1, 1, T_k)``, ``(B, 1, T_k)``, ``(B, T_k)``, and d2l's ``valid_lens``
 (``(B,)`` or ``(B, T_q)``). The first form under which exactly the hidden keys stop reaching each
 query is the module's. Two more experiments: a module whose output at t never depends on later
-tokens is *always causal* (checked against a causal reference), and a fused ``qkv`` projection's
-thirds are told apart by their effect (adding a constant to every key changes nothing; to every
-value, shifts every output alike; to every query, changes outputs unevenly).
+tokens is *always causal* (checked against a causal reference); a fused ``qkv`` projection's thirds
+are told apart by the data flow (which third meets which in the score product).
 
 What the module lacks is expressed another way: key padding and causality go through its mask
 when it takes no ``key_padding_mask`` or ``is_causal``. A module with no mask argument at all
@@ -40,7 +39,7 @@ import copy
 import inspect
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -61,8 +60,8 @@ from .adapters import (
     _wrap,
     mha_projections,
 )
-from .dataflow import Reading, RowSource, name_hint, read_dataflow
-from .projections import NotAttention, _Found, find_projections, linear_in, linear_weights, name_key
+from .dataflow import Reading, read_dataflow
+from .projections import NotAttention, _Found, find_projections, linear_weights, name_key, settle_roles
 
 __all__ = [
     "CallForm",
@@ -493,7 +492,7 @@ class ProbedAdapter(AttentionAdapter):
     """Any attention ``nn.Module``, called the way its ``forward`` is written.
 
     Args:
-        module: the module to check, with ``nn.Linear`` projections (see :func:`find_projections`).
+        module: the module to check (its weights read by data flow, see :func:`find_projections`).
         num_heads: H when the module has no ``num_heads``-like attribute (the constructor argument).
         scale: the expected multiplier of the scores (default ``1/sqrt(D)``): the truth does not
             come from the module; its own ``scale`` attribute is read only to report on it.
@@ -540,19 +539,14 @@ class ProbedAdapter(AttentionAdapter):
                 )
             materialise(module, embed_dim)
         form = _forms.form if _forms is not None else with_layout(module, read_call_form(module), embed_dim)
-        try:
-            found: _Found | None = find_projections(module)
-            names_error: NotAttention | None = None
-        except NotAttention as e:
-            found, names_error = None, e
         self.reading = _forms.reading if _forms is not None else None
         if _forms is None or _forms.reading is None:
             # its data flow is read in the layout it computes in, even where it is called in the one it declares
-            self.reading = _read(module, replace(form, time_first=form.time_first or form.declared_batch_first), found, embed_dim)  # fmt: skip
-        self.found, self.use_reading = _choose(module, found, self.reading)
-        if self.found is None and not self.use_reading:
-            assert names_error is not None
-            raise names_error
+            self.reading = _read(module, replace(form, time_first=form.time_first or form.declared_batch_first), embed_dim)  # fmt: skip
+        if self.reading is not None:
+            self.reading = settle_roles(module, self.reading)
+        self.found: _Found | None = find_projections(module, self.reading)
+        self.use_reading = self.found is None  # its rows, as the data flow reads them, are the weights
         mha = self._mha()
         heads = mha.num_heads if mha is not None else None
         if heads is None and self.use_reading and self.reading is not None:
@@ -595,7 +589,7 @@ class ProbedAdapter(AttentionAdapter):
             self.convention: Literal["keep", "block"] = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
             self.always_causal = self.probe_causal()
-            self.qkv_order = None if self.use_reading else self.probe_qkv_order()
+            self.qkv_order = None if self.found is None else self.found.order
             self.masks = self.probe_masks()
             self.form, self.masks = self.probe_ignored_mask()
             self.padding_keeps = self.probe_padding()
@@ -706,9 +700,9 @@ class ProbedAdapter(AttentionAdapter):
             return f"projections of the nn.MultiheadAttention {found.mha} ({first}), called through your forward"
         if found.qkv is not None:
             order = (
-                f"split as {', '.join(self.qkv_order)} (found by perturbing each third)"
+                f"split as {', '.join(self.qkv_order)} (their order of use, read by data flow)"
                 if self.qkv_order
-                else "split in thirds, taken as q, k, v (their order could not be told by experiment)"
+                else "split in thirds, taken as q, k, v (their data flow could not be read)"
             )
             return f"fused {found.qkv} {order}; out {found.out}"
         lazy = " (LazyLinear, materialised by one call)" if self.lazy else ""
@@ -735,15 +729,14 @@ class ProbedAdapter(AttentionAdapter):
             self._mapless: Reading | None = None
             if self._head_maps and p.rotary is None:
                 form = replace(self.form, time_first=self.form.time_first or self.form.declared_batch_first)
-                self._mapless = _read(_without(self.module, self._head_maps), form, self.found, self.embed_dim)
+                self._mapless = _read(_without(self.module, self._head_maps), form, self.embed_dim)
         if self._mapless is not None and self._mapless.rotary is not None and p.rotary is None:
             p = replace(p, rotary=self._mapless.rotary)
         return replace(p, head_maps=self._head_maps) if self._head_maps else p
 
     def _projections(self) -> Projections:
-        f, m = self.found, self.module
         if self.use_reading and self.reading is not None:
-            return _read_projections(m, self.reading, f)
+            return _read_projections(self.module, self.reading)
         named = self._named_projections()
         if self.reading is not None and self.reading.rotary is not None:
             return replace(named, rotary=self.reading.rotary)  # the position map it applies, found by data flow
@@ -757,9 +750,7 @@ class ProbedAdapter(AttentionAdapter):
             return mha_projections(mha)
 
         def lin(path: str) -> tuple[Tensor, Tensor | None]:
-            found = linear_in(m.get_submodule(path))
-            assert found is not None  # find_projections saw it
-            return linear_weights(found)
+            return linear_weights(m.get_submodule(path))  # a Linear (or Conv1D) itself: find_projections saw it
 
         wo, bo = lin(f.out)
         if f.qkv is not None:  # in the conventional order q, k, v: a module using another is a finding
@@ -1338,51 +1329,6 @@ class ProbedAdapter(AttentionAdapter):
         return float(late[:, :p].abs().max() / size) > SEEN
 
     @torch.no_grad()
-    def probe_qkv_order(self) -> tuple[str, ...] | None:
-        """A fused projection's thirds in their order of use, told apart by adding a constant vector to one third's
-        output at every position: softmax ignores it on the keys; on the values, it shifts every output alike
-        (the weights sum to 1); on the queries, it changes them unevenly. None when the thirds do not read as
-        one of each (a per-head interleaved split, a module that mixes positions)."""
-        if self.found is None or self.found.qkv is None:
-            return None
-        fused = linear_in(self.module.get_submodule(self.found.qkv))
-        assert fused is not None
-        W, _ = linear_weights(fused)  # (3n, E)
-        if W.size(0) % 3:
-            return None
-        n = W.size(0) // 3
-        g = torch.Generator().manual_seed(2024)
-        u = torch.randn(W.size(1), generator=g).to(W)
-        u = u / u.norm()
-        x = torch.randn(2, 7, W.size(1), generator=g).to(W)  # (B, T, E)
-        x = x - (x @ u)[..., None] * u + u  # every token's component along u is 1: W + c u^T adds c everywhere
-        saved, training = W.detach().clone(), self.module.training
-        self.module.eval()
-        roles: list[str] = []
-        try:
-            base = self._plain(x)
-            size = base.abs().max().clamp_min(1e-12)
-            for i in range(3):
-                c = torch.randn(n, generator=g).to(W)
-                W.data[i * n : (i + 1) * n] += c[:, None] * u[None, :]  # (n, E): rank one
-                try:
-                    diff = self._plain(x) - base  # (B, T, E)
-                finally:
-                    W.data.copy_(saved)
-                if float(diff.abs().max() / size) <= 1e-4:
-                    roles.append("k")
-                elif float((diff - diff[:1, :1]).abs().max() / diff.abs().max().clamp_min(1e-12)) <= 1e-3:
-                    roles.append("v")
-                else:
-                    roles.append("q")
-        except Exception:
-            return None
-        finally:
-            W.data.copy_(saved)
-            self.module.train(training)
-        return tuple(roles) if sorted(roles) == ["k", "q", "v"] else None
-
-    @torch.no_grad()
     def probe_masks(self) -> MaskForm:
         """Find what the module's mask means, by experiment (see the module docstring)."""
         default = MaskForm(None, "bool", self.convention, "b1qk")
@@ -1806,9 +1752,9 @@ def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapte
     return _wrap(target)
 
 
-def _read(module: nn.Module, form: CallForm, found: _Found | None, embed_dim: int | None) -> Reading | None:
+def _read(module: nn.Module, form: CallForm, embed_dim: int | None) -> Reading | None:
     """The module's data flow (:mod:`attnlab.check.dataflow`) at its input width, or None where it cannot
-    be read (then the names decide)."""
+    be read (then its Linears are taken in declaration order)."""
     widths = [embed_dim] if embed_dim is not None else []
     widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
     for E in dict.fromkeys(widths):
@@ -1820,89 +1766,12 @@ def _read(module: nn.Module, form: CallForm, found: _Found | None, embed_dim: in
     return None
 
 
-def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) -> tuple[_Found | None, bool]:
-    """(the names' reading, whether the data flow's is used instead). The names stand where they name every
-    role and the data flow uses no weight they do not name: then a swap or a reuse shows against them.
-    Elsewhere (no names, names taken in declaration order, a fused or packed layout, weights nobody named)
-    the data flow decides."""
-    if reading is None:
-        return found, False
-    if found is None or found.weak:
-        return found, True
-    used = {
-        p.rsplit(".", 1)[0]
-        for src in (reading.q, reading.k, reading.v, reading.out)
-        if src is not None
-        for p, _, _ in src.parts
-    }
-    if found.mha is not None:
-        return found, False  # nn.MultiheadAttention inside: its own projections, read as torch lays them out
-    if found.qkv is not None:
-        # a fused projection cut in thirds reads by names (its order of use probed: a wrong order is a finding);
-        # a packed layout that is no thirds ((B, T, H, 3, D), per head) by the rows each role uses
-        thirds = all(
-            len(src.parts) == 1 and src.parts[0][2] == tuple(range(src.parts[0][2][0], src.parts[0][2][-1] + 1))
-            for src in (reading.q, reading.k, reading.v)
-        )
-        return found, not thirds
-    named = found.paths()
-    return found, not all(any(u == n or u.startswith(n + ".") for n in named) for u in used)
-
-
-def _per_part_spares(src: RowSource, role: str, spare: list[str], params: Mapping[str, Tensor]) -> list[str]:
-    """For a role made of whole per-head weights (Karpathy's ``heads.i.query``), the unused weight beside each
-    part that names ``role`` (``heads.i.value``), in the parts' order; [] unless every part has one."""
-    picks: list[str] = []
-    for path, transposed, rows in src.parts:
-        whole = not transposed and rows == tuple(range(params[path].size(0)))
-        parent = path.rsplit(".", 2)[0] if path.count(".") >= 2 else ""
-        fits = [
-            n
-            for n in spare
-            if whole
-            and n not in picks
-            and params[n].shape == params[path].shape
-            and name_hint(n) == role
-            and (n.rsplit(".", 2)[0] if n.count(".") >= 2 else "") == parent
-        ]
-        if not fits:
-            return []
-        picks.append(fits[0])
-    return picks
-
-
-def _read_projections(module: nn.Module, r: Reading, found: _Found | None) -> Projections:
-    """The weights as the data flow reads them; a role made with another role's weights while a weight of
-    that shape goes unused takes the unused one (the module's mistake then shows against it)."""
-    roles = {"q": r.q, "k": r.k, "v": r.v}
-    params = dict(module.named_parameters())
-    spare = [n for n in r.unused if params[n].dim() == 2]
-    for role, src in roles.items():
-        others = [o for o, s in roles.items() if o != role and s.parts == src.parts]
-        if not others or not spare:
-            continue
-        hint = name_hint(src.parts[0][0])
-        if hint == role:
-            continue  # its own weight: the other role borrowed it
-        fits = [n for n in spare if params[n].shape[0] == src.rows and name_hint(n) in (role, None)]
-        pick = next((n for n in fits if name_hint(n) == role), fits[0] if fits else None)
-        picks = [pick] if pick is not None else _per_part_spares(src, role, spare, params)
-        if picks:
-            parts = tuple((n, False, tuple(range(params[n].size(0)))) for n in picks)
-            biases = [f"{n.rsplit('.', 1)[0]}.bias" if "." in n else "bias" for n in picks]
-            has_bias = all(b in params and params[b].dim() == 1 for b in biases)
-            bias_parts = tuple((b, tuple(range(params[b].size(0)))) for b in biases) if has_bias else None
-            roles[role] = RowSource(parts, bias_parts, 1.0)
-            for n in picks:
-                spare.remove(n)
-    wq, wk, wv = (roles[x].weight(module) for x in ("q", "k", "v"))
-    bq, bk, bv = (roles[x].bias_of(module) for x in ("q", "k", "v"))
+def _read_projections(module: nn.Module, r: Reading) -> Projections:
+    """The weights as the data flow reads them, each role settled on its own (:func:`settle_roles`)."""
+    wq, wk, wv = (src.weight(module) for src in (r.q, r.k, r.v))
+    bq, bk, bv = (src.bias_of(module) for src in (r.q, r.k, r.v))
     if r.out is not None:
         wo, bo = r.out.weight(module).t(), r.out.bias_of(module)  # rows were columns: (E, H*D)
-    elif found is not None and found.out is not None:
-        lin = linear_in(module.get_submodule(found.out))
-        assert lin is not None
-        wo, bo = linear_weights(lin)
     else:  # nothing projects the merged heads: the identity, so the reference returns them as they are
         wo, bo = torch.eye(r.embed_dim, dtype=wq.dtype, device=wq.device), None
     return Projections(wq, wk, wv, wo, bq, bk, bv, bo, rotary=r.rotary)

@@ -1,44 +1,34 @@
-"""Where a hand-written attention module keeps its weights: the q/k/v/out projections, by the names people give them.
+"""Where a hand-written attention module keeps its weights, as its data flow uses them.
 
-``find_projections`` reads them off the module without calling it: direct children named
-``q_proj``, ``w_q``, ``query``, ``to_q``, ``W_o``, ``fc_out``...; a fused ``qkv``/``in_proj``/``c_attn``
-(split in thirds; :class:`~attnlab.check.probe.ProbedAdapter` tells the thirds apart by their
-effect); a ``ModuleList`` of four (the Annotated Transformer's ``clones``); Hugging Face GPT-2's
-``Conv1D`` (a Linear stored transposed); projections further down (BERT's ``self.query``,
-``output.dense``); or an ``nn.MultiheadAttention`` inside the module. How the module is *called*, and
-what its mask means, is :mod:`attnlab.check.probe`'s job.
+:mod:`attnlab.check.dataflow` reads which parameter rows make Q, K, V and the output. What it cannot read is
+which weight a module *meant* for a role: one that computes V with the key projection, or K and V with each
+other's, computes attention all the same. :func:`settle_roles` decides that, in one place, by hints: a weight
+left unused takes the role that borrowed another's, and weights read as a permutation of the roles their
+names (or their places in a ``ModuleList``) give are read by those. :func:`find_projections` then names the
+weights when each role reads whole ones (``q_proj``, a fused ``c_attn`` cut in thirds in the order q, k, v,
+an ``nn.MultiheadAttention`` inside); where the data flow cannot be read at all, the Linear layers in
+declaration order. How the module is *called*, and what its mask means, is :mod:`attnlab.check.probe`'s job.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import cast
 
 from torch import Tensor, nn
 
-__all__ = ["NotAttention", "find_projections", "linear_weights", "linear_in", "name_key"]
+from .adapters import NotAttention
+from .dataflow import Reading, RowSource, name_hint
 
+__all__ = ["NotAttention", "find_projections", "linear_weights", "name_key", "settle_roles"]
 
-class NotAttention(TypeError):
-    """The module cannot be read as multi-head attention (no projections found, or it does not run as one)."""
+ROLES = ("q", "k", "v", "out")
 
 
 def name_key(name: str) -> str:
     """A name as compared with the spellings people use: lowercase, without underscores (``W_q`` -> ``wq``)."""
     return name.lower().replace("_", "")
-
-
-# Child names, lowercased without underscores, that people give each projection.
-_NAMES = {
-    "q": {"qproj", "q", "query", "wq", "qlinear", "linearq", "toq", "queryproj", "projq", "qlin", "queries", "wquery"},
-    "k": {"kproj", "k", "key", "wk", "klinear", "lineark", "tok", "keyproj", "projk", "klin", "keys", "wkey"},
-    "v": {"vproj", "v", "value", "wv", "vlinear", "linearv", "tov", "valueproj", "projv", "vlin", "values", "wvalue"},
-    "out": {
-        "outproj", "oproj", "out", "wo", "fcout", "o", "proj", "outlinear", "linearout", "toout", "dense",
-        "cproj", "output", "olin", "outputproj", "projout", "wout", "linear", "fc", "olinear",
-    },
-    "qkv": {"qkv", "qkvproj", "inproj", "cattn", "toqkv", "wqkv", "qkvlinear", "attn", "inprojection"},
-}  # fmt: skip
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -53,24 +43,11 @@ def _is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or _is_conv1d(m)
 
 
-def linear_in(module: nn.Module) -> nn.Module | None:
-    """``module`` itself if it is a Linear (or GPT-2's Conv1D), else its first one (``to_out = Sequential(Linear,
-    Dropout)``)."""
-    if _is_linear(module):
-        return module
-    return next((m for m in module.modules() if _is_linear(m)), None)
-
-
 def linear_weights(m: nn.Module) -> tuple[Tensor, Tensor | None]:
     """``(weight, bias)`` in ``nn.Linear``'s layout, ``weight`` ``(out, in)``: a Conv1D's is a transposed view,
     so that gradients and in-place changes reach its own parameter."""
     weight = cast(Tensor, m.weight)
     return (weight.t() if _is_conv1d(m) else weight), cast("Tensor | None", getattr(m, "bias", None))
-
-
-def _widths(m: nn.Module) -> str:
-    w, _ = linear_weights(m)
-    return f"{w.size(1)}->{w.size(0)}"
 
 
 @dataclass(frozen=True)
@@ -85,81 +62,168 @@ class _Found:
     qkv: str | None = None
     mha: str | None = None
     listed: str | None = None  # the ModuleList they were taken from, in order q, k, v, out
-    weak: bool = False  # taken in declaration order, no name telling: the data flow decides instead
-
-    def paths(self) -> set[str]:
-        """The parameter-owning module paths named here."""
-        return {p for p in (self.q, self.k, self.v, self.out, self.qkv) if p is not None}
-
-    def describe(self) -> str:
-        if self.mha is not None:
-            return f"nn.MultiheadAttention {self.mha}"
-        if self.qkv is not None:
-            return f"{self.qkv} (fused, split in thirds), {self.out}"
-        if self.listed is not None:
-            return f"{self.listed}[0], [1], [2], [3] taken as q, k, v, out"
-        return f"{self.q}, {self.k}, {self.v}, {self.out}"
+    order: tuple[str, ...] | None = None  # a fused projection's thirds in their order of use, by data flow
 
 
-def _inner_mha(module: nn.Module) -> str | None:
-    """The path of the first ``nn.MultiheadAttention`` inside ``module`` (not ``module`` itself)."""
-    return next((n for n, m in module.named_modules() if n and isinstance(m, nn.MultiheadAttention)), None)
+def _hint(module: nn.Module, path: str) -> str | None:
+    """The role a weight's path suggests: its name (``linear_values`` -> ``v``), else its place in a
+    ``ModuleList`` or ``Sequential`` of four (the Annotated Transformer's ``clones``: q, k, v, out)."""
+    hint = name_hint(path)
+    parts = path.split(".")
+    if hint is None and len(parts) >= 3 and parts[-2].isdigit():
+        home = module.get_submodule(".".join(parts[:-2]))
+        if isinstance(home, nn.ModuleList | nn.Sequential) and len(home) == 4:
+            return ROLES[int(parts[-2])]
+    return hint
 
 
-def find_projections(module: nn.Module) -> _Found:
-    """Name the q/k/v/out projections of ``module``: among its direct children by name, in a ModuleList of
-    four (q, k, v, out in order), or an ``nn.MultiheadAttention`` inside it.
+def _whole(src: RowSource, module: nn.Module, out: bool = False) -> str | None:
+    """The Linear whose whole weight, in its own order and layout, is ``src`` (``out``: its columns, as the
+    output projection is read); None when ``src`` is anything else."""
+    if len(src.parts) != 1:
+        return None
+    path, transposed, rows = src.parts[0]
+    owner, _, last = path.rpartition(".")
+    if last != "weight" or not _is_linear(module.get_submodule(owner)):
+        return None
+    p = module.get_parameter(path)
+    natural = transposed == (_is_conv1d(module.get_submodule(owner)) != out)
+    return owner if natural and rows == tuple(range((p.t() if transposed else p).size(0))) else None
 
-    Raises:
-        NotAttention: naming the Linear children found and the names looked for.
+
+def _spare_for(
+    role: str, src: RowSource, spare: list[str], params: Mapping[str, Tensor], module: nn.Module
+) -> list[str]:
+    """The unused weights that ``role`` takes back from the role whose weight it borrowed: one of its rows'
+    count (its hint first), or, for a role of whole per-head weights (Karpathy's ``heads.i.query``), the unused
+    one beside each part that names ``role`` (``heads.i.value``); [] when none fits."""
+    fits = [n for n in spare if params[n].shape[0] == src.rows and _hint(module, n) in (role, None)]
+    pick = next((n for n in fits if _hint(module, n) == role), fits[0] if fits else None)
+    if pick is not None:
+        return [pick]
+    picks: list[str] = []
+    for path, transposed, rows in src.parts:
+        whole = not transposed and rows == tuple(range(params[path].size(0)))
+        parent = path.rsplit(".", 2)[0] if path.count(".") >= 2 else ""
+        beside = [
+            n
+            for n in spare
+            if whole
+            and n not in picks
+            and params[n].shape == params[path].shape
+            and name_hint(n) == role
+            and (n.rsplit(".", 2)[0] if n.count(".") >= 2 else "") == parent
+        ]
+        if not beside:
+            return []
+        picks.append(beside[0])
+    return picks
+
+
+def _from(names: list[str], params: Mapping[str, Tensor]) -> RowSource:
+    """Whole weights (and their biases, where each has one) as one role's rows."""
+    parts = tuple((n, False, tuple(range(params[n].size(0)))) for n in names)
+    biases = [f"{n.rsplit('.', 1)[0]}.bias" if "." in n else "bias" for n in names]
+    has_bias = all(b in params and params[b].dim() == 1 for b in biases)
+    return RowSource(parts, tuple((b, tuple(range(params[b].size(0)))) for b in biases) if has_bias else None, 1.0)
+
+
+def settle_roles(module: nn.Module, r: Reading) -> Reading:
+    """The reading with each role on the weight meant for it, where the data flow alone cannot tell.
+
+    A role made with another role's weight while a weight of that shape goes unused takes the unused one;
+    whole weights used as a permutation of the roles their hints give (K through ``v_proj`` and V through
+    ``k_proj``) are read by the hints; an output projection the module leaves unused (or that the reading
+    took from a weight Q, K or V uses: fully masked rows blur it) is still the one the module meant. The module's mistake then shows against the reference.
     """
-    mha = _inner_mha(module)
-    if mha is not None:
-        return _Found(None, None, None, f"{mha}.out_proj", mha=mha)
-    children = {n: lin for n, c in module.named_children() if (lin := linear_in(c)) is not None}
-    by_role: dict[str, str] = {}
-    for name in children:
-        for role, names in _NAMES.items():
-            if name_key(name) in names and role not in by_role:
-                by_role[role] = name
-    if "out" in by_role and "qkv" in by_role and not {"q", "k", "v"} <= by_role.keys():
-        return _Found(None, None, None, by_role["out"], qkv=by_role["qkv"])
-    if {"q", "k", "v", "out"} <= by_role.keys():
-        return _Found(by_role["q"], by_role["k"], by_role["v"], by_role["out"])
-    for name, child in module.named_children():  # the Annotated Transformer: clones(nn.Linear(d, d), 4)
-        if isinstance(child, nn.ModuleList | nn.Sequential):
-            lins = [f"{name}.{i}" for i, m in enumerate(child) if _is_linear(m)]
-            if len(lins) == 4 == len(child):
-                return _Found(lins[0], lins[1], lins[2], lins[3], listed=name)
-            if len(lins) == 3 == len(child) and "out" in by_role:
-                return _Found(lins[0], lins[1], lins[2], by_role["out"], listed=name)
-    if len(children) == 4 and not by_role.keys() & {"q", "k", "v"}:
-        q, k, v, out = children  # four Linears with names of their own: taken in declaration order
-        return _Found(q, k, v, out, weak=True)
-    nested = _nested_roles(module)
-    if nested is not None:
-        return nested
-    listed = ", ".join(f"{n} ({_widths(c)})" for n, c in children.items()) or "none"
-    raise NotAttention(
-        f"{type(module).__name__} has no recognisable q/k/v/out projections (nn.Linear children found: {listed}); "
-        f"name them q_proj, k_proj, v_proj, out_proj (or w_q.., query.., a fused qkv, a ModuleList of four), "
-        f"or wrap the module in an attnlab.check.AttentionAdapter"
+    roles = {"q": r.q, "k": r.k, "v": r.v}
+    params = dict(module.named_parameters())
+    spare = [n for n in r.unused if params[n].dim() == 2]
+    for role, src in roles.items():
+        if not spare or not any(o != role and s.parts == src.parts for o, s in roles.items()):
+            continue
+        if _hint(module, src.parts[0][0]) == role:
+            continue  # its own weight: the other role borrowed it
+        picks = _spare_for(role, src, spare, params, module)
+        if picks:
+            roles[role] = _from(picks, params)
+            spare = [n for n in spare if n not in picks]
+    hints = {role: _hint(module, src.parts[0][0]) if len(src.parts) == 1 else None for role, src in roles.items()}
+    if sorted(map(str, hints.values())) == ["k", "q", "v"] and any(h != role for role, h in hints.items()):
+        roles = {cast(str, hints[role]): src for role, src in roles.items()}
+    out, used = r.out, {path for src in roles.values() for path, _, _ in src.parts}
+    if out is None or any(path in used for path, _, _ in out.parts):  # none read, or a role's weight again:
+        E, HD = r.embed_dim, r.q.rows
+        fits = [n for n in spare if params[n].shape == (E, HD) and _hint(module, n) in ("out", None)]
+        pick = next((n for n in fits if _hint(module, n) == "out"), fits[0] if len(fits) == 1 else None)
+        if pick is not None:
+            out = replace(_from([pick], params), parts=((pick, True, tuple(range(HD))),))
+            spare.remove(pick)
+    return replace(
+        r, q=roles["q"], k=roles["k"], v=roles["v"], out=out, unused=tuple(n for n in r.unused if n in spare)
     )
 
 
-def _nested_roles(module: nn.Module) -> _Found | None:
-    """Projections further down, each named by its last path part (BERT's ``BertAttention``: ``self.query``,
-    ``self.key``, ``self.value``, ``output.dense``); None unless each role has exactly one Linear."""
-    by_role: dict[str, list[str]] = {}
-    for path, m in module.named_modules():
-        if path and _is_linear(m):
-            for role, names in _NAMES.items():
-                if name_key(path.rsplit(".", 1)[-1]) in names:
-                    by_role.setdefault(role, []).append(path)
-                    break
-    one = {role: paths[0] for role, paths in by_role.items() if len(paths) == 1}
-    if {"q", "k", "v", "out"} <= one.keys():
-        return _Found(one["q"], one["k"], one["v"], one["out"])
-    if {"qkv", "out"} <= one.keys() and not by_role.keys() & {"q", "k", "v"}:
-        return _Found(None, None, None, one["out"], qkv=one["qkv"])
-    return None
+def _thirds(r: Reading, module: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    """``(the fused Linear, the roles of its thirds in order)`` where Q, K and V are each one third of one
+    Linear's rows, else None."""
+    srcs = {"q": r.q, "k": r.k, "v": r.v}
+    if any(len(s.parts) != 1 for s in srcs.values()) or len({s.parts[0][0] for s in srcs.values()}) != 1:
+        return None
+    path = r.q.parts[0][0]
+    owner, _, last = path.rpartition(".")
+    if last != "weight" or not _is_linear(module.get_submodule(owner)):
+        return None
+    n = linear_weights(module.get_submodule(owner))[0].size(0) // 3
+    at = {s.parts[0][2]: role for role, s in srcs.items()}
+    thirds = [tuple(range(i * n, (i + 1) * n)) for i in range(3)]
+    return (owner, tuple(at[t] for t in thirds)) if all(t in at for t in thirds) else None
+
+
+def find_projections(module: nn.Module, r: Reading | None) -> _Found | None:
+    """Name the q/k/v/out projections of ``module`` from its settled reading ``r`` (:func:`settle_roles`): an
+    ``nn.MultiheadAttention`` inside it; whole Linears, one a role; or a fused Linear cut in thirds, read in
+    the order q, k, v whatever the module's (its order of use kept in ``order``: another is a mistake). None
+    where the data flow reads anything else (packed per head, per-head modules): its rows are then the
+    weights. Without a reading, the module's Linears in declaration order (four, or a fused one and an out).
+
+    Raises:
+        NotAttention: without a reading and Linears to take, naming those found.
+    """
+    mha = next((n for n, m in module.named_modules() if n and isinstance(m, nn.MultiheadAttention)), None)
+    if mha is not None:
+        return _Found(None, None, None, f"{mha}.out_proj", mha=mha)
+    if r is not None:
+        out = None if r.out is None else _whole(r.out, module, out=True)
+        if out is None:
+            return None
+        fused = _thirds(r, module)
+        if fused is not None:
+            return _Found(None, None, None, out, qkv=fused[0], order=fused[1])
+        q, k, v = (_whole(s, module) for s in (r.q, r.k, r.v))
+        if q is None or k is None or v is None:
+            return None
+        return _Found(q, k, v, out, listed=_listed((q, k, v, out)))
+    linears = {n: lin for n, lin in module.named_modules() if n and _is_linear(lin)}
+    paths = list(linears)
+    if len(paths) == 4:
+        by_hint = {_hint(module, f"{p}.weight"): p for p in paths}
+        q, k, v, out = (by_hint[role] for role in ROLES) if set(by_hint) == set(ROLES) else paths
+        return _Found(q, k, v, out, listed=_listed((q, k, v, out)))
+    if len(paths) == 2:
+        widths = [linear_weights(linears[p])[0].shape for p in paths]
+        wide = next((i for i in (0, 1) if widths[i][0] == 3 * widths[1 - i][1]), None)
+        if wide is not None:
+            return _Found(None, None, None, paths[1 - wide], qkv=paths[wide])
+    listed = ", ".join(f"{n} ({'->'.join(map(str, linear_weights(m)[0].shape[::-1]))})" for n, m in linears.items())
+    raise NotAttention(
+        f"{type(module).__name__} has no recognisable q/k/v/out projections (nn.Linear children found: "
+        f"{listed or 'none'}); its attention weights were not reached by its data flow either, and its Linears are "
+        f"not four (q, k, v, out) or a fused qkv and an out; wrap the module in an attnlab.check.AttentionAdapter"
+    )
+
+
+def _listed(paths: tuple[str, ...]) -> str | None:
+    """The container the four paths are items 0..3 of, in order, else None."""
+    homes = {p.rpartition(".")[0] for p in paths}
+    return homes.pop() if len(homes) == 1 and [p.rpartition(".")[2] for p in paths] == ["0", "1", "2", "3"] else None

@@ -75,66 +75,42 @@ def reference_attention(
     key_padding_mask: Tensor | None = None,
     bias: Tensor | None = None,
     is_causal: bool = False,
+    plain: bool = False,
 ) -> Tensor:
     """The expected output ``(B, T_q, E)``, computed in float64 by :func:`attnlab.math_attention`.
 
     A query with no visible key gets a zero context (output = the out-projection bias).
-    Differentiable with respect to the float64 inputs it is given.
+    Differentiable with respect to the float64 inputs it is given. ``plain``: :func:`plain_attention` instead.
     """
-    f64 = torch.float64
-    p64 = p.to(f64)
-    q, k, v = _project(p64, query.to(f64), key.to(f64), value.to(f64), num_heads, num_kv_heads)
+    dtype = query.dtype if plain else torch.float64
+    w = p.to(dtype)
+    q, k, v = _project(w, query.to(dtype), key.to(dtype), value.to(dtype), num_heads, num_kv_heads)
     B, T_q, T_k = query.size(0), query.size(1), key.size(1)
     keep = combined_keep(
-        B,
-        T_q,
-        T_k,
-        keep_mask=keep_mask,
-        key_padding_mask=key_padding_mask,
-        bias=bias,
-        is_causal=is_causal,
+        B, T_q, T_k, keep_mask=keep_mask, key_padding_mask=key_padding_mask, bias=bias, is_causal=is_causal,
         device=query.device,
-    )
-    bias4 = None if bias is None else bias.to(f64).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
-    context, _ = math_attention(q, k, v, keep=keep, bias=bias4, scale=scale)  # (B, H, T_q, D)
-    return _merge(p64, context)
+    )  # fmt: skip
+    if not plain:
+        bias4 = None if bias is None else bias.to(dtype).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
+        context, _ = math_attention(q, k, v, keep=keep, bias=bias4, scale=scale)  # (B, H, T_q, D)
+        return _merge(w, context)
+    rep = num_heads // num_kv_heads
+    k = k.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
+    v = v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in the low dtype
+    return _merge(w, weights @ v)  # (B, H, T_q, D) merged -> (B, T_q, E)
 
 
-def plain_attention(
-    p: Projections,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
-    keep_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    is_causal: bool = False,
-) -> Tensor:
-    """Textbook eager attention run entirely in the inputs' dtype, softmax included.
+def plain_attention(p: Projections, query: Tensor, key: Tensor, value: Tensor, **heads_and_masks) -> Tensor:
+    """Textbook eager attention run entirely in the inputs' dtype, softmax included (the arguments of
+    :func:`reference_attention` but ``bias``).
 
     The yardstick of the low-precision check (flash-attention's method): what a plain PyTorch
     implementation loses in bf16/fp16 is the error budget a module may spend, twice over.
     Differentiable: its input gradients are the yardstick of the backward pass likewise. A
     query with no visible key gives NaN here: the checks never build one.
     """
-    q, k, v = _project(p.to(query.dtype), query, key, value, num_heads, num_kv_heads)
-    rep = num_heads // num_kv_heads
-    k = k.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
-    v = v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
-    keep = combined_keep(
-        query.size(0),
-        query.size(1),
-        key.size(1),
-        keep_mask=keep_mask,
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        device=query.device,
-    )
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in the low dtype
-    return _merge(p.to(query.dtype), weights @ v)  # (B, H, T_q, D) merged -> (B, T_q, E)
+    return reference_attention(p, query, key, value, plain=True, **heads_and_masks)

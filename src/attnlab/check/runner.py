@@ -63,9 +63,7 @@ def run_checks(
     Raises:
         CheckError: attnlab check's own code failed (not the target's): ``error.phase`` says where.
     """
-    adapter, report = run_rows(
-        target, checks=checks, seed=seed, batch=batch, seq_len=seq_len, scale=scale, device=device, dtype=dtype
-    )
+    adapter, report = run_rows(target, checks, seed, batch, seq_len, scale, device, dtype)
     report.strict = strict
     call = getattr(adapter, "describe_call", lambda: None)()
     if call:

@@ -756,9 +756,12 @@ def check_attention_weights(ctx: Context) -> CheckResult:
     }
     items: dict[str, tuple[float, float]] = {}
     shape = ""
+    weights = getattr(a, "attention_weights", None)
+    if weights is None:
+        return _skip(f"{type(a).__name__} does not return attention weights")
     for name, kw in cases.items():
         try:
-            got = a.attention_weights(x, x, x, **kw)
+            got = weights(x, x, x, **kw)
         except Unsupported as e:
             return _skip(str(e))
         if name == "unmasked" and not torch.allclose(got.double().sum(-1), torch.ones((), dtype=torch.float64)):
@@ -1057,18 +1060,10 @@ _UNSUPPORTED_DTYPE = re.compile(
 )
 
 
-def run_rows(
-    target: object,
-    *,
-    checks: Iterable[str] | None = None,
-    seed: int = 0,
-    batch: int = 2,
-    seq_len: int = SEQ_LEN,
-    scale: float | None = None,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-) -> tuple[AttentionAdapter, Report]:
-    """The rows of :func:`attnlab.check.run_checks`, without the diagnosis: ``(the adapter, the report)``."""
+def run_rows(target: object, checks: Iterable[str] | None, seed: int, batch: int, seq_len: int, scale: float | None,
+             device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[AttentionAdapter, Report]:  # fmt: skip
+    """The rows of :func:`attnlab.check.run_checks` (its arguments, in its order), without the diagnosis:
+    ``(the adapter, the report)``."""
     adapter = as_adapter(placed(target, device, dtype), scale=scale)
     names = list(CHECKS) if checks is None else list(checks)
     unknown = [n for n in names if n not in CHECKS]
