@@ -1534,6 +1534,12 @@ def _read(module: nn.Module, form: CallForm, found: _Found | None, embed_dim: in
     return None
 
 
+def _rows_of(module: nn.Module, path: str, transposed: bool) -> int:
+    """The rows of parameter ``path`` as a projection's output features (its columns where stored transposed)."""
+    w = module.get_parameter(path)
+    return int(w.size(1) if transposed else w.size(0))
+
+
 def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) -> tuple[_Found | None, bool]:
     """(the names' reading, whether the data flow's is used instead). The names stand where they name every
     role and the data flow uses no weight they do not name: then a swap or a reuse shows against them.
@@ -1555,7 +1561,9 @@ def _choose(module: nn.Module, found: _Found | None, reading: Reading | None) ->
         # a fused projection cut in thirds reads by names (its order of use probed: a wrong order is a finding);
         # a packed layout that is no thirds ((B, T, H, 3, D), per head) by the rows each role uses
         thirds = all(
-            len(src.parts) == 1 and src.parts[0][2] == tuple(range(src.parts[0][2][0], src.parts[0][2][-1] + 1))
+            len(src.parts) == 1
+            and src.parts[0][2] == tuple(range(src.parts[0][2][0], src.parts[0][2][-1] + 1))
+            and 3 * len(src.parts[0][2]) == _rows_of(module, src.parts[0][0], src.parts[0][1])  # not MQA's E+2D
             for src in (reading.q, reading.k, reading.v)
         )
         return found, not thirds
