@@ -14,6 +14,7 @@ like. ``attnlab trace --target`` prints it; the diagnosis uses it where no catal
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,6 +115,7 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.multi_head_attention_forward:
             return self._inside_mha(func, args, kwargs)
+        args, kwargs = _positional(func, args, kwargs)
         out = func(*args, **kwargs)
         flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
         tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
@@ -146,6 +148,30 @@ class _Mode(TorchFunctionMode):
             self.ids[id(part)] = len(self.ops) - 1
             self.keep.append(part)
         return out
+
+
+# products whose tensor operands may come by keyword (BLOOM's ``alibi.baddbmm(batch1=q, batch2=k, beta=..)``),
+# in their positional order: moved to their places, so that the operands are tracked and read as the others
+_OPERANDS = {
+    "baddbmm": ("input", "batch1", "batch2"),
+    "addbmm": ("input", "batch1", "batch2"),
+    "bmm": ("input", "mat2"),
+    "matmul": ("input", "other"),
+}
+
+
+def _positional(func: object, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args, kwargs`` with a product's tensor operands given by keyword moved into ``args``, in order."""
+    names = _OPERANDS.get(getattr(func, "__name__", ""))
+    if names is None or not any(n in kwargs for n in names[len(args) :]):
+        return args, kwargs
+    kwargs = dict(kwargs)
+    moved = list(args)
+    for n in names[len(args) :]:
+        if n not in kwargs:
+            return args, {**kwargs}
+        moved.append(kwargs.pop(n))
+    return tuple(moved), kwargs
 
 
 def capture(
@@ -265,7 +291,10 @@ def first_departure(
 
     def vouched(stage: str) -> bool:
         # a later stage vouches for a missing one only if it is computed from it: the scores and weights from Q
-        # and K alone, so V (a value projection mixed up) shows first in the context
+        # and K alone, so V (a value projection mixed up) shows first in the context; a role's heads from the role
+        # (a fused per-head projection never holds Q as (B, T, E): BLOOM's (B, T, H, 3, D))
+        if stage in ("q", "k", "v") and f"{stage}_heads" in matched:
+            return True
         vouching = ("context", "merged", "out") if stage in ("v", "v_heads") else DOWNSTREAM
         return any(s in matched for s in STAGES[STAGES.index(stage) + 1 :] if s in vouching)
 
@@ -282,8 +311,15 @@ def first_departure(
     return matched, missing, candidate
 
 
-def departure_hint(missing: str, op: Op | None, stages: dict[str, Tensor], scale: float) -> str:
-    """What is off about ``op``'s tensor, the one that should have been stage ``missing`` (for messages)."""
+def departure_hint(
+    missing: str, op: Op | None, stages: dict[str, Tensor], scale: float, ops: list[Op] | None = None
+) -> str:
+    """What is off about ``op``'s tensor, the one that should have been stage ``missing`` (for messages).
+    ``ops``: all the ops recorded, so that a departure in the scores is read off the weights the module makes."""
+    if ops is not None and op is not None and missing in ("scores", "scaled", "masked", "weights"):
+        said = score_map(ops[ops.index(op) :], stages)
+        if said:
+            return said
     if op is None:
         return f"no tensor of its shape {list(stages[missing].shape)} comes after the last matching one"
     if op.func in FUSED and not _layouts(op.out, stages[missing]):
@@ -313,3 +349,60 @@ def departure_hint(missing: str, op: Op | None, stages: dict[str, Tensor], scale
             return f"your scores are {ratio:.4g} x Q K^T; expected {scale:.4g} x Q K^T"
     err = stage_error(t, stages[missing])
     return f"the closest tensor differs by {err:.1e} (relative)" if err is not None else ""
+
+
+_SOFTMAXES = ("softmax", "_softmax", "softmax_")
+
+
+def score_map(ops: list[Op], stages: dict[str, Tensor]) -> str:
+    """How the module's attention weights (the first softmax in ``ops``) depart from the reference's, where the
+    scores going into them are the reference's through a map it does not apply: an additive bias set by the
+    positions (ALiBi), or an elementwise squashing of the scores (soft-capping ``tanh(s / c) * c``). Read off
+    the log-weights on the keys both keep, each row centred (softmax forgets a constant per row). "" when it
+    is neither: the caller says what it can instead."""
+    w_op = next((o for o in ops if o.func in _SOFTMAXES), None)
+    want = stages["weights"].double()
+    if w_op is None:
+        return ""
+    got = next((c for c in _layouts(w_op.out, want) if c.shape == want.shape), None)
+    if got is None:
+        return ""
+    got = got.double()
+    kept = (got > 1e-12) & (want > 1e-12)
+    if int(kept.sum()) < 8 or not bool((kept == (want > 1e-12)).all()):
+        return ""  # a key kept by one and not the other is a mask's business, not a map of the scores
+    lg = torch.where(kept, got.clamp_min(1e-300).log(), 0.0)
+    lw = torch.where(kept, want.clamp_min(1e-300).log(), 0.0)
+    n = kept.sum(-1, keepdim=True).clamp_min(1)
+    d = torch.where(kept, (lg - lw) - ((lg - lw) * kept).sum(-1, keepdim=True) / n, 0.0)  # (B, H, T_q, T_k)
+    spread = float(d.abs().max())
+    if spread < 1e-6:
+        return ""
+    H, Tk = d.shape[1], d.shape[3]
+    j = torch.arange(Tk, dtype=torch.float64).expand_as(d)
+    jc = torch.where(kept, j - (j * kept).sum(-1, keepdim=True) / n, 0.0)
+    slope = (d * jc).sum((0, 2, 3)) / (jc * jc).sum((0, 2, 3)).clamp_min(1e-300)  # (H,): per head, per key
+    if float((d - slope.view(1, H, 1, 1) * jc).abs().max()) <= 1e-6 * max(1.0, spread):
+        slopes = ", ".join(f"{float(x):+.4g}" for x in slope)
+        return (
+            f"the weights are the reference's with an additive bias on the scores that grows with the key's "
+            f"position, per head ({slopes} per key later; an ALiBi-style bias): the reference adds none, so "
+            f"check cannot say whether the bias is right, only that the rest matches up to it"
+        )
+    ref = stages["masked"].double() if "masked" in stages else stages["scaled"].double()
+    s = torch.where(kept, ref, 0.0)
+    sc = torch.where(kept, s - (s * kept).sum(-1, keepdim=True) / n, 0.0)
+    cube = torch.where(kept, s**3, 0.0)
+    cc = torch.where(kept, cube - (cube * kept).sum(-1, keepdim=True) / n, 0.0)
+    basis = torch.stack([sc[kept], cc[kept]], dim=1)  # d = a * s + b * s^3 (+ a row constant)
+    sol = torch.linalg.lstsq(basis, d[kept].unsqueeze(1)).solution.flatten()
+    resid = float((basis @ sol - d[kept]).abs().max())
+    a, b = float(sol[0]), float(sol[1])
+    if resid <= 0.05 * spread and b < 0 and abs(a) < 0.05:
+        cap = math.sqrt(-1.0 / (3.0 * b))
+        return (
+            f"the weights are the reference's after the scores are squashed elementwise (s - s^3 / {1 / -b:.4g}: "
+            f"a soft-cap tanh(s / c) * c with c ~ {cap:.3g}): the reference applies none, so check cannot say "
+            f"whether the cap is right, only that the rest matches up to it"
+        )
+    return ""

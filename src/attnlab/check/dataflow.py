@@ -232,9 +232,10 @@ def _as_rows(x: Tensor, letters: str, keep: tuple[str, str], group: str) -> Tens
 def product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
     """For Q K^T (``first_is_weights`` False): ``(Q (L, T_q, D), K (L, T_k, D), scores)``; for P V:
     ``(P (L, T_q, T_k), V (L, T_k, D), context (L, T_q, D))``, the group dims flattened to L."""
-    tensors = _operands(op, ops, inputs)
-    if op.func == "baddbmm":
-        tensors = tensors[1:]
+    if op.func == "baddbmm":  # the added term (an empty buffer, an ALiBi bias) is no operand, tracked or not
+        tensors = _operands(Op(**{**vars(op), "args": op.args[1:3]}), ops, inputs)
+    else:
+        tensors = _operands(op, ops, inputs)
     if len(tensors) != 2:
         raise Unreadable(f"{op.func} with {len(tensors)} tensor operands")
     a, b = tensors
@@ -306,7 +307,7 @@ class _Site:
     at: int  # the op that produced the context
 
 
-def attention_sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
+def attention_sites(ops: list[Op], inputs: list[Tensor], heads_first: bool = False) -> list[_Site]:
     sites: list[_Site] = []
     for n, op in enumerate(ops):
         if op.func in FUSED_OPS:
@@ -343,8 +344,24 @@ def attention_sites(ops: list[Op], inputs: list[Tensor]) -> list[_Site]:
             if pv is None:
                 raise Unreadable("nothing multiplies the attention weights")
             _, v, ctx = product_sides(ops[pv], ops, inputs, first_is_weights=True)
-            sites.append(_Site(q, k, v, ctx, pv))
+            sites.append(_unfold_queries(_Site(q, k, v, ctx, pv), heads_first))
     return sites
+
+
+def _unfold_queries(site: _Site, heads_first: bool) -> _Site:
+    """A site whose queries fold the heads into the query axis against one shared K/V head (GPTBigCode's
+    multi-query ``(B, T * H, D)`` against ``(B, D, S)``), with the heads unfolded into groups: Q and the context
+    ``(L * H, T, D)``. ``heads_first``: folded ``(H, T)`` rather than ``(T, H)``."""
+    T, n = site.k.size(1), site.q.size(1) // max(site.k.size(1), 1)
+    if n < 2 or site.q.size(1) != n * T or site.context.shape[:2] != site.q.shape[:2]:
+        return site
+
+    def unfold(t: Tensor) -> Tensor:
+        L, _, D = t.shape
+        g = t.reshape(L, n, T, D) if heads_first else t.reshape(L, T, n, D).transpose(1, 2)
+        return g.reshape(L * n, T, D)
+
+    return _Site(unfold(site.q), site.k, site.v, unfold(site.context), site.at)
 
 
 def _batch_rows(first: Tensor, moved: Tensor, B: int) -> Tensor | None:
@@ -654,13 +671,21 @@ def read_dataflow(
     try:
         with warnings.catch_warnings():  # the module's own warnings (a complex cast ...) are no reason to fail here
             warnings.simplefilter("ignore")
-            return _read(module, call, embed_dim, seed)
+            try:
+                return _read(module, call, embed_dim, seed)
+            except (Unreadable, RuntimeError):  # heads folded into the queries (H, T) rather than (T, H)?
+                return _read(module, call, embed_dim, seed, heads_first=True)
     except (Unreadable, RuntimeError, IndexError, ValueError, TypeError, UserWarning):
         return None
 
 
 def _read(
-    module: nn.Module, call: Callable[[nn.Module, Tensor], object], E: int, seed: int, batch: int = PROBE_B
+    module: nn.Module,
+    call: Callable[[nn.Module, Tensor], object],
+    E: int,
+    seed: int,
+    batch: int = PROBE_B,
+    heads_first: bool = False,
 ) -> Reading:
     probe = copy.deepcopy(module).eval()
     try:
@@ -682,7 +707,7 @@ def _read(
             ops, err = capture_until_error(run, {"x": inp}, probe)
         if err is not None:
             raise Unreadable(f"the probe call raised {type(err).__name__}: {err}")
-        results.append((ops, attention_sites(ops, [inp])))
+        results.append((ops, attention_sites(ops, [inp], heads_first)))
     (ops, sites), (_, sites2) = results
     if not sites or len(sites) != len(sites2):
         raise Unreadable("no attention weights found")
@@ -704,7 +729,7 @@ def _read(
     H = len(feats["q"])
     D = feats["q"][0].size(-1)
     if H * B < 2 * D + 8 and batch == PROBE_B:  # a position map is fitted over the probe's sequences and heads:
-        return _read(module, call, E, seed, batch=-(-(2 * D + 8) // H) + 1)  # twice the unknowns, well conditioned
+        return _read(module, call, E, seed, batch=-(-(2 * D + 8) // H) + 1, heads_first=heads_first)  # twice the unknowns, well conditioned
     x0 = x[:, 0].double()  # (B, E)
     bank = _Bank(probe, E)
     sources: dict[str, RowSource] = {}

@@ -690,7 +690,7 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
     matched, missing, candidate = first_departure(ops, stages, masked=bool(_own_masks(a, probe.masks)))
     if missing is None:
         return None
-    hint = departure_hint(missing, candidate, stages, a.scale)
+    hint = departure_hint(missing, candidate, stages, a.scale, ops)
     same = [s for s in matched if s != missing]
     ok = ", ".join(same)
     plural = missing.endswith("s")  # weights, scores, q_heads: "do"; q, masked, context: "does"

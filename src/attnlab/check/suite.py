@@ -721,13 +721,19 @@ def check_mask_semantics(ctx: Context) -> CheckResult:
     rows = torch.arange(T)
     mask[rows, rows] = True
     mask[rows, (rows + 1) % T] = False  # every row holds a True and a False: both readings are valid
+    # an always-causal target sees no later key: each row's False is then the key before it, and the first row,
+    # which sees itself only, is left out (one of the readings masks it fully, which no convention settles)
+    causal = bool(getattr(a, "always_causal", False))
+    if causal:
+        mask[rows[1:], rows[1:] - 1] = False
     mask = mask.to(ctx.device)
     try:
         out = a.raw_bool_mask(x, mask)
     except Unsupported as e:
         return _skip(str(e))
-    err_keep = _rel(out, ctx.reference(x, x, x, keep_mask=mask))
-    err_block = _rel(out, ctx.reference(x, x, x, keep_mask=~mask))
+    seen = slice(1, None) if causal else slice(None)
+    err_keep = _rel(out[:, seen], ctx.reference(x, x, x, keep_mask=mask)[:, seen])
+    err_block = _rel(out[:, seen], ctx.reference(x, x, x, keep_mask=~mask)[:, seen])
     tol = ctx.tol(PARITY_TOL)
     found = "True = may attend" if err_keep <= tol else "True = blocked" if err_block <= tol else "neither"
     meaning: dict[str | None, str] = {"keep": "True = may attend", "block": "True = blocked"}
@@ -778,6 +784,8 @@ def check_attention_weights(ctx: Context) -> CheckResult:
                 h = min(range(len(errs)), key=errs.__getitem__)
                 if errs[h] <= ctx.tol(PARITY_TOL):
                     want, shape = heads[:, h], f"(B, T_q, T_k), head {h}'s own"
+        if got.dim() == 4 and got.shape != want.shape and got.transpose(1, 2).shape == want.shape:
+            got, shape = got.transpose(1, 2), "(B, T_q, H, T_k)"  # GPTBigCode's multi-query layout, heads inside
         if got.shape != want.shape:
             return _row(
                 False, "shape", str(list(want.shape)), f"{name}: weights {list(got.shape)}, want {list(want.shape)}"

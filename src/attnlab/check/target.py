@@ -497,7 +497,11 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
                 kwargs[n] = value
     for n in _CONFIG_ARGS:
         if n in params and n not in kwargs and params[n].kind != inspect.Parameter.VAR_KEYWORD:
-            kwargs[n] = _make_config(spec, obj, params[n], wanted)
+            try:
+                kwargs[n] = _make_config(spec, obj, params[n], wanted)
+            except TargetError:
+                if params[n].default is inspect.Parameter.empty:
+                    raise  # else a config of its own by default: built as it is
     E0, H0 = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
     G0 = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H0)
     for name, value in list(kwargs.items()):  # config fields no list names: first guesses, then each candidate
@@ -510,6 +514,9 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             if _runs(obj, kwargs, E0, H0):
                 break
         else:  # no value of them makes it run as attention: say which fields, as before any was tried
+            if name in params and params[name].default is not inspect.Parameter.empty:
+                del kwargs[name]  # a config of its own by default (ViT-pytorch's ``config=None``): built as it is
+                continue
             raise _unfillable(spec, obj, name, fields)
     unguessable = [n for n in params if n in required and n not in kwargs]
     layers = [n for n in unguessable if _takes_module(params[n])]  # torchtune's q_proj: nn.Module handed in
