@@ -729,7 +729,9 @@ def _read(
     H = len(feats["q"])
     D = feats["q"][0].size(-1)
     if H * B < 2 * D + 8 and batch == PROBE_B:  # a position map is fitted over the probe's sequences and heads:
-        return _read(module, call, E, seed, batch=-(-(2 * D + 8) // H) + 1, heads_first=heads_first)  # twice the unknowns, well conditioned
+        return _read(
+            module, call, E, seed, batch=-(-(2 * D + 8) // H) + 1, heads_first=heads_first
+        )  # twice the unknowns, well conditioned
     x0 = x[:, 0].double()  # (B, E)
     bank = _Bank(probe, E)
     sources: dict[str, RowSource] = {}
