@@ -24,22 +24,7 @@ FILES = sorted(CORPUS.glob("*.py"))
 
 # What check does not yet get right on this corpus, by cause (measured 7 December 2026; each an expected failure,
 # strict: one that starts passing fails here until it is taken off the list)
-NOT_YET: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "jaxport_correct",
-            "jaxport_scale_by_length",
-            "jaxport_scale_by_length_repaired",
-            "jaxport_softmax_query_axis",
-            "jaxport_softmax_query_axis_repaired",
-        ),
-        "no nn.Linear: the projections are bare (in, H, D) and (H, D, E) Parameters applied by einsum, so names "
-        "find none; the data-flow reading stops at the '...' of the einsum equations (product_sides does not "
-        "expand it), and past that reads a feature only as a row of a 2-D parameter, not a slice of a 3-D kernel",
-    ),
-    "gptfast_gqa_kv_heads_tiled": "gpt-fast's n_local_heads is no K/V-heads name check knows, and its default (-1) "
-    "means as many as the heads: built as plain multi-head attention the tiling changes nothing",
-}
+NOT_YET: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=marks_of(p, FILES, NOT_YET)) for p in FILES])

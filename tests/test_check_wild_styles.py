@@ -55,8 +55,6 @@ NOT_YET: dict[str, str] = {
         "an inverted key padding mask behaves as the other convention, and the module's own words state none "
         "(no docstring or comment says what True means): nothing says it is a mistake",
     ),
-    "swin_rows_misassigned": "the window mask has one row per window, fewer than the folded batch: handed one row per "
-    "sequence (as many as the batch), a repeat_interleave where the windows repeat fastest changes nothing",
 }
 
 

@@ -112,6 +112,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "taken (x.size(1) or T in place of head_dim), so the scale changes with the input's length",
         "divide by math.sqrt(head_dim), the last dim of q (q.size(-1)), not the length",
         S_SCALE, "every output row", _R(scale="length"),
+        also=(_R(scale="query_length"),),  # the length read off q (a Flax port's query.shape[1] of (B, T, H, D))
     ),
     # -- softmax --
     Mistake(
@@ -205,6 +206,9 @@ MISTAKES: tuple[Mistake, ...] = (
         "as valid_lens.repeat(num_heads) does where repeat_interleave belongs",
         "repeat per sequence, not per tile: valid_lens.repeat_interleave(num_heads, dim=0) for rows laid out (B*H, ...)",
         S_MASK, "padding parity, padding_invariance, masked rows", _R(rows="tiled"),
+        # a window mask (nW rows, the batch nW * B folded windows fastest) spread window-major: Swin's masks
+        # repeat_interleave'd where they repeat
+        also=(_R(rows="windows_major"),),
     ),
     # -- heads: split and merge (seed 002, 2.2; seed 000, sections 2 and 4) --
     Mistake(

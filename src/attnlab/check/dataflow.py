@@ -11,13 +11,16 @@ produced, so a later in-place change cannot spoil it) and reads the data flow:
 1. **The softmax** (``softmax``, or ``exp`` of a manual one, or inside ``scaled_dot_product_attention``).
 2. **The score product** that feeds it, walking back through the scaling and masking: its two operands
    are Q and K, laid out by the product itself (``matmul``/``bmm``: ``(..., T, D)`` against
-   ``(..., D, T)``; ``einsum``: by its equation).
+   ``(..., D, T)``; ``einsum``: by its equation, ``...`` spelled out as the operands' own dims).
 3. **The product that consumes the weights**: its other operand is V, its result the context.
 4. **Which parameter rows make each of Q, K and V.** The probe batch holds one-hot inputs at position 0
    (sequence ``i`` carries ``e_i``, the last one zeros), so each feature of Q at position 0 is ``c * W[r, i] +
    c * b[r]`` for some parameter row ``r`` and factor ``c`` (a scale folded into q, as fairseq's ``q *=
    scaling`` or Whisper's ``d^-1/4``). Each feature's column over the probe is matched with every row (and
-   column, for weights stored transposed) of every 2-D parameter, so packed and per-head layouts read alike.
+   column, for weights stored transposed) of every 2-D parameter, so packed and per-head layouts read alike;
+   a parameter of more dims is read as the linear map it is, its axis of the input's width against the input
+   and the others flattened into rows (a Flax kernel ``(E, H, D)``, a per-head ``(H, E, D)``), whatever op
+   applies it (einsum, matmul, bmm, tensordot, ``F.linear`` on a reshape): only the values are matched.
 5. **The output projection**, by least squares of the output on the contexts, matched the same way.
 
 A role's weight is then the rows it uses, **in the parameter's own order** (head ``h`` = rows ``h*D ..``):
@@ -117,12 +120,16 @@ class RowSource:
     parts: tuple[tuple[str, bool, tuple[int, ...]], ...]
     bias: tuple[tuple[str, tuple[int, ...]], ...] | None
     factor: float  # the scale folded into the role (q *= scaling): 1 when none
+    # parameters of more than two dims, read as matrices: ``(path, axis)``, the axis that meets the input (or
+    # makes the output), the others flattened in their order into rows (see :func:`as_matrix`)
+    views: tuple[tuple[str, int], ...] = ()
 
     def weight(self, module: nn.Module) -> Tensor:
         """``(rows, in)`` in ``nn.Linear``'s layout, live: gradients and in-place changes reach the parameters."""
+        axes = dict(self.views)
         pieces = []
         for path, transposed, rows in self.parts:
-            p = module.get_parameter(path)
+            p = as_matrix(module.get_parameter(path), axes.get(path, 1))
             w = p.t() if transposed else p
             pieces.append(w[torch.tensor(rows, device=p.device)])
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -132,7 +139,7 @@ class RowSource:
             return None
         pieces = []
         for path, rows in self.bias:
-            p = module.get_parameter(path)
+            p = module.get_parameter(path).reshape(-1)  # a bias kept per head (H, D) reads flattened
             pieces.append(p[torch.tensor(rows, device=p.device)])
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -146,11 +153,35 @@ class RowSource:
                 return f"{rows[0]}:{rows[-1] + 1}"
             return f"{len(rows)} rows from {rows[0]} to {rows[-1]}"
 
-        paths = [f"{p}{'.T' if t else ''}[{span(r)}]" for p, t, r in self.parts]
+        flat = dict(self.views)
+        paths = [
+            f"{p}{f' (read at dim {flat[p]}, the rest flattened)' if p in flat else ''}{'.T' if t else ''}[{span(r)}]"
+            for p, t, r in self.parts
+        ]
         if len(paths) > 3:
             paths = [paths[0], "...", paths[-1]]
         scaled = f" (x {self.factor:.4g} folded in)" if abs(self.factor - 1.0) > 1e-9 else ""
         return " + ".join(paths) + scaled
+
+
+def as_matrix(p: Tensor, axis: int = 1) -> Tensor:
+    """``p`` as the linear map it applies: a 2-D parameter as it is; one of more dims as ``(rows, p.size(axis))``,
+    ``axis`` the one that meets the input width (or makes the output's), the others flattened into rows in their
+    own order. A Flax kernel ``(E, H, D)`` at axis 0 is ``(H*D, E)``, nn.Linear's layout; ``(H, D, E)`` at 2 the
+    same; a per-head ``(H, E, D)`` applied by ``bmm`` (or ``matmul``, ``tensordot``, ``einsum``) at 1, too."""
+    if p.dim() == 2:
+        return p
+    return p.movedim(axis, -1).reshape(-1, p.size(axis))
+
+
+def matrix_views(p: Tensor, width: int) -> list[tuple[int | None, Tensor]]:
+    """The ``(axis, matrix)`` views of a parameter as a linear map with one side ``width``: a 2-D one as it is
+    (axis None: either orientation), one of more dims at each axis of that size (see :func:`as_matrix`)."""
+    if p.dim() < 2 or not p.is_floating_point():
+        return []
+    if p.dim() == 2:
+        return [(None, p)] if width in p.shape else []
+    return [(a, as_matrix(p, a)) for a in range(p.dim()) if p.size(a) == width]
 
 
 @dataclass
@@ -170,7 +201,7 @@ class Reading:
     # the map turns by the head index, the same at every position (rotary applied along the heads axis): the
     # reference turns by the position, as rotary means, with the angles read
     rotary_on_heads: bool = False
-    unused: tuple[str, ...] = ()  # 2-D parameters that no role uses
+    unused: tuple[str, ...] = ()  # parameters of two dims or more that no role uses
 
     def describe(self) -> str:
         parts = [f"q {self.q.describe()}", f"k {self.k.describe()}", f"v {self.v.describe()}"]
@@ -203,13 +234,26 @@ def tracked_args(op: Op) -> list[int]:
     return op.inputs or [a for a in op.args if isinstance(a, int)]
 
 
-def _einsum_letters(op: Op) -> tuple[list[str], str] | None:
+def _einsum_letters(op: Op, dims: list[int] | None = None) -> tuple[list[str], str] | None:
+    """The einsum's operand letters and its output's, ``...`` spelled out as letters of its own when ``dims``
+    (each operand's number of dims) is given: right-aligned, so that a shorter ``...`` broadcasts."""
     eq = next((a for a in op.args if isinstance(a, str) and "->" in a), None)
     if eq is None:
         return None
     eq = eq.strip("'\"").replace(" ", "")
     lhs, rhs = eq.split("->")
-    return lhs.split(","), rhs
+    terms = lhs.split(",")
+    if "..." not in eq:
+        return terms, rhs
+    if dims is None or len(dims) != len(terms):
+        return None
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    spans = [d - (len(t) - 3) if "..." in t else 0 for t, d in zip(terms, dims, strict=True)]
+    if min(spans) < 0 or max(spans) > len(free):
+        return None
+    widest = free[: max(spans)]
+    terms = [t.replace("...", "".join(widest[len(widest) - n :])) for t, n in zip(terms, spans, strict=True)]
+    return terms, rhs.replace("...", "".join(widest))
 
 
 def _operands(op: Op, ops: list[Op], inputs: list[Tensor]) -> list[Tensor]:
@@ -223,10 +267,15 @@ def _operands(op: Op, ops: list[Op], inputs: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def _as_rows(x: Tensor, letters: str, keep: tuple[str, str], group: str) -> Tensor:
-    """``x`` whose dims are named by ``letters``, permuted to ``(group..., keep[0], keep[1])``."""
+def _as_rows(x: Tensor, letters: str, keep: tuple[str, str], group: str, sizes: dict[str, int]) -> Tensor:
+    """``x`` whose dims are named by ``letters``, permuted to ``(group..., keep[0], keep[1])``; a group letter it
+    lacks (or holds at size 1: broadcast) is expanded to its size in ``sizes``."""
+    for c in group:
+        if c not in letters:
+            x, letters = x.unsqueeze(0), c + letters
     order = [letters.index(c) for c in group] + [letters.index(keep[0]), letters.index(keep[1])]
-    return x.permute(order)
+    x = x.permute(order)
+    return x.expand(*(sizes[c] for c in group), *x.shape[len(group) :])
 
 
 def product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -241,24 +290,29 @@ def product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights:
     a, b = tensors
     res = op.out
     if op.func == "einsum":
-        parsed = _einsum_letters(op)
+        parsed = _einsum_letters(op, [a.dim(), b.dim()])
         if parsed is None or len(parsed[0]) != 2:
             raise Unreadable("einsum equation not read")
         (la, lb), lo = parsed
+        if len(la) != a.dim() or len(lb) != b.dim() or len(lo) != res.dim():
+            raise Unreadable("einsum equation does not fit its operands")
+        sizes = dict(zip(lo, res.shape, strict=True))
         contracted = [c for c in la if c in lb and c not in lo]
         if len(contracted) != 1:
             raise Unreadable("einsum contracts more than one index")
         c = contracted[0]
-        ta = next((x for x in la if x in lo and x not in lb), None)
-        tb = next((x for x in lb if x in lo and x not in la), None)
+        # the free position indices: the last of each side's own (a batch index that one side broadcasts, a
+        # shorter '...', comes first)
+        ta = next((x for x in reversed(la) if x in lo and x not in lb), None)
+        tb = next((x for x in reversed(lb) if x in lo and x not in la), None)
         if ta is None or tb is None:
             raise Unreadable("einsum without two free position indices")
         group = "".join(x for x in lo if x not in (ta, tb))
-        if any(x not in la or x not in lb for x in group):
-            raise Unreadable("einsum broadcasts a group index")
-        A = _as_rows(a, la, (ta, c), group)
-        Bm = _as_rows(b, lb, (tb, c), group)
-        R = _as_rows(res, lo, (ta, tb), group)
+        if any(x not in la and x not in lb for x in group):
+            raise Unreadable("einsum output index of neither operand")
+        A = _as_rows(a, la, (ta, c), group, sizes)
+        Bm = _as_rows(b, lb, (tb, c), group, sizes)
+        R = _as_rows(res, lo, (ta, tb), group, sizes)
     else:
         if a.dim() < 2 or b.dim() < 2:
             raise Unreadable("a product of vectors")
@@ -380,23 +434,37 @@ def _batch_rows(first: Tensor, moved: Tensor, B: int) -> Tensor | None:
 
 
 class _Bank:
-    """Every input-weight row of the module's 2-D parameters (rows of ``nn.Linear``'s ``(out, in)``, columns of a
-    weight stored ``(in, out)`` as GPT-2's ``Conv1D``), for matching features by their values over a probe."""
+    """Every input-weight row of the module's parameters read as linear maps (rows of ``nn.Linear``'s
+    ``(out, in)``, columns of a weight stored ``(in, out)`` as GPT-2's ``Conv1D``, and of any parameter of more
+    dims viewed flattened as a matrix with one side the input width: a Flax kernel ``(E, H, D)`` as
+    ``(E, H*D)``, whatever op applies it), for matching features by their values over a probe."""
 
     def __init__(self, module: nn.Module, width: int) -> None:
         self.entries: list[tuple[str, bool, int]] = []  # (path, stored transposed, row)
+        self.axes: dict[str, int] = {}  # parameters of more than two dims: the axis that meets the input
         vecs = []
         for path, p in module.named_parameters():
-            if p.dim() != 2 or not p.is_floating_point():
-                continue
-            w = p.detach().double()
-            if w.size(1) == width:
-                vecs.append(w)
-                self.entries += [(path, False, r) for r in range(w.size(0))]
-            if w.size(0) == width:
-                vecs.append(w.t())
-                self.entries += [(path, True, r) for r in range(w.size(1))]
+            for axis, w in matrix_views(p.detach().double(), width)[:1]:  # one view per parameter
+                if axis is not None:  # (rows, width): its rows
+                    self.axes[path] = axis
+                    vecs.append(w)
+                    self.entries += [(path, False, r) for r in range(w.size(0))]
+                    continue
+                if w.size(1) == width:
+                    vecs.append(w)
+                    self.entries += [(path, False, r) for r in range(w.size(0))]
+                if w.size(0) == width:
+                    vecs.append(w.t())
+                    self.entries += [(path, True, r) for r in range(w.size(1))]
         self.raw = torch.cat(vecs) if vecs else torch.zeros(0, width, dtype=torch.float64)
+
+    def views(self, paths: object) -> tuple[tuple[str, int], ...]:
+        """The views of the parameters among ``paths`` that are read flattened."""
+        return tuple((p, self.axes[p]) for p in dict.fromkeys(paths) if p in self.axes)  # type: ignore[call-overload]
+
+    def matrix(self, module: nn.Module, path: str) -> Tensor:
+        """The parameter at ``path`` as the matrix its entries index."""
+        return as_matrix(module.get_parameter(path), self.axes.get(path, 1))
 
     def match_all(
         self, feats: Tensor, x0: Tensor, tol: float
@@ -439,14 +507,18 @@ def _bias_source(
         part = want[pos : pos + len(rows)]
         pos += len(rows)
         owner = path.rsplit(".", 1)[0] if "." in path else ""
-        cands = [
+        # a bias vector, the weight's own module's first; else, where it is not zero, one kept per head ((H, D),
+        # read flattened)
+        nonzero = float(part.abs().max()) > 1e-9 * max(1.0, float(eff.abs().max()))
+        fits = [
             n
             for n, p in params.items()
-            if p.dim() == 1 and p.numel() > max(rows) and (n.rsplit(".", 1)[0] if "." in n else "") == owner
-        ] + [n for n, p in params.items() if p.dim() == 1 and p.numel() > max(rows)]
+            if p.is_floating_point() and p.numel() > max(rows) and (p.dim() == 1 or (nonzero and n != path))
+        ]
+        cands = sorted(fits, key=lambda n: (params[n].dim() != 1, (n.rsplit(".", 1)[0] if "." in n else "") != owner))
         hit = None
-        for n in dict.fromkeys(cands):
-            vals = params[n].detach().double()[torch.tensor(rows)]
+        for n in cands:
+            vals = params[n].detach().double().reshape(-1)[torch.tensor(rows)]
             if float((vals - part).abs().max()) <= tol * max(float(size), 1e-12) * 10:
                 hit = n
                 break
@@ -473,11 +545,11 @@ def _role_rows(
     fac = factors[0]
     if any(abs(x - fac) > 1e-6 * abs(fac) for x in factors):
         raise Unreadable("features scaled unevenly")
-    return _source(module, matched, fac, [h[2] for h in hits if h is not None], tol), matched
+    return _source(module, matched, fac, [h[2] for h in hits if h is not None], tol, bank), matched
 
 
 def _source(
-    module: nn.Module, matched: list[tuple[str, bool, int]], fac: float, biases: list[float], tol: float
+    module: nn.Module, matched: list[tuple[str, bool, int]], fac: float, biases: list[float], tol: float, bank: _Bank
 ) -> RowSource:
     """The role's rows in the parameters' order, with the bias parameter matching each row's ``biases``
     (scaled by ``fac``, as the features carry it)."""
@@ -488,7 +560,7 @@ def _source(
     bias, ok = _bias_source(module, unique, fac, eff_sorted, max(tol, 1e-9))
     if not ok:
         raise Unreadable("a bias that is no parameter's")
-    return RowSource(_runs_of(unique), bias, fac)
+    return RowSource(_runs_of(unique), bias, fac, bank.views(p for p, _, _ in unique))
 
 
 def _mapped_rows(
@@ -515,7 +587,7 @@ def _mapped_rows(
         fac = float(maps[0].square().sum().div(D).sqrt())  # a rotation times the scale folded in
         eff = (torch.cat([b for _, _, b in found]) * fac).tolist()
         preds = [x.double() @ bank.raw[idx].t() + b for idx, _, b in found]  # (B, T, D) per head
-        return _source(module, matched, fac, eff, tol), matched, maps, preds
+        return _source(module, matched, fac, eff, tol, bank), matched, maps, preds
     raise Unreadable("a feature is not any parameter's row, nor a mix of two in rotary's pairs")
 
 
@@ -562,21 +634,21 @@ def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: 
     below: set[int] = set()
     for i in sorted(contexts_at):
         below |= descendants(ops, i)
-    params = [(n, p.detach().double()) for n, p in module.named_parameters() if p.dim() == 2 and p.is_floating_point()]
-    ones = {n: p for n, p in module.named_parameters() if p.dim() == 1}
+    params = [(n, axis, P) for n, p in module.named_parameters() for axis, P in matrix_views(p.detach().double(), E)]
+    ones = {n: p.reshape(-1) for n, p in module.named_parameters() if p.dim() >= 1 and p.numel() == E}
     for i in sorted(below):
         m = ops[i].out
-        if not m.is_floating_point() or m.dim() not in (2, 3) or m.size(-1) == 0 or m.numel() % (B * T):
+        if not m.is_floating_point() or m.dim() < 2 or m.numel() == 0 or m.numel() % (B * T):
             continue
-        N = m.size(-1)
-        if m.numel() != B * T * N:
-            continue
-        # (B, T, N), (T, B, N), or either flattened to 2-D (F.multi_head_attention_forward's (T*B, E))
+        N = m.numel() // (B * T)
+        # (B, T, N), (T, B, N), either flattened to 2-D (F.multi_head_attention_forward's (T*B, E)), or the heads
+        # unmerged (B, T, H, D), as a Flax kernel (H, D, E) takes them
         for merged in (m.reshape(B, T, N), m.reshape(T, B, N).transpose(0, 1)):
             M = merged.double().reshape(-1, N)
-            for path, P in params:
-                for tr, W in ((True, P), (False, P.t())):  # W (E, N): nn.Linear's (out, in), or stored (in, out)
-                    if W.shape != (E, N):
+            for path, axis, P in params:
+                # W (E, N): nn.Linear's (out, in), or stored (in, out); a view of more dims is (rows, E)
+                for tr, W in ((True, P), (False, P.t())):
+                    if W.shape != (E, N) or (tr and axis is not None):
                         continue
                     rest = flat_y - M @ W.t()
                     bias = rest.mean(0)
@@ -591,7 +663,8 @@ def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: 
                             break
                     if bias_src is None and float(bias.abs().max()) > 1e-9:
                         continue
-                    return RowSource(((path, tr, tuple(range(N))),), bias_src, 1.0)
+                    views = ((path, axis),) if axis is not None else ()
+                    return RowSource(((path, tr, tuple(range(N))),), bias_src, 1.0, views)
     return None
 
 
@@ -747,12 +820,12 @@ def _read(
     if sources["q"].rows != H * D or Dk % D:
         raise Unreadable("head widths do not add up")
     G = Dk // D
-    params = dict(probe.named_parameters())
 
     def predicted(role: str) -> list[Tensor]:
         """The role's features at every position if nothing but its projection made them: (B, T, D) per head."""
         rows = matched[role]
-        W = torch.stack([(params[p].t() if tr else params[p])[r].detach().double() for p, tr, r in rows])  # (n*D, E)
+        mats = {p: bank.matrix(probe, p).detach().double() for p in dict.fromkeys(p for p, _, _ in rows)}
+        W = torch.stack([(mats[p].t() if tr else mats[p])[r] for p, tr, r in rows])  # (n*D, E)
         f0 = torch.cat([f[:, 0] for f in feats[role]], dim=1)  # (B, n*D)
         lin0 = x0 @ W.t()
         c = float((f0 - f0.mean(0)).flatten() @ (lin0 - lin0.mean(0)).flatten()) / float(
@@ -773,7 +846,7 @@ def _read(
     rotary = rotaries["q"] or rotaries["k"] or rotaries["v"]
     out_src = _out_projection(probe, ops, {site.at for site in sites}, y, E)
     used = {p for src in (*sources.values(), out_src) if src is not None for p, _, _ in src.parts}
-    unused = tuple(n for n, p in probe.named_parameters() if p.dim() == 2 and n not in used)
+    unused = tuple(n for n, p in probe.named_parameters() if p.dim() >= 2 and n not in used)
     return Reading(
         embed_dim=E,
         num_heads=H,

@@ -128,6 +128,9 @@ def _recipes_of(m: Mistake, a: AttentionAdapter) -> list[Recipe]:
 
 
 # -- probes ---------------------------------------------------------------------------------------
+WINDOW_PROBE = "window masks"  # distinct masks per window, two images: for a target that takes one per window
+
+
 @torch.no_grad()
 def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
     g = torch.Generator().manual_seed(seed * 7919 + 17)
@@ -155,6 +158,11 @@ def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
             k2 = rnd(B, T, a.kdim)  # (B, T, kdim)
             v2 = k2 if getattr(a, "shared_kv", False) else rnd(B, T, a.vdim)
             probes.insert(2, _Probe("cross, T_k = T_q", rnd(B, T, E), k2, v2, {}))
+    if getattr(a, "window_masks", False):  # one mask per window: distinct windows over two images, windows fastest
+        wkeep = (torch.rand(2, T, T, generator=g) > 0.4).to(dev)  # (nW, T, T)
+        wkeep[..., 0] = True
+        xw = rnd(4, T, E)  # (nW * B, T, E)
+        probes.append(_Probe(WINDOW_PROBE, xw, xw, xw, {"keep_mask": wkeep.repeat(2, 1, 1)}))
     masks = getattr(a, "masks", None)
     if masks is not None and masks.bool_reading is None and masks.use == "float":
         raw = keep[0]  # (T, T): handed untranslated, as a user would
@@ -409,7 +417,12 @@ def _fitting(
         # ... unless it has no bool path at all (HF's additive masks): its key padding then goes no other way
         only = not any(p.raw_bool is not None for p in ran)
         ran = [
-            p for p in ran if not p.masks or p.raw_bool is not None or (only and set(p.masks) == {"key_padding_mask"})
+            p
+            for p in ran
+            if not p.masks
+            or p.raw_bool is not None
+            or (only and set(p.masks) == {"key_padding_mask"})
+            or p.name == WINDOW_PROBE  # per-window masks: the one path a window mask has
         ]
     textbook = {p.name: _recipe_error(a, Recipe(), p) for p in ran}
     off = {n: e for n, e in textbook.items() if e is not None and e > DISTINCT}

@@ -62,6 +62,7 @@ from .adapters import (
 )
 from .dataflow import Reading, read_dataflow
 from .projections import NotAttention, _Found, find_projections, linear_weights, name_key, settle_roles
+from .recipe import mask_period
 
 __all__ = [
     "CallForm",
@@ -447,6 +448,9 @@ class MaskForm:
     note: str = ""  # what the probe found, for the report
     two_d: bool = True  # a (T_q, T_k) mask is handed as it is; False: expanded to the batch layout first
     fill: Literal["-inf", "min"] = "-inf"  # an additive mask's blocked value: -inf, or the dtype's finfo.min
+    # it takes masks of fewer rows than its batch: one per window (Swin's (nW, N, N) for nW * B windows folded into
+    # the batch); a mask whose rows repeat (windows fastest) is handed as its first period
+    windows: bool = False
 
     def describe(self) -> str:
         one = "may attend" if self.polarity == "keep" else "blocked"
@@ -459,9 +463,10 @@ class MaskForm:
         }[self.use]
         if self.use == "lens":
             return f"{what} {_SHAPES[self.layout]}"
+        windows = "; one mask per window (nW rows for a batch of nW * B, windows fastest)" if self.windows else ""
         if not self.two_d:
-            return f"{what}, shaped {_SHAPES[self.layout]}"
-        return f"{what}; per-sequence masks as {_SHAPES[self.layout]}"
+            return f"{what}, shaped {_SHAPES[self.layout]}{windows}"
+        return f"{what}; per-sequence masks as {_SHAPES[self.layout]}{windows}"
 
 
 # The longest sequence any check runs (odd_lengths' 1024): a module that runs it has no maximum length to find.
@@ -592,6 +597,7 @@ class ProbedAdapter(AttentionAdapter):
             self.qkv_order = None if self.found is None else self.found.order
             self.masks = self.probe_masks()
             self.form, self.masks = self.probe_ignored_mask()
+            self.masks = self.probe_window_masks()
             self.padding_keeps = self.probe_padding()
             if self.form.padding_arg is None:
                 self.form, self.padding_keeps = self.probe_padding_arg()
@@ -988,7 +994,42 @@ class ProbedAdapter(AttentionAdapter):
                 kw_b[form.mask_arg] = self._mask(keep[b])
                 outs.append(self._invoke(*_sequence(query, key, value, b), kw_b))
             return _cat(outs)
+        if self.masks.windows and keep.dim() == 3:  # one row per window: a mask that repeats goes as its period
+            keep = keep[: mask_period(keep)]
         return self._invoke(query, key, value, {**kwargs, form.mask_arg: self._mask(keep)})
+
+    @property
+    def window_masks(self) -> bool:
+        """Whether it takes one mask per window, fewer rows than its batch (see :meth:`probe_window_masks`)."""
+        return self.masks.windows
+
+    @torch.no_grad()
+    def probe_window_masks(self) -> MaskForm:
+        """The masks, with ``windows`` set where the module takes masks of fewer rows than its batch and each
+        row reaches its outputs: a batch of 4 runs with 2 masks, and swapping the 2 changes the output (Swin's
+        window attention: ``(nW, N, N)`` masks for ``nW * B`` windows folded into the batch)."""
+        mf = self.masks
+        arg = self.form.mask_arg
+        if arg is None or mf.use == "lens" or mf.layout not in ("bqk", "b1qk"):
+            return mf
+        g = torch.Generator().manual_seed(4242)
+        w = self.projections().q_weight
+        T = 6
+        x = torch.randn(4, T, self.embed_dim, generator=g).to(w)  # (nW * B, T, E): 2 windows, 2 images
+        keep = torch.rand(2, T, T, generator=g) > 0.5  # (nW, T, T)
+        keep[..., 0] = True
+        training = self.module.training
+        self.module.eval()
+        try:
+            outs = [_first(self._invoke(x, x, x, {arg: self._mask(k)})) for k in (keep, keep.flip(0))]
+        except Exception:
+            return mf
+        finally:
+            self.module.train(training)
+        if any(not isinstance(o, Tensor) or o.shape != x.shape or not bool(torch.isfinite(o).all()) for o in outs):
+            return mf
+        size = float(outs[0].abs().max().clamp_min(1e-12))
+        return replace(mf, windows=True) if float((outs[0] - outs[1]).abs().max()) > SEEN * size else mf
 
     def _mask(self, keep: Tensor) -> Tensor:
         """A keep mask ``(T_q, T_k)`` or ``(B, T_q, T_k)`` in the module's own form."""

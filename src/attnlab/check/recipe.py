@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .adapters import Projections
 
-__all__ = ["Recipe", "STAGES", "recipe_attention"]
+__all__ = ["Recipe", "STAGES", "mask_period", "recipe_attention"]
 
 Source = Literal["query", "key", "value"]
 Proj = Literal["q", "k", "v"]
@@ -47,7 +47,10 @@ class Recipe:
         "heads"  # view(B, T, H, D).transpose(1, 2)
     )
     kv_repeat: Literal["interleave", "tile"] = "interleave"  # GQA: K/V head g serves queries g*H/G ..
-    scale: Literal["expected", "embed_dim", "none", "head_dim", "multiplied", "quarter", "length"] = "expected"
+    # "length": the keys' length taken for the head dim; "query_length": the queries' (q.shape[1] of (B, T, H, D))
+    scale: Literal["expected", "embed_dim", "none", "head_dim", "multiplied", "quarter", "length", "query_length"] = (
+        "expected"
+    )
     scale_after_softmax: bool = False  # the factor applied to the weights instead of the scores
     softmax_dim: int = -1  # over keys
     mask_stage: Literal["before", "after"] = "before"  # masked scores -inf before softmax
@@ -67,7 +70,9 @@ class Recipe:
     # padded keys' scores move up by -fill, real keys keep theirs (a finfo.min fill swamps the padded scores)
     padding_fill: float | None = None
     # "tiled": (sequence b, head h) gets the masks of sequence (b*H + h) mod B (valid_lens.repeat(H) on (B*H, ..) rows)
-    rows: Literal["right", "tiled"] = "right"
+    # "windows_major": a mask of one row per window (Swin's (nW, N, N) for a batch of nW * B windows, the window
+    # index fastest) spread over the batch window-major (repeat_interleave(B)): row i gets window i // B's mask
+    rows: Literal["right", "tiled", "windows_major"] = "right"
     # False: (B, T, E) read as (T, B, E) (nn.MultiheadAttention without batch_first): attention across the batch
     batch_first: bool = True
     merge: Literal["transpose", "no_transpose", "interleaved"] = "transpose"
@@ -102,7 +107,17 @@ STAGES = (
 )
 
 
-def _scale(recipe: Recipe, expected: float, E: int, D: int, T_k: int) -> float:
+def mask_period(keep: Tensor) -> int:
+    """The fewest rows ``p`` of ``keep`` ``(B, ...)`` that, repeated, make it (``keep[i] == keep[i % p]``): the
+    number of windows in a batch of windows folded window-fastest, as Swin folds them (``B`` when no period)."""
+    B = keep.size(0)
+    for p in range(1, B):
+        if B % p == 0 and bool((keep == keep[:p].repeat(B // p, *([1] * (keep.dim() - 1)))).all()):
+            return p
+    return B
+
+
+def _scale(recipe: Recipe, expected: float, E: int, D: int, T_k: int, T_q: int) -> float:
     return {
         "expected": expected,
         "embed_dim": 1.0 / math.sqrt(E),
@@ -111,6 +126,7 @@ def _scale(recipe: Recipe, expected: float, E: int, D: int, T_k: int) -> float:
         "multiplied": math.sqrt(D),
         "quarter": D**-0.25,  # Whisper's d^-1/4 on K alone: half the scale
         "length": 1.0 / math.sqrt(T_k),  # the sequence length taken for the head dim
+        "query_length": 1.0 / math.sqrt(T_q),  # the queries' length, read off q itself
     }[recipe.scale]
 
 
@@ -231,7 +247,7 @@ def recipe_attention(
         else:
             k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # g0 g0 g1 g1 ...
     s["scores"] = s["q_heads"] @ k.transpose(-2, -1)  # (B, H, T_q, T_k)
-    factor = _scale(recipe, scale, p.out_weight.size(0), D, T_k)
+    factor = _scale(recipe, scale, p.out_weight.size(0), D, T_k, T_q)
     s["scaled"] = s["scores"] if recipe.scale_after_softmax else s["scores"] * factor
 
     keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=query.device)  # True = may attend
@@ -267,6 +283,11 @@ def recipe_attention(
         rows = (torch.arange(B)[:, None] * H + torch.arange(H)[None, :]) % B  # (B, H)
         keep = keep.expand(B, 1, T_q, T_k)[rows.to(keep.device), 0]  # (B, H, T_q, T_k)
         added = added.expand(B, 1, T_q, T_k)[rows.to(added.device), 0]  # (B, H, T_q, T_k)
+    if recipe.rows == "windows_major" and keep_mask is not None and keep_mask.dim() == 3:
+        nW = mask_period(keep_mask)  # the windows: keep_mask's rows repeat with this period, windows fastest
+        rows = torch.arange(B) // (B // nW)  # (B,): the window whose mask row i gets
+        keep = keep.expand(B, *keep.shape[1:])[rows.to(keep.device)]
+        added = added.expand(B, *added.shape[1:])[rows.to(added.device)]
     scores = s["scaled"] + added  # (B, H, T_q, T_k)
     unseen = ~keep.any(dim=2)[..., None]  # (B, 1 or H, T_k, 1): keys no query may see
     if recipe.mask_stage == "before" and recipe.fill in ("zero", "zero_dropped"):

@@ -305,6 +305,9 @@ def check_parity_cross(ctx: Context) -> CheckResult:
     )
 
 
+_MASK_NAMES = ("causal", "padding", "bool (B,T,T)", "bool (T,T)", "all")
+
+
 def _mask_cases(ctx: Context, g: torch.Generator) -> dict[str, dict]:
     """Every mask kind, no query fully masked (those have their own check)."""
     B, T = ctx.batch, ctx.seq_len
@@ -322,17 +325,32 @@ def _mask_cases(ctx: Context, g: torch.Generator) -> dict[str, dict]:
     }
 
 
+def window_masks(ctx: Context, g: torch.Generator, windows: int = 2, images: int = 2) -> tuple[Tensor, Tensor]:
+    """For a target that takes one mask per window (Swin's): ``(x (nW*B, T, E), keep (nW*B, T, T))``, a distinct
+    mask per window repeated over the images, windows fastest (as Swin folds them into the batch)."""
+    T = ctx.seq_len
+    x = ctx.inputs(g, windows * images, T, ctx.adapter.embed_dim)  # (nW * B, T, E)
+    keep = torch.rand(windows, T, T, generator=g) > 0.4  # (nW, T, T)
+    keep[..., 0] = True
+    return x, keep.repeat(images, 1, 1).to(ctx.device)  # row i: window i % nW
+
+
 def check_parity_masked(ctx: Context) -> CheckResult:
     g = ctx.generator("parity_masked")
     x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
     errs = {}
-    for name, kw in _mask_cases(ctx, g).items():
-        ref = ctx.reference(x, x, x, **kw)
+    cases = [(name, x, kw) for name, kw in _mask_cases(ctx, g).items()]
+    if getattr(ctx.adapter, "window_masks", False):  # one mask per window: distinct windows, two images
+        xw, keep = window_masks(ctx, g)
+        cases.append(("windows (nW=2, B=2)", xw, {"keep_mask": keep}))
+    for name, xx, kw in cases:
+        ref = ctx.reference(xx, xx, xx, **kw)
         for mode in MODES:
-            errs[f"{name}, {mode}"] = _rel(_call(ctx.adapter, mode, x, x, x, **kw), ref)
+            errs[f"{name}, {mode}"] = _rel(_call(ctx.adapter, mode, xx, xx, xx, **kw), ref)
     worst = max(errs, key=errs.__getitem__)
     tol = ctx.tol(PARITY_TOL)
-    return _row(errs[worst] <= tol, errs[worst], tol, f"causal, padding, bool, all; worst: {worst}")
+    what = "causal, padding, bool, all" + (", per-window masks" if len(cases) > len(_MASK_NAMES) else "")
+    return _row(errs[worst] <= tol, errs[worst], tol, f"{what}; worst: {worst}")
 
 
 def _grad_names(a: AttentionAdapter) -> tuple[str, ...]:

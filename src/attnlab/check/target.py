@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from ..runtime import UsageError
 from .adapters import AttentionAdapter
 from .device import place, resolve_device, resolve_dtype
+from .kv_heads import find_kv_knob, has_kv_knob, set_kv_knob
 from .mla import MLAAdapter, find_mla
 from .probe import ProbedAdapter, as_adapter, is_lazy, materialise
 from .projections import NotAttention
@@ -536,7 +537,20 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             f"a config object, layer_idx, block_size and bias); "
             f"give them defaults, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
         )
-    return kwargs
+    return _kv_heads_set(obj, kwargs, E0, H0, cast(int | None, wanted.get("num_kv_heads")))
+
+
+def _kv_heads_set(obj: Callable, kwargs: dict[str, object], E: int, H: int, G: int | None) -> dict[str, object]:
+    """``kwargs`` with the K/V heads set where no name said which argument or config field counts them: the
+    integer whose value makes the module compute G K/V heads, found by experiment (:mod:`.kv_heads`); G (or H/2
+    when none was asked) goes there. Unchanged where a named K/V-heads argument or field was filled."""
+    kv_fields = next(names for names in CONFIG_FIELDS if "num_key_value_heads" in names)
+    configs = {n: _config_reads(obj, n)[0] for n in _CONFIG_ARGS if n in kwargs}
+    if any(n in ALIASES["num_kv_heads"] for n in kwargs) or any(f in kv_fields for fs in configs.values() for f in fs):
+        return kwargs
+    unnamed = {n: [f for f in fs if f not in _CONFIG_VALUES] for n, fs in configs.items()}
+    knob = find_kv_knob(obj, kwargs, unnamed, E, H, default_kv_heads(H) if G is None or G >= H else G)
+    return kwargs if knob is None else set_kv_knob(kwargs, knob, G or default_kv_heads(H))
 
 
 def _own_width(spec: str, obj: Callable, wanted: dict[str, object]) -> int | None:
@@ -730,7 +744,7 @@ def _canonical_factory(spec: str, obj: Callable) -> Callable[..., object]:
 
     if not (_takes(obj, "embed_dim") and _takes(obj, "num_heads")):
         return obj  # it cannot build other sizes: resized() says so, naming what it lacks
-    return make_gqa if _takes(obj, "num_kv_heads") else make
+    return make_gqa if _takes(obj, "num_kv_heads") or has_kv_knob(obj) else make
 
 
 @torch.no_grad()
