@@ -332,6 +332,12 @@ NOT_YET: dict[str, str] = {
     "the module's own words state none: check takes it as True = blocked and every check passes",
     "gemma2_scale_multiplied": "the soft-cap, which check cannot model, squashes the scores the wrong scale makes "
     "large: no recipe fits and the departure is named first (scale_attribute second)",
+    **dict.fromkeys(
+        ("gemma2_correct", "gemma2_scale_multiplied_repaired"),
+        "causal only without a mask (HF's style, found by experiment since the merge) sends the diagnosis past the "
+        "stage locator: the soft-capped parity rows fail with no cause named, where the soft-cap's plain-words "
+        "departure was named before",
+    ),
 }
 
 
