@@ -236,7 +236,7 @@ OUTPUTS: dict[str, Output] = {
     "inspect_demo": Output(inspect_demo, slow=True, varies=True),
     "weights_lines": Output(weights_lines, slow=True, varies=True),
     "bench_window_goals": Output(bench_window_goals),
-    "hf_trace": Output(hf_trace),
+    "hf_trace": Output(hf_trace, slow=True),  # a subprocess importing transformers and building GPT-2, ~7 s
 }
 
 

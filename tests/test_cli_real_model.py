@@ -205,6 +205,7 @@ def test_trace_shows_a_real_layer_with_its_widths_and_rope(cli, capsys):
     assert shapes["scores = Q K^T"] == [2, 9, 10, 10] and shapes["output projection"] == [2, 10, 576]
 
 
+@pytest.mark.slow  # the whole check suite on a real model's layer; tests/test_check*.py run it on small modules
 def test_check_runs_the_suite_on_the_real_layer(cli, capsys, monkeypatch):
     model, _ = cli
     from attnlab.check import cli as check_cli

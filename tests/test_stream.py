@@ -144,6 +144,7 @@ def test_a_loaded_model_without_a_tokenizer_is_refused(smollm2):
         attnlab.stream(model, "hi")
 
 
+@pytest.mark.slow  # the CLI's chat on the real model; the Chinese stream test above keeps the quick property
 def test_the_cli_chat_prints_what_the_python_stream_yields_with_the_same_weights_line(smollm2, capsys):
     """``attnlab generate --chat`` and ``attnlab.stream(..., chat=True)``: the same defaults (weights, sampling,
     seed), so the same answer, and the same weights line (the flag named as each spells it)."""
