@@ -157,7 +157,7 @@ def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
         if Tk != T:  # K and V as long as the queries: a mistake that crashes at another length shows what it does
             k2 = rnd(B, T, a.kdim)  # (B, T, kdim)
             v2 = k2 if getattr(a, "shared_kv", False) else rnd(B, T, a.vdim)
-            probes.insert(2, _Probe("cross, T_k = T_q", rnd(B, T, E), k2, v2, {}))
+            probes.insert(2, _Probe("cross of equal lengths", rnd(B, T, E), k2, v2, {}))
     if getattr(a, "window_masks", False):  # one mask per window: distinct windows over two images, windows fastest
         wkeep = (torch.rand(2, T, T, generator=g) > 0.4).to(dev)  # (nW, T, T)
         wkeep[..., 0] = True
