@@ -28,6 +28,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two pytest workers
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
+if not torch.cuda.is_available():
+    # Triton kernels (tests/function_corpus/triton_*.py) run on the CPU in Triton's interpreter. It is read when
+    # triton is imported, and torch's inductor imports triton in some earlier test of the same worker: set here,
+    # before any test, or the kernels fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 MASK_KINDS = ("none", "bool", "float", "padding", "causal", "causal+padding", "all")
 DEVICE_VARIABLE = "ATTNLAB_TEST_DEVICE"
 _DEVICE = pytest.StashKey[torch.device]()

@@ -96,6 +96,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
             f"(or 'smollm2', or a Hugging Face directory)."
         )
     try:
+        import gguf  # noqa: F401  (each call: the class below is cached, a missing or broken package is not)
+
         reader_class = _compact_reader()
     except Exception as err:  # not installed, or broken: the advice tells which
         raise GGUFError(import_advice("gguf", f"reading {str(path)!r} needs the gguf package", err)) from None
