@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 
 import pytest
 
@@ -45,10 +46,13 @@ def test_peak_rss_restarts_from_the_current_resident_set():
     if not reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs on this system")
     before = proc_status("VmHWM")
-    block = bytearray(64 * 2**20)  # 64 MiB touched
-    block[::4096] = b"x" * len(block[::4096])
+    # Fresh anonymous pages, not the heap: in a long-lived worker malloc may hand back 64 MiB that is already
+    # resident (CI saw VmHWM not move at all), which would test the allocator rather than the reset.
+    block = mmap.mmap(-1, 64 * 2**20)
+    for page in range(0, len(block), 4096):
+        block[page] = 1  # 64 MiB touched
     assert proc_status("VmHWM") >= before + 60 * 2**20 - 1
-    del block
+    block.close()
     assert reset_peak_rss() and proc_status("VmHWM") <= proc_status("VmRSS") + 8 * 2**20
 
 
