@@ -18,6 +18,13 @@ whose every token is timed as the runner's iterator yields it (attnlab's ``gener
   attnlab's cache at its dtype, llama.cpp's in float16) over the step time, as a share of the copy rate of a
   256 MB tensor measured just before that length (:func:`attnlab.bench.timing.copy_bandwidth`);
 * greedy agreement with attnlab: the share of new tokens equal to attnlab's, position by position.
+
+With ``--batch N`` every runner decodes N prompts of that length at once (N rows of random ids, a different row
+each): attnlab its batched ``generate_steps``, llama.cpp its own multi-sequence batching (one context of N
+sequences: :class:`attnlab.bench.lengths_worker.LlamaCppBatch`), greedy on every row. Decode tokens/s is then
+aggregate, N tokens a step; prefill tokens/s is ``N * length`` over the time to the first step's N tokens; the
+bytes of a step hold the K/V of all N rows; agreement is over every row. Below the table, per length, attnlab's
+decode and prefill rates over llama.cpp's better setting (:func:`ratios_markdown`).
 """
 
 from __future__ import annotations
@@ -38,7 +45,16 @@ from ..runtime import UsageError, atomic_write_text, check_range, check_writable
 from .table import terminal_width, wrap
 from .timing import copy_bandwidth
 
-__all__ = ["RUNNERS", "Worker", "bench_decode_lengths", "parse_lengths", "run_repeats", "summarize_runs"]
+__all__ = [
+    "RUNNERS",
+    "Worker",
+    "bench_decode_lengths",
+    "parse_lengths",
+    "prompt_rows",
+    "ratios_markdown",
+    "run_repeats",
+    "summarize_runs",
+]
 
 RUNNERS = ("attnlab", "llama.cpp", "llama.cpp-fa")
 _LABEL = {"attnlab": "attnlab", "llama.cpp": "llama.cpp", "llama.cpp-fa": "llama.cpp FA"}
@@ -72,7 +88,14 @@ class Worker:
     """A runner's process: one JSON command a line in, one answer a line out (see :mod:`lengths_worker`)."""
 
     def __init__(
-        self, name: str, python: str, model: Path, threads: str, n_ctx: int, kv_dtype: str | None = None
+        self,
+        name: str,
+        python: str,
+        model: Path,
+        threads: str,
+        n_ctx: int,
+        kv_dtype: str | None = None,
+        batch: int = 1,
     ) -> None:
         script = Path(__file__).with_name("lengths_worker.py")
         env = dict(os.environ)
@@ -80,7 +103,7 @@ class Worker:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.name = name
         self.proc = subprocess.Popen(
-            [python, str(script), name, str(model), threads, str(n_ctx)] + ([kv_dtype] if kv_dtype else []),
+            [python, str(script), name, str(model), threads, str(n_ctx), str(batch)] + ([kv_dtype] if kv_dtype else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -120,10 +143,11 @@ class Asks(Protocol):
 
 
 def run_repeats(
-    workers: Mapping[str, Asks], ids: list[int], new_tokens: int, repeats: int
+    workers: Mapping[str, Asks], ids: list[int] | list[list[int]], new_tokens: int, repeats: int
 ) -> dict[str, list[dict[str, Any]]]:
-    """``repeats`` timed runs of ``new_tokens`` tokens after ``ids`` for every runner, the runners taking turns (their
-    order rotated each repeat); ``{runner: [each run's answer: first_s, last_s, tokens]}``."""
+    """``repeats`` timed runs of ``new_tokens`` tokens after ``ids`` (a prompt, or rows of prompts for a batch) for
+    every runner, the runners taking turns (their order rotated each repeat); ``{runner: [each run's answer:
+    first_s, last_s, tokens]}``."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
     order = list(workers)
     for r in range(repeats):
@@ -132,13 +156,14 @@ def run_repeats(
     return runs
 
 
-def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_runs(runs: list[dict[str, Any]], batch: int = 1) -> dict[str, Any]:
     """One runner's figures at one length from its runs (:func:`run_repeats`): the medians over the runs of the time
-    to first token (``first_s``) and of the decode rate ``(n - 1) / (last_s - first_s)``, ``n`` the tokens that run
-    produced; a run of fewer than 2 tokens has no rate (None where no run has one)."""
+    to first token (``first_s``) and of the decode rate ``batch * (n - 1) / (last_s - first_s)`` tokens a second,
+    ``n`` the steps that run produced (``batch`` tokens each); a run of fewer than 2 steps has no rate (None where
+    no run has one)."""
     firsts = [r["first_s"] for r in runs if r["first_s"] is not None]
     rates = [
-        (len(r["tokens"]) - 1) / (r["last_s"] - r["first_s"])
+        batch * (len(r["tokens"]) - 1) / (r["last_s"] - r["first_s"])
         for r in runs
         if len(r["tokens"]) >= 2 and r["last_s"] > r["first_s"]
     ]
@@ -147,6 +172,20 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_tokens_per_s": statistics.median(rates) if rates else None,
         "tokens_produced": [len(r["tokens"]) for r in runs],
     }
+
+
+def prompt_rows(vocab: int, length: int, batch: int, seed: int) -> list[list[int]]:
+    """``batch`` rows of ``length`` random token ids below ``vocab``, each its own, the same for a seed and length
+    (row 0 is the prompt a batch of 1 gets)."""
+    generator = torch.Generator().manual_seed(seed + length)
+    return [row.tolist() for row in torch.randint(0, vocab, (batch, length), generator=generator)]
+
+
+def same_share(tokens: list[Any], ref: list[Any]) -> float:
+    """The share of ``ref``'s new tokens that ``tokens`` has at the same position (and row, for a batch's steps)."""
+    flat = [t for step in tokens for t in (step if isinstance(step, list) else [step])]
+    flat_ref = [t for step in ref for t in (step if isinstance(step, list) else [step])]
+    return sum(a == b for a, b in zip(flat, flat_ref, strict=False)) / max(1, len(flat_ref))
 
 
 def cast_io(stream: IO[str] | None) -> IO[str]:
@@ -164,10 +203,12 @@ def bench_decode_lengths(
     seed: int,
     llama_python: str | None = None,
     kv_dtype: str = "auto",
+    batch: int = 1,
 ) -> int:
     """Measure every length of ``lengths`` for attnlab and llama.cpp (FA off, on); print the table, write
     decode_lengths.json and decode_lengths.md in ``out_dir``. ``kv_dtype``: attnlab's KV cache, as ``attnlab
-    generate --kv-dtype`` takes it (auto: what a user gets by default)."""
+    generate --kv-dtype`` takes it (auto: what a user gets by default); ``batch``: the prompts of each length
+    decoded at once."""
     from ..weight_files.gguf import open_gguf
     from ..weight_files.pretrained import from_pretrained
 
@@ -181,6 +222,7 @@ def bench_decode_lengths(
         check_range("--prompt-lengths", length, low=1, integer=True)
     check_range("--max-new-tokens", max_new_tokens, low=2, integer=True, hint="decode tokens/s needs t_last - t_first")
     check_range("--repeats", repeats, low=1, integer=True)
+    check_range("--batch", batch, low=1, integer=True, hint="the prompts of each length decoded at once")
     if threads is not None:
         check_range("--threads", threads, low=1, integer=True, hint="or leave it out: auto, chosen by timing steps")
     out_dir = check_writable_dir(out_dir, "--out-dir")
@@ -215,7 +257,7 @@ def bench_decode_lengths(
     for name in RUNNERS:
         python = sys.executable if name == "attnlab" else (llama_python or sys.executable)
         print(f"starting {_LABEL[name]} ...", flush=True)
-        w = Worker(name, python, path, thread_arg, n_ctx, storage if name == "attnlab" else None)
+        w = Worker(name, python, path, thread_arg, n_ctx, storage if name == "attnlab" else None, batch)
         if w.error is None:
             workers[name] = w
         else:
@@ -224,11 +266,13 @@ def bench_decode_lengths(
     if "attnlab" not in workers:
         raise UsageError(f"bench-decode --prompt-lengths: attnlab's runner did not start: {failures['attnlab']}")
     for w in workers.values():  # warm-up: the first call of each runner pays for its first allocations
-        w.ask(cmd="generate", ids=list(range(1, 17)), n=2)
+        warm = [list(range(1 + r, 17 + r)) for r in range(batch)]
+        w.ask(cmd="generate", ids=warm if batch > 1 else warm[0], n=2)
     results: list[dict[str, Any]] = []
     try:
         for length in lengths:
-            ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed + length)).tolist()
+            rows = prompt_rows(vocab, length, batch, seed)
+            ids: list[int] | list[list[int]] = rows if batch > 1 else rows[0]
             bandwidth = copy_bandwidth(torch.device("cpu"))
             for w in workers.values():
                 w.ask(cmd="reset_peak")
@@ -237,23 +281,21 @@ def bench_decode_lengths(
             mean_ctx = length + max_new_tokens / 2
             ref = runs["attnlab"][-1]["tokens"]
             for name, w in workers.items():
-                figures = summarize_runs(runs[name])
-                rate = figures["decode_tokens_per_s"]
+                figures = summarize_runs(runs[name], batch)
+                rate = figures["decode_tokens_per_s"]  # all rows: batch tokens a step
                 kind = "attnlab" if name == "attnlab" else "llama"
-                step_bytes = weight_bytes[kind] + mean_ctx * kv_token[kind]
-                tokens = runs[name][-1]["tokens"]
-                same = sum(a == b for a, b in zip(tokens, ref, strict=False)) / max(1, len(ref))
+                step_bytes = weight_bytes[kind] + batch * mean_ctx * kv_token[kind]
                 ttft = figures["ttft_s"]
                 row[name] = {
                     "ttft_s": ttft,
-                    "prefill_tokens_per_s": length / ttft if ttft else None,
-                    "decode_tokens_per_s": rate,  # None where no run produced 2 tokens
-                    "decode_ms": 1e3 / rate if rate else None,
+                    "prefill_tokens_per_s": batch * length / ttft if ttft else None,
+                    "decode_tokens_per_s": rate,  # None where no run produced 2 steps
+                    "decode_ms": 1e3 * batch / rate if rate else None,  # one step, all rows
                     "tokens_produced": figures["tokens_produced"],
                     "peak_rss_bytes": w.ask(cmd="peak")["rss_peak"],
                     "step_bytes": step_bytes,
-                    "bandwidth_fraction": step_bytes * rate / bandwidth if rate else None,
-                    "same_tokens": same,
+                    "bandwidth_fraction": step_bytes * rate / batch / bandwidth if rate else None,
+                    "same_tokens": same_share(runs[name][-1]["tokens"], ref),
                     "runs": [{"first_s": r["first_s"], "last_s": r["last_s"]} for r in runs[name]],
                 }
             results.append(row)
@@ -265,6 +307,7 @@ def bench_decode_lengths(
         "model": source,
         "path": str(path),
         "max_new_tokens": max_new_tokens,
+        "batch": batch,
         "repeats": repeats,
         "threads": thread_arg,
         "kv_dtype": {"attnlab": kv_name, "asked": kv_dtype, "why": kv_why, "llama.cpp": "float16"},
@@ -275,7 +318,9 @@ def bench_decode_lengths(
         "results": results,
     }
     atomic_write_text(out_dir / "decode_lengths.json", json.dumps(report, indent=2) + "\n")
-    table = lengths_markdown(results, list(workers))
+    table = lengths_markdown(results, list(workers), batch)
+    ratios = ratios_markdown(results, list(workers))
+    table += "\n\n" + ratios if ratios else ""
     notes = "".join(f"\n{_LABEL[n]} left out: {why}" for n, why in failures.items())
     atomic_write_text(out_dir / "decode_lengths.md", table + "\n" + notes + "\n")
     print()
@@ -286,8 +331,9 @@ def bench_decode_lengths(
     return 0
 
 
-def lengths_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
-    """One row per (length, runner): the columns docs/explanation/performance.md shows."""
+def lengths_markdown(results: list[dict[str, Any]], names: list[str], batch: int = 1) -> str:
+    """One row per (length, runner): the columns docs/explanation/performance.md shows; with ``batch`` > 1 a line
+    above says the rates count every row."""
     header = (
         "prompt",
         "runner",
@@ -315,4 +361,30 @@ def lengths_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
                 ]
             )
     lines = ["| " + " | ".join(header) + " |", "|---:|---|" + "---:|" * (len(header) - 2)]
+    if batch > 1:
+        lines.insert(0, f"batch {batch}: prefill and decode tokens/s count all {batch} rows\n")
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def ratios_markdown(results: list[dict[str, Any]], names: list[str]) -> str:
+    """Per length, attnlab's decode and prefill tokens/s over those of llama.cpp's faster setting at that length
+    (FA off or on, named; chosen for each rate apart); "" where attnlab or no llama.cpp runner ran."""
+    peers = [n for n in names if n != "attnlab"]
+    if "attnlab" not in names or not peers:
+        return ""
+
+    def ratio(row: dict[str, Any], key: str) -> str:
+        ours = row["attnlab"][key]
+        ran = [n for n in peers if row[n][key]]
+        if not ours or not ran:
+            return "-"
+        best = max(ran, key=lambda n: row[n][key])
+        return f"{ours / row[best][key]:.2f}x ({_LABEL[best]})"
+
+    header = "| prompt | decode: attnlab / llama.cpp's best | prefill: attnlab / llama.cpp's best |"
+    lines = [header, "|---:|---:|---:|"]
+    lines += [
+        f"| {row['length']} | {ratio(row, 'decode_tokens_per_s')} | {ratio(row, 'prefill_tokens_per_s')} |"
+        for row in results
+    ]
+    return "\n".join(lines)
