@@ -761,8 +761,10 @@ class ProbedAdapter(AttentionAdapter):
         q = (torch.randn(1, T_q, self.embed_dim, generator=g) * gain).to(w)
         kv = q if T_q == T_k else (torch.randn(1, T_k, self.kdim, generator=g) * gain).to(w)
         ops = capture(lambda: self(q, kv, kv), {"query": q, "key": kv}, self.module)
-        heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "scale": self.scale}
-        want = recipe_attention(p, q, kv, kv, **heads, is_causal=self.always_causal)["scaled"]  # (1, H, T_q, T_k)
+        want = recipe_attention(
+            p, q, kv, kv, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
+            is_causal=self.always_causal,
+        )["scaled"]  # (1, H, T_q, T_k)  # fmt: skip
         found = scores_of(ops, want)
         if found is None:
             raise Unsupported(f"no softmax of the scores' shape {list(want.shape)} in {self.name}'s ops")

@@ -164,15 +164,21 @@ def scores_of(ops: list[Op], want: Tensor) -> tuple[Tensor, Tensor | None, Tenso
     shape before it (None: none), each in ``want``'s layout (B, H, T_q, T_k); None when no softmax takes a tensor
     of that shape."""
     at = next((n for n, o in enumerate(ops) if o.func in _SOFTMAXES), None)
-    if at is None or not isinstance(ops[at].args[0], int) or ops[at].args[0] < 0:
-        return None
-    S = _as(ops[ops[at].args[0]].out, want)
-    if S is None:
+    src = None if at is None else _source(ops, ops[at])
+    S = None if src is None else _as(src.out, want)
+    if at is None or S is None:
         return None
     tanh = next((o for o in reversed(ops[:at]) if o.func == "tanh" and _as(o.out, want) is not None), None)
-    if tanh is None or not isinstance(tanh.args[0], int) or tanh.args[0] < 0:
+    pre = None if tanh is None else _source(ops, tanh)
+    if tanh is None or pre is None:
         return S, None, None
-    return S, _as(ops[tanh.args[0]].out, want), _as(tanh.out, want)
+    return S, _as(pre.out, want), _as(tanh.out, want)
+
+
+def _source(ops: list[Op], op: Op) -> Op | None:
+    """The op that made ``op``'s first argument (None: an input, or no tensor of the data path)."""
+    first = op.args[0] if op.args else None
+    return ops[first] if isinstance(first, int) and first >= 0 else None
 
 
 def _as(t: Tensor, want: Tensor) -> Tensor | None:
