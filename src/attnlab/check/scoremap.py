@@ -39,21 +39,22 @@ Run = Callable[[int, int, float], Sample]
 Biases = tuple[Tensor, Tensor]  # (H, T_q, T_k) each: added before the cap, after it (zero: none)
 
 
-def _rest(Y: Tensor, X: Tensor, valid: Tensor, tol: float) -> tuple[float, Tensor] | None:
+def _rest(Y: Tensor, X: Tensor, valid: Tensor, tol: float, strict: bool) -> tuple[float, Tensor] | None:
     """``(a, b)`` with ``Y = a X + b`` on every sample (N, H, T_q, T_k), ``b`` (H, T_q, T_k) the same for all
-    (zero where not ``valid``, or where it is rounding); None when no such ``b`` exists."""
+    (zero where not ``valid``, or where it is rounding); None when no such ``b`` exists (``strict``)."""
     dY, dX = (Y - Y.mean(0))[:, valid], (X - X.mean(0))[:, valid]
     a = float((dY * dX).sum() / (dX * dX).sum().clamp_min(1e-300))
     top = float(Y[:, valid].abs().max().clamp_min(1e-12))
-    if float((dY - a * dX).abs().max()) > tol * top:
+    if strict and float((dY - a * dX).abs().max()) > tol * top:
         return None
     b = torch.where(valid, (Y - a * X).mean(0), 0.0)
     return a, (b if float(b.abs().max()) > tol * top else torch.zeros_like(b))
 
 
-def _fit(samples: list[Sample]) -> tuple[float | None, Biases] | None:
+def _fit(samples: list[Sample], strict: bool = True) -> tuple[float | None, Biases] | None:
     """``(cap or None, biases)`` that make each sample's ``S`` out of the reference's scaled scores (times the
-    module's own factor), or None: what is left depends on the input."""
+    module's own factor), or None: what is left depends on the input. Not ``strict``: the map is known, and only its
+    bias at new lengths is read (where rounding grows with the positions, rotary's in float32 at 1024)."""
     cat = lambda n: torch.cat([s[n] for s in samples]).double()  # type: ignore[misc]
     tol = max(FIT_TOL, 16 * torch.finfo(samples[0][0].dtype).eps)  # a half-precision copy reads its map coarser
     S, R = cat(0), cat(3)  # (N, H, T_q, T_k)
@@ -62,12 +63,14 @@ def _fit(samples: list[Sample]) -> tuple[float | None, Biases] | None:
     if int(valid.sum()) < 2:
         return None
     if not all(s[1] is not None for s in samples):
-        found = _rest(S, R, valid, tol)
+        found = _rest(S, R, valid, tol, strict)
         return None if found is None else (None, (found[1], torch.zeros_like(found[1])))
-    outer = _rest(S, cat(2), valid, tol)  # S = c tanh(u) + b_out
+    outer = _rest(S, cat(2), valid, tol, strict)  # S = c tanh(u) + b_out
     if outer is None or outer[0] <= 0:
         return None
-    inner = _rest(outer[0] * cat(1), R, valid, tol)  # c u = a R + b_in: a, the module's scale, stays its business
+    inner = _rest(
+        outer[0] * cat(1), R, valid, tol, strict
+    )  # c u = a R + b_in: a, the module's scale, stays its business
     return None if inner is None else (outer[0], (inner[1], outer[1]))
 
 
@@ -107,8 +110,10 @@ class ScoreMap:
 
     def bias(self, T_q: int, T_k: int, device: torch.device) -> Biases:
         """The reference's biases ``(H, T_q, T_k)`` at these lengths, before and after the cap, float64."""
+        if (T_q, T_k) not in self.biases and not self.positional:  # a soft-cap alone: nothing to read
+            return torch.zeros(1, device=device), torch.zeros(1, device=device)
         if (T_q, T_k) not in self.biases:
-            found = _fit([self.run(T_q, T_k, gain) for gain in GAINS])
+            found = _fit([self.run(T_q, T_k, gain) for gain in GAINS], strict=False)
             if found is None:
                 raise RuntimeError(f"the score map read at length {T_q}x{T_k} is not the one read before")
             self.biases[T_q, T_k] = self._held(found[1])
