@@ -95,6 +95,9 @@ def seed_zh(seed: str) -> str:
     m = re.fullmatch(r"beyond the seeds: rotary position embeddings \((.+), section ([\d.]+)\)", seed)
     if m:
         return f"博文之外：旋转位置编码（{m[1]}，第 {m[2]} 节）"
+    m = re.fullmatch(r"beyond the seeds: ALiBi, attention with linear biases \((.+), section ([\d.]+)\)", seed)
+    if m:
+        return f"博文之外：ALiBi，线性偏置注意力（{m[1]}，第 {m[2]} 节）"
     raise SystemExit(f"scripts/check_gallery.py: no Chinese for where {seed!r} points; add it to seed_zh.")
 
 

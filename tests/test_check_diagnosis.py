@@ -26,6 +26,7 @@ from attnlab.check.dataflow import Rotary
 from attnlab.check.probe import ProbedAdapter
 from attnlab.check.recipe import Recipe, recipe_attention
 from attnlab.check.reference import reference_attention
+from attnlab.check.scoremap import ScoreMap
 from attnlab.check.target import build_target, random_biases
 from attnlab.cli import main
 
@@ -147,9 +148,11 @@ def test_each_slow_corpus_file_has_a_quick_twin():
 def test_every_catalogued_mistake_is_in_the_corpus():
     """The corpus is the catalogue's test set: a mistake nobody wrote a module for is untested."""
     written = {_expected(p)[0] for p in FILES} | {m for p in FILES for m in _expected(p)[1]}
-    # the mistakes found in styles nobody listed have their modules in tests/style_corpus_wild/
-    wild = Path(__file__).parent / "style_corpus_wild"
-    written |= {m.group(1) for p in wild.glob("*.py") if (m := re.search(r'^EXPECTED = "(\w+)"', p.read_text(), re.M))}
+    # the mistakes found in styles nobody listed have their modules in tests/style_corpus_wild/ and _fresh2/
+    for wild in (Path(__file__).parent / "style_corpus_wild", Path(__file__).parent / "style_corpus_fresh2"):
+        written |= {
+            m.group(1) for p in wild.glob("*.py") if (m := re.search(r'^EXPECTED = "(\w+)"', p.read_text(), re.M))
+        }
     untested = {m.id for m in MISTAKES} - written
     # wrong_backward / low_precision_loss / mask_polarity / scale_attribute have modules of their own below; the
     # mistakes of the style trial have theirs in tests/test_check_verdict.py
@@ -381,8 +384,14 @@ def test_every_numerical_mistake_changes_the_output():
     # a module that turns Q and K by position (rotary, as attnlab.check.dataflow reads it): the mistakes in that
     # map need one to show
     turned = replace(m.projections(), rotary=Rotary(((0, 4), (1, 5), (2, 6), (3, 7)), (1.0, 0.1, 0.01, 0.001)))
+    # ... and one whose scores take a bias by position (ALiBi: -slope * distance, the slopes 1/2, 1/4, ...)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)[:, None, None]
+    alibi = {(tq, tk): (-slopes * (torch.arange(tq)[:, None] + tk - tq - torch.arange(tk)).abs(), torch.zeros(1))
+             for tq, tk in ((7, 5), (7, 7))}  # fmt: skip
+    biased = replace(m.projections(), score_map=ScoreMap(lambda *_: None, None, biases=alibi))  # type: ignore[arg-type, return-value]
     for mistake in (mm for mm in MISTAKES if mm.recipe is not None):
         p = turned if mistake.recipe.rotary != "qk" else m.projections()
+        p = biased if mistake.recipe.position_bias != "right" else p
         gaps = []
         keep = torch.rand(2, 7, 7, generator=g) > 0.5
         cases = [

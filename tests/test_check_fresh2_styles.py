@@ -1,11 +1,13 @@
-"""``attnlab check`` on tests/style_corpus_fresh2/: seven more styles, including position maps check cannot model.
+"""``attnlab check`` on tests/style_corpus_fresh2/: ten more styles, including maps of the scores before the softmax.
 
 The corpus holds attention written the way Megatron-LM (sequence-first, per-head fused ``query_key_value``,
 ``baddbmm`` with alpha = 1/norm_factor), Hugging Face's GPT-J (``rotate_every_two`` on the first rotary_dim
 features), BLOOM (ALiBi added through ``baddbmm``'s beta), Phi (partial rotary, ``dense``), Gemma-2 (grouped-query,
 logit soft-capping ``tanh(s / 50) * 50``), GPTBigCode/StarCoder (multi-query: a fused ``c_attn`` of H query heads,
 one key and one value head, the heads folded into the query axis) and jeonsworld's ViT-pytorch
-(``transpose_for_scores``) write it: correct modules, one-mistake modules and each mistake's repaired twin.
+(``transpose_for_scores``) write it, and three with score maps of their own: MosaicML's llm-foundry MPT (ALiBi as a
+(1, H, 1, S) bias), lucidrains' x-transformers (T5's bucketed relative bias, a learned table) and Grok-1 (a tanh cap
+of 30 on grouped logits): correct modules, one-mistake modules and each mistake's repaired twin.
 
 Two parts:
 
@@ -14,8 +16,8 @@ Two parts:
   1e-10 on every call, a mistake misses by more than 1e-3 on at least one;
 * **check**: each module built as ``attnlab check --target FILE:TARGET`` builds it and judged: a correct module or
   twin passes, a mistake fails with its mistake named first (a departure for those the catalogue lacks). A module
-  whose position map check cannot model (``POSITIONS``: ALiBi, soft-capping) must not be blamed on a named mistake:
-  it passes, or fails with the departure first, saying in words which map it saw.
+  whose scores pass through a map (``POSITIONS``: ALiBi, a relative bias, soft-capping) is judged against the
+  reference with the map check read off it: it passes when right, and says which map it saw.
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ from torch import Tensor, nn
 
 from attnlab.check import run_checks
 from attnlab.check.catalogue import MISTAKES
+from attnlab.check.probe import as_adapter
 from attnlab.check.target import build_target
 from test_check_diagnosis import FAST
 from test_style_corpus_truth import declared
-from test_style_corpus_wild_truth import Lin, causal_keep, first, lin, load, pad_keep, per_head_rows, split
+from test_style_corpus_wild_truth import Lin, causal_keep, first, lin, load, pad_keep, per_head_rows, rows, split
 
 CORPUS = Path(__file__).parent / "style_corpus_fresh2"
 FILES = sorted(CORPUS.glob("*.py"))
-STYLES = ("megatron", "gptj", "bloom", "phi", "gemma2", "bigcode", "vit")
+STYLES = ("megatron", "gptj", "bloom", "phi", "gemma2", "bigcode", "vit", "mpt", "xtransformers", "grok")
 # mistakes the catalogue does not name: check says where the module departs instead
-UNNAMED = {"rotary_pairs_wrong", "alibi_slope_sign"}
+UNNAMED = {"rotary_pairs_wrong"}
 B, E, H, D, T = 2, 32, 4, 8, 7
 LENGTHS = (4, 7)
 EXACT, VISIBLE = 1e-10, 1e-3
@@ -232,6 +235,57 @@ def cases_vit(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
     return m, [("no mask", lambda: m(x), reference(x, *p, torch.ones(T, T, dtype=torch.bool)))]
 
 
+def cases_mpt(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
+    m = mod.MultiheadAttention().double().eval()
+    w = m.Wqkv.weight, m.Wqkv.bias
+    p = (rows(*w, 0), rows(*w, 1), rows(*w, 2), lin(m.out_proj))
+    bias = alibi([2.0 ** (-8 * (h + 1) / H) for h in range(H)])  # llm-foundry's slopes for a power-of-2 head count
+    x, pad, causal = x_in(), pad_keep(T, LENGTHS), causal_keep(T)
+    return m, [
+        ("causal", lambda: m(x), reference(x, *p, causal, bias=bias)),
+        ("causal + 2D padding True keep", lambda: m(x, pad), reference(x, *p, causal & pad[:, None, None], bias=bias)),
+    ]  # fmt: skip
+
+
+def t5_bucket(rel: int, buckets: int, max_distance: int) -> int:
+    """T5's bidirectional bucket of a key ``rel`` = j - i positions after its query: half the buckets for keys
+    after it; exact below buckets / 4, then logarithmic up to max_distance, the last bucket beyond."""
+    half = buckets // 2
+    exact = half // 2
+    n = abs(rel)
+    if n < exact:
+        return half * (rel > 0) + n
+    far = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (half - exact))
+    return half * (rel > 0) + min(far, half - 1)
+
+
+def cases_xtransformers(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
+    m = mod.Attention().double().eval()
+    rp = m.rel_pos
+    table = rp.relative_attention_bias.weight.double()  # (buckets, H)
+    idx = [[t5_bucket(j - i, rp.num_buckets, rp.max_distance) for j in range(T)] for i in range(T)]
+    bias = table[torch.tensor(idx)].permute(2, 0, 1)  # (H, T, T)
+    p = (lin(m.to_q), lin(m.to_k), lin(m.to_v), lin(m.to_out))
+    x, pad, every = x_in(), pad_keep(T, LENGTHS), torch.ones(T, T, dtype=torch.bool)
+    return m, [
+        ("no mask", lambda: m(x), reference(x, *p, every, bias=bias)),
+        ("2D padding True keep", lambda: m(x, pad), reference(x, *p, every & pad[:, None, None], bias=bias)),
+    ]  # fmt: skip
+
+
+def cases_grok(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
+    m = mod.MultiHeadAttention().double().eval()
+    p = (lin(m.query), lin(m.key), lin(m.value), lin(m.linear))
+    kw = {"kv_heads": m.num_kv_heads, "cap": 30.0}
+    x, pad, causal = x_in(), pad_keep(T, LENGTHS), causal_keep(T)
+    loud = x_in(1) * 6.0  # scores large enough for the cap to bite
+    return m, [
+        ("causal", lambda: m(x), reference(x, *p, causal, **kw)),
+        ("causal + 2D padding 1 keep", lambda: m(x, pad.long()), reference(x, *p, causal & pad[:, None, None], **kw)),
+        ("causal, large scores", lambda: m(loud), reference(loud, *p, causal, **kw)),
+    ]  # fmt: skip
+
+
 DRIVERS = {s: globals()[f"cases_{s}"] for s in STYLES}
 
 
@@ -330,14 +384,6 @@ NOT_YET: dict[str, str] = {
     "is then unreadable (the names' error is shown: query_key_value and dense are not names check knows)",
     "bigcode_padding_inverted": "an inverted 2D padding mask (0 taken as keep) behaves as the other convention, and "
     "the module's own words state none: check takes it as True = blocked and every check passes",
-    "gemma2_scale_multiplied": "the soft-cap, which check cannot model, squashes the scores the wrong scale makes "
-    "large: no recipe fits and the departure is named first (scale_attribute second)",
-    **dict.fromkeys(
-        ("gemma2_correct", "gemma2_scale_multiplied_repaired"),
-        "causal only without a mask (HF's style, found by experiment since the merge) sends the diagnosis past the "
-        "stage locator: the soft-capped parity rows fail with no cause named, where the soft-cap's plain-words "
-        "departure was named before",
-    ),
 }
 
 
@@ -363,14 +409,54 @@ def test_a_fresh_style_is_judged_by_what_it_computes(path: Path) -> None:
         assert "(T, B, E) inputs" in (adapter.describe_call() or "")
     report = run_checks(adapter, checks=FAST)
     ids = [cause.id for cause in report.diagnosis]
-    first_found = report.diagnosis[0].found if report.diagnosis else ""
     want = c["EXPECTED"]
-    unmodelled = "POSITIONS" in c and want in ("pass", *UNNAMED) and not report.ok
     failures = [(r.name, r.detail) for r in report.failures]
-    if unmodelled:  # a map check cannot model: the departure first, naming the map it saw, never a named mistake
-        said = {"alibi": "ALiBi-style bias", "softcap": "soft-cap"}[c["POSITIONS"]]
-        assert ids[:1] == ["stage"] and said in first_found, (ids, first_found)
-        return
+    if "POSITIONS" in c:  # a map of the scores: read off the module, said, and applied by the reference
+        said = {"alibi": "ALiBi-style bias", "relative": "a bias set by the positions", "softcap": "soft-cap"}
+        assert said[c["POSITIONS"]] in (adapter.describe_call() or ""), adapter.describe_call()
     assert report.ok == (want == "pass"), (failures, ids)
     if want != "pass":
         assert ids[:1] in ((["stage"], []) if want in UNNAMED else ([want],)), (ids, failures)
+
+
+class _Mapped(nn.Module):
+    """Self-attention whose scaled scores pass through a learned bias by relative position (``where``: inside the
+    scale, after it, inside a soft-cap of ``cap``) or through a bias set by the input's values (``content``), the
+    cap before or after a -inf mask; ``forward(x, mask=None)``, mask (B, T) True = keep."""
+
+    def __init__(self, where: str, cap: float | None = None, cap_after_mask: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.where, self.cap, self.cap_after_mask = H, where, cap, cap_after_mask
+        self.qkv, self.proj = nn.Linear(E, 3 * E), nn.Linear(E, E)
+        self.table = nn.Parameter(torch.randn(H, 2 * T + 1))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        b_, t_, _ = x.shape
+        q, k, v = self.qkv(x).view(b_, t_, 3, H, D).permute(2, 0, 3, 1, 4)
+        rel = (torch.arange(t_)[None, :] - torch.arange(t_)[:, None]).clamp(-T, T) + T
+        bias = self.table[:, rel] if self.where != "content" else x.mean(-1)[:, None, None, :]
+        s = (q @ k.transpose(-1, -2) + bias) * D**-0.5 if self.where == "inside" else q @ k.transpose(-1, -2) * D**-0.5
+        s = s + bias if self.where in ("after", "content") else s
+        cap = (lambda s: s) if self.cap is None else (lambda s: self.cap * torch.tanh(s / self.cap))
+        s = s if self.cap_after_mask else cap(s)
+        s = s if mask is None else s.masked_fill(~mask[:, None, None, :], float("-inf"))
+        s = cap(s) if self.cap_after_mask else s
+        return self.proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b_, t_, E))
+
+
+@pytest.mark.parametrize(
+    ("where", "cap", "after"),
+    [("inside", None, False), ("inside", 5.0, False), ("after", 20.0, True), ("content", None, False)],
+)
+def test_a_bias_by_position_is_replayed_wherever_it_is_added_and_one_by_value_is_a_departure(
+    where: str, cap: float | None, after: bool
+) -> None:
+    torch.manual_seed(0)
+    adapter = as_adapter(_Mapped(where, cap, after))
+    found = adapter.projections().score_map
+    report = run_checks(adapter, checks=["parity_self", "parity_masked", "odd_lengths"])
+    if where == "content":  # not set by the positions alone: not absorbed, the module departs at its scores
+        assert found is None and not report.ok and report.diagnosis[0].id == "stage"
+        return
+    assert found is not None and found.positional and report.ok, [(r.name, r.detail) for r in report.failures]
+    assert found.cap is None if cap is None else abs(found.cap - cap) < 1e-4 * cap

@@ -102,6 +102,9 @@ class Projections:
     # maps the module applies to the Q or K heads after the projection and before the scores, each to every vector
     # alone (qk-norm: DiT's, Qwen3's q_norm and k_norm): {"q": map, "k": map}, each an object with apply(x (B, n, T, D))
     head_maps: Any = None
+    # what the module does to its scaled scores before the softmax (a bias by position, a soft-cap), found by
+    # attnlab.check.scoremap: the reference applies the same (an object with apply(scores (B, H, T_q, T_k)))
+    score_map: Any = None
 
     def to(self, dtype: torch.dtype) -> Projections:
         """Detached copies in ``dtype``: the reference must not feed gradients into the target."""
@@ -109,14 +112,19 @@ class Projections:
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(dtype)
 
-        weights = {f: cast(getattr(self, f)) for f in self.__dataclass_fields__ if f not in ("rotary", "head_maps")}
-        return Projections(**weights, rotary=self.rotary, head_maps=self.head_maps)  # type: ignore[arg-type]
+        maps = ("rotary", "head_maps", "score_map")
+        weights = {f: cast(getattr(self, f)) for f in self.__dataclass_fields__ if f not in maps}
+        return Projections(**weights, **{f: getattr(self, f) for f in maps})  # type: ignore[arg-type]
 
     def normed(self, role: str, x: Tensor) -> Tensor:
         """``x`` ``(B, n, T, D)``, the ``role`` ("q" or "k") heads, through the module's own map for them (none: as
         it is)."""
         found = (self.head_maps or {}).get(role)
         return x if found is None else found.apply(x)
+
+    def mapped(self, scores: Tensor, *, negated: bool = False) -> Tensor:
+        """Scaled ``scores`` ``(B, H, T_q, T_k)`` through the module's score map (none: as they are)."""
+        return scores if self.score_map is None else self.score_map.apply(scores, negated=negated)
 
     def rotate(self, x: Tensor) -> Tensor:
         """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is)."""

@@ -40,6 +40,7 @@ S_GRAD = "seed 002, section 3.3"
 S_ERRORS = "seed 002, section 4.1"
 S_WALK = "seed 000, sections 2 and 4"
 S_ROPE = "beyond the seeds: rotary position embeddings (RoFormer, Su et al. 2021, section 3.4)"
+S_ALIBI = "beyond the seeds: ALiBi, attention with linear biases (Press et al. 2022, section 3)"
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,14 @@ MISTAKES: tuple[Mistake, ...] = (
         "not on the distance between query and key",
         "apply the same rotation to k: q, k = apply_rotary(q, k, freqs)",
         S_ROPE, "every output row", _R(rotary="q"),
+    ),
+    Mistake(
+        "alibi_slope_sign", "recipe",
+        "the position bias on the scores (ALiBi-style, linear in the distance between query and key) rises with the "
+        "distance: its slopes have the wrong sign, so each query favours its farthest keys",
+        "bias = -slope * (i - j) with positive slopes (BLOOM's slope * key position gives it, softmax forgets the "
+        "row's constant): build the bias from +slopes, falling as keys get farther",
+        S_ALIBI, "every output row", _R(position_bias="negated"),
     ),
     Mistake(
         "out_proj_missing", "recipe",

@@ -41,6 +41,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -60,9 +61,11 @@ from .adapters import (
     _wrap,
     mha_projections,
 )
+from .capture import capture
 from .dataflow import Reading, read_dataflow
 from .projections import NotAttention, _Found, find_projections, linear_weights, name_key, settle_roles
-from .recipe import mask_period
+from .recipe import mask_period, recipe_attention
+from .scoremap import Sample, ScoreMap, read_score_map, scores_of
 
 __all__ = [
     "CallForm",
@@ -86,6 +89,7 @@ _INPUT_ROLES = {
 }
 _PAD_ARGS = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "kv_padding_mask")
 _CAUSAL_ARGS = ("is_causal", "causal")
+PROBE_T = 7  # the length the score map is read at first (odd, unequal to the head counts)
 _WEIGHTS_ARGS = ("need_weights", "return_weights", "return_attention", "output_attentions")
 
 
@@ -691,6 +695,8 @@ class ProbedAdapter(AttentionAdapter):
             parts.append(f"a per-vector map of the heads before the scores ({each}; qk-norm), applied by the reference")
             if self._mapless is not None and self._mapless.rotary is not None:
                 parts.append(f"then {self._mapless.rotary.describe()}, read with those maps taken out")
+        if self.projections().score_map is not None:
+            parts.append(self.projections().score_map.describe())
         return "; ".join(parts)
 
     def describe_weights(self) -> str:
@@ -738,7 +744,32 @@ class ProbedAdapter(AttentionAdapter):
                 self._mapless = _read(_without(self.module, self._head_maps), form, self.embed_dim)
         if self._mapless is not None and self._mapless.rotary is not None and p.rotary is None:
             p = replace(p, rotary=self._mapless.rotary)
-        return replace(p, head_maps=self._head_maps) if self._head_maps else p
+        p = replace(p, head_maps=self._head_maps) if self._head_maps else p
+        if not hasattr(self, "causal_unless_masked"):  # still probing: the map is read once that is done
+            return p
+        if not hasattr(self, "_score_map"):
+            self._score_map: ScoreMap | None = None  # while it is read, the module runs without one
+            self._score_map = read_score_map(partial(self._score_sample, p), PROBE_T)
+        return p if self._score_map is None else replace(p, score_map=self._score_map)
+
+    @torch.no_grad()
+    def _score_sample(self, p: Projections, T_q: int, T_k: int, gain: float) -> Sample:
+        """One self-attention run (cross where ``T_q != T_k``) under capture, seeded by its lengths and gain: the
+        tensors :func:`attnlab.check.scoremap.read_score_map` reads (raises Unsupported where none can be read)."""
+        g = torch.Generator().manual_seed(T_q * 1009 + T_k * 31 + int(gain))
+        w = p.q_weight
+        q = (torch.randn(1, T_q, self.embed_dim, generator=g) * gain).to(w)
+        kv = q if T_q == T_k else (torch.randn(1, T_k, self.kdim, generator=g) * gain).to(w)
+        ops = capture(lambda: self(q, kv, kv), {"query": q, "key": kv}, self.module)
+        want = recipe_attention(
+            p, q, kv, kv, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
+            is_causal=self.always_causal,
+        )["scaled"]  # (1, H, T_q, T_k)  # fmt: skip
+        found = scores_of(ops, want)
+        if found is None:
+            raise Unsupported(f"no softmax of the scores' shape {list(want.shape)} in {self.name}'s ops")
+        keep = causal_keep(T_q, T_k, want.device) if self.always_causal else torch.ones_like(want, dtype=torch.bool)
+        return (*found, want, keep.expand_as(want))
 
     def _projections(self) -> Projections:
         if self.use_reading and self.reading is not None:
@@ -877,7 +908,9 @@ class ProbedAdapter(AttentionAdapter):
         return uses is not None and any(u in ("eq", "ne", "lt", "le", "gt", "ge") for u in uses)
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
-        return self._sibling(copy.deepcopy(self.module).to(dtype))
+        sibling = self._sibling(copy.deepcopy(self.module).to(dtype))
+        sibling._score_map = self.projections().score_map  # read at full precision: in half it reads coarser
+        return sibling
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ProbedAdapter:
         """A copy on ``device`` in ``dtype``, probed again there: its mask may read otherwise on another device."""

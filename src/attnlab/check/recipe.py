@@ -79,6 +79,9 @@ class Recipe:
     out_proj: bool = True
     # which of Q, K, V the module's position map (rotary) turns: "qk" as it should, "q" alone, or V as well
     rotary: Literal["qk", "q", "qkv"] = "qk"
+    # the module's bias by position on the scores (its score map, attnlab.check.scoremap) as the reference holds it,
+    # or "negated": rising with the distance between query and key (ALiBi's slopes with the wrong sign)
+    position_bias: Literal["right", "negated"] = "right"
     # q_from, k_from and v_from hold only when K and V come from another tensor than the queries: a mistake in the
     # cross-attention branch (Perceiver's ``if is_cross_attention:``), self-attention computed as it should be
     cross_only: bool = False
@@ -249,6 +252,7 @@ def recipe_attention(
     s["scores"] = s["q_heads"] @ k.transpose(-2, -1)  # (B, H, T_q, T_k)
     factor = _scale(recipe, scale, p.out_weight.size(0), D, T_k, T_q)
     s["scaled"] = s["scores"] if recipe.scale_after_softmax else s["scores"] * factor
+    s["scaled"] = w.mapped(s["scaled"], negated=recipe.position_bias == "negated")  # a bias by position, a soft-cap
 
     keep = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=query.device)  # True = may attend
     added = torch.zeros(B, 1, T_q, T_k, dtype=f64, device=query.device)

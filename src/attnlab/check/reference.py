@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..core.functional import causal_keep, math_attention
 from .adapters import Projections
+from .recipe import recipe_attention
 
 __all__ = ["combined_keep", "plain_attention", "reference_attention"]
 
@@ -90,6 +91,11 @@ def reference_attention(
         B, T_q, T_k, keep_mask=keep_mask, key_padding_mask=key_padding_mask, bias=bias, is_causal=is_causal,
         device=query.device,
     )  # fmt: skip
+    if not plain and p.score_map is not None:  # the module's score map between the scale and the softmax
+        return recipe_attention(
+            p, query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, keep_mask=keep_mask,
+            key_padding_mask=key_padding_mask, bias=bias, is_causal=is_causal,
+        )["out"]  # fmt: skip
     if not plain:
         bias4 = None if bias is None else bias.to(dtype).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
         context, _ = math_attention(q, k, v, keep=keep, bias=bias4, scale=scale)  # (B, H, T_q, D)
@@ -97,7 +103,7 @@ def reference_attention(
     rep = num_heads // num_kv_heads
     k = k.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
     v = v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
+    scores = w.mapped((q @ k.transpose(-2, -1)) * scale)  # (B, H, T_q, T_k)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in the low dtype

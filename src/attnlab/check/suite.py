@@ -691,6 +691,8 @@ def check_permutation_equivariance(ctx: Context) -> CheckResult:
         return _skip("the target is always causal: position order matters to it by design")
     if ctx.adapter.projections().rotary is not None:
         return _skip("the target turns Q and K by position (rotary): position order matters to it by design")
+    if getattr(ctx.adapter.projections().score_map, "positional", False):
+        return _skip("the target biases its scores by position: position order matters to it by design")
     g = ctx.generator("permutation_equivariance")
     x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
     perm = torch.randperm(ctx.seq_len, generator=g).to(ctx.device)
