@@ -118,9 +118,12 @@ class Projections:
         found = (self.head_maps or {}).get(role)
         return x if found is None else found.apply(x)
 
-    def rotate(self, x: Tensor) -> Tensor:
-        """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is)."""
-        return x if self.rotary is None else self.rotary.apply(x)
+    def rotate(self, x: Tensor, crossed: bool = False) -> Tensor:
+        """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is);
+        ``crossed``: its features turned against partners of the other pairing (see ``Rotary.apply``)."""
+        if self.rotary is None:
+            return x
+        return self.rotary.apply(x, crossed=True) if crossed else self.rotary.apply(x)
 
 
 def call_factory(factory: Callable[..., object], **kwargs: object) -> object:
