@@ -148,11 +148,9 @@ def test_each_slow_corpus_file_has_a_quick_twin():
 def test_every_catalogued_mistake_is_in_the_corpus():
     """The corpus is the catalogue's test set: a mistake nobody wrote a module for is untested."""
     written = {_expected(p)[0] for p in FILES} | {m for p in FILES for m in _expected(p)[1]}
-    # the mistakes found in styles nobody listed have their modules in tests/style_corpus_wild/ and _fresh2/
-    for wild in (Path(__file__).parent / "style_corpus_wild", Path(__file__).parent / "style_corpus_fresh2"):
-        written |= {
-            m.group(1) for p in wild.glob("*.py") if (m := re.search(r'^EXPECTED = "(\w+)"', p.read_text(), re.M))
-        }
+    # the mistakes found in styles nobody listed have their modules in tests/style_corpus_wild/ (and _fresh2/)
+    styles = [p for d in ("style_corpus_wild", "style_corpus_fresh2") for p in (Path(__file__).parent / d).glob("*.py")]
+    written |= {m.group(1) for p in styles if (m := re.search(r'^EXPECTED = "(\w+)"', p.read_text(), re.M))}
     untested = {m.id for m in MISTAKES} - written
     # wrong_backward / low_precision_loss / mask_polarity / scale_attribute have modules of their own below; the
     # mistakes of the style trial have theirs in tests/test_check_verdict.py
@@ -390,7 +388,7 @@ def test_every_numerical_mistake_changes_the_output():
              for tq, tk in ((7, 5), (7, 7))}  # fmt: skip
     biased = replace(m.projections(), score_map=ScoreMap(lambda *_: None, None, biases=alibi))  # type: ignore[arg-type, return-value]
     for mistake in (mm for mm in MISTAKES if mm.recipe is not None):
-        p = turned if mistake.recipe.rotary != "qk" else m.projections()
+        p = turned if mistake.recipe.rotary != "qk" or mistake.recipe.rotary_crossed else m.projections()
         p = biased if mistake.recipe.position_bias != "right" else p
         gaps = []
         keep = torch.rand(2, 7, 7, generator=g) > 0.5

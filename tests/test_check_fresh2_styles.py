@@ -1,13 +1,16 @@
-"""``attnlab check`` on tests/style_corpus_fresh2/: ten more styles, including maps of the scores before the softmax.
+"""``attnlab check`` on tests/style_corpus_fresh2/: thirteen more styles, including maps of the scores before the softmax.
 
 The corpus holds attention written the way Megatron-LM (sequence-first, per-head fused ``query_key_value``,
 ``baddbmm`` with alpha = 1/norm_factor), Hugging Face's GPT-J (``rotate_every_two`` on the first rotary_dim
 features), BLOOM (ALiBi added through ``baddbmm``'s beta), Phi (partial rotary, ``dense``), Gemma-2 (grouped-query,
 logit soft-capping ``tanh(s / 50) * 50``), GPTBigCode/StarCoder (multi-query: a fused ``c_attn`` of H query heads,
 one key and one value head, the heads folded into the query axis) and jeonsworld's ViT-pytorch
-(``transpose_for_scores``) write it, and three with score maps of their own: MosaicML's llm-foundry MPT (ALiBi as a
-(1, H, 1, S) bias), lucidrains' x-transformers (T5's bucketed relative bias, a learned table) and Grok-1 (a tanh cap
-of 30 on grouped logits): correct modules, one-mistake modules and each mistake's repaired twin.
+(``transpose_for_scores``), Hugging Face's RoFormer (interleaved rotary on every feature from a fixed sinusoidal
+table), Megatron-core (sequence-first grouped-query ``linear_qkv``, causal only without a mask), Hugging Face's
+BART (a 2D ``attention_mask`` expanded inside by ``_expand_mask``), and three with score maps of their own:
+MosaicML's llm-foundry MPT (ALiBi as a (1, H, 1, S) bias), lucidrains' x-transformers (T5's bucketed relative
+bias, a learned table) and Grok-1 (a tanh cap of 30 on grouped logits): correct modules, one-mistake modules and
+each mistake's repaired twin.
 
 Two parts:
 
@@ -44,9 +47,12 @@ from test_style_corpus_wild_truth import Lin, causal_keep, first, lin, load, pad
 
 CORPUS = Path(__file__).parent / "style_corpus_fresh2"
 FILES = sorted(CORPUS.glob("*.py"))
-STYLES = ("megatron", "gptj", "bloom", "phi", "gemma2", "bigcode", "vit", "mpt", "xtransformers", "grok")
+STYLES = (
+    "megatron", "gptj", "bloom", "phi", "gemma2", "bigcode", "vit", "mpt", "xtransformers", "grok", "roformer", "mcore",
+    "bart",
+)  # fmt: skip
 # mistakes the catalogue does not name: check says where the module departs instead
-UNNAMED = {"rotary_pairs_wrong"}
+UNNAMED: set[str] = set()
 B, E, H, D, T = 2, 32, 4, 8, 7
 LENGTHS = (4, 7)
 EXACT, VISIBLE = 1e-10, 1e-3
@@ -286,6 +292,46 @@ def cases_grok(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
     ]  # fmt: skip
 
 
+def cases_roformer(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
+    m = mod.RoFormerSelfAttention(mod.RoFormerConfig()).double().eval()
+    p = (lin(m.query), lin(m.key), lin(m.value), lin(m.output_dense))
+    table = m.embed_positions.weight[:T].double()  # (T, D): the sines of the D/2 pair angles, then their cosines
+    rope = adjacent((table[:, D // 2 :], table[:, : D // 2]))
+    x, pad = x_in(), pad_keep(T, LENGTHS)
+    fill = torch.zeros(B, 1, 1, T, dtype=F64).masked_fill(~pad[:, None, None], torch.finfo(F64).min)
+    return m, [
+        ("no mask", lambda: m(x), reference(x, *p, torch.ones(T, T, dtype=torch.bool), rotary=rope)),
+        ("HF additive padding", lambda: m(x, fill), reference(x, *p, pad[:, None, None], rotary=rope)),
+    ]  # fmt: skip
+
+
+def cases_mcore(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
+    cfg = mod.TransformerConfig()
+    m = mod.SelfAttention(cfg).double().eval()
+    G, per = cfg.num_query_groups, H // cfg.num_query_groups
+    w = m.linear_qkv.weight.view(G, per + 2, D, E)  # per query group: its query heads, its key head, its value head
+    b = m.linear_qkv.bias.view(G, per + 2, D)
+    part = lambda rows: (w[:, rows].reshape(-1, E), b[:, rows].reshape(-1))
+    p = (part(slice(0, per)), part(per), part(per + 1), lin(m.linear_proj))
+    x, pad, causal = x_in(), pad_keep(T, LENGTHS), causal_keep(T)
+    keep = causal & pad[:, None, None]  # (B, 1, T, T)
+    run = lambda mask=None: m(x.transpose(0, 1), mask)[0].transpose(0, 1)
+    return m, [
+        ("causal (no mask)", run, reference(x, *p, causal, kv_heads=G)),
+        ("its own [b,1,sq,sk] mask True = masked: causal + padding", lambda: run(~keep), reference(x, *p, keep, kv_heads=G)),
+    ]  # fmt: skip
+
+
+def cases_bart(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
+    m = mod.BartAttention().double().eval()
+    p = (lin(m.q_proj), lin(m.k_proj), lin(m.v_proj), lin(m.out_proj))
+    x, pad = x_in(), pad_keep(T, LENGTHS)
+    return m, [
+        ("no mask", lambda: m(x), reference(x, *p, torch.ones(T, T, dtype=torch.bool))),
+        ("HF 2D padding 1 keep", lambda: m(x, attention_mask=pad.long()), reference(x, *p, pad[:, None, None])),
+    ]  # fmt: skip
+
+
 DRIVERS = {s: globals()[f"cases_{s}"] for s in STYLES}
 
 
@@ -377,14 +423,9 @@ def test_the_loop_reference_is_sdpa_and_its_maps_are_what_they_say() -> None:
 # ----------------------------------------------------------------------------- check
 
 
-# What check does not yet get right here (measured 7 December 2026), by cause; strict expected failures
-NOT_YET: dict[str, str] = {
-    "megatron_merge_without_transpose": "the layout is found by experiment on the output: a sequence-first module "
-    "whose merge mixes batch rows and positions reads as neither layout, is called batch-first, and its data flow "
-    "is then unreadable (the names' error is shown: query_key_value and dense are not names check knows)",
-    "bigcode_padding_inverted": "an inverted 2D padding mask (0 taken as keep) behaves as the other convention, and "
-    "the module's own words state none: check takes it as True = blocked and every check passes",
-}
+# What check does not yet get right here, by cause; strict expected failures (none since the score maps and the
+# sequence-first merge were read by data flow, 7 December 2026)
+NOT_YET: dict[str, str] = {}
 
 
 QUICK = {f"{s}_correct" for s in STYLES} | {"vit_merge_without_transpose", "phi_softmax_query_axis"}

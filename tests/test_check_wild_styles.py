@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from attnlab.check import run_checks
+from attnlab.check.probe import UNSTATED
 from attnlab.check.target import build_target
 from attnlab.tools.trace import trace_module
 from test_check_diagnosis import FAST
@@ -97,6 +98,18 @@ def test_a_wild_style_is_read_as_written_and_judged_right(path: Path) -> None:
         assert not report.ok and ids[:1] in (["stage"], []), ids
     else:
         assert not report.ok and ids[:1] == [expected], (ids, [r.name for r in report.failures])
+
+
+@pytest.mark.parametrize("stem", sorted(NOT_YET))
+def test_a_mask_convention_no_words_state_is_said_to_be_found_by_experiment(stem: str) -> None:
+    """An inverted mask these modules' words do not call a mistake still passes; its report's first lines say the
+    convention it read was found by experiment alone, never silently."""
+    path = next(p for p in FILES if p.stem == stem)
+    adapter = build_target(
+        f"{path}:{_constants(path)['TARGET']}", embed_dim=32, num_heads=4, num_kv_heads=None, dropout=0.0, seed=0
+    )
+    call = adapter.describe_call() or ""
+    assert UNSTATED in call and "True = " in call, call
 
 
 # trace does not yet depart at the mistake's stage for these (measured 7 December 2026), by cause: the call is

@@ -126,9 +126,12 @@ class Projections:
         """Scaled ``scores`` ``(B, H, T_q, T_k)`` through the module's score map (none: as they are)."""
         return scores if self.score_map is None else self.score_map.apply(scores, negated=negated)
 
-    def rotate(self, x: Tensor) -> Tensor:
-        """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is)."""
-        return x if self.rotary is None else self.rotary.apply(x)
+    def rotate(self, x: Tensor, crossed: bool = False) -> Tensor:
+        """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is);
+        ``crossed``: its features turned against partners of the other pairing (see ``Rotary.apply``)."""
+        if self.rotary is None:
+            return x
+        return self.rotary.apply(x, crossed=True) if crossed else self.rotary.apply(x)
 
 
 def call_factory(factory: Callable[..., object], **kwargs: object) -> object:

@@ -224,6 +224,7 @@ MISTAKES: tuple[Mistake, ...] = (
         "heads are merged with reshape(B, T, E) straight from (B, H, T, D), without transposing back: positions and heads are mixed",
         "out = context.transpose(1, 2).contiguous().view(B, T, embed_dim)",
         S_SPLIT, "every output row, permutation_equivariance", _R(merge="no_transpose"),
+        also=(_R(merge="no_transpose_time_first"),),  # Megatron's [b, np, sq, hn] viewed as its [sq, b, hp]
     ),
     Mistake(
         "heads_interleaved", "recipe",
@@ -317,6 +318,15 @@ MISTAKES: tuple[Mistake, ...] = (
         "bias = -slope * (i - j) with positive slopes (BLOOM's slope * key position gives it, softmax forgets the "
         "row's constant): build the bias from +slopes, falling as keys get farther",
         S_ALIBI, "every output row", _R(position_bias="negated"),
+    ),
+    Mistake(
+        "rotary_pairs_wrong", "recipe",
+        "the rotary's cos/sin tables are laid out for one pairing of the features and its rotate function pairs "
+        "them the other way (adjacent pairs 2i, 2i+1 against halves i, i + d/2): each feature turns against a "
+        "partner of another angle, so the map is no rotation and the scores no longer depend on distance alone",
+        "pair the features as the tables do: rotate_every_two with repeat_interleave'd cos/sin (GPT-J), "
+        "rotate_half with cos/sin concatenated twice (NeoX, Llama)",
+        S_ROPE, "every output row", _R(rotary_crossed=True),
     ),
     Mistake(
         "out_proj_missing", "recipe",

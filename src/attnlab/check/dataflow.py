@@ -79,22 +79,38 @@ class Rotary:
 
     pairs: tuple[tuple[int, int], ...]
     omega: tuple[float, ...]
+    # the module turns each feature by its pair's angle but against a feature of the other pairing (its cos/sin
+    # tables laid out for adjacent pairs, its rotate function taking halves, or the reverse): see :meth:`crossing`
+    crossed: bool = False
 
-    def apply(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        """``x`` ``(..., T, D)`` rotated at positions ``0 .. T-1`` (or ``positions`` ``(T,)``)."""
+    def apply(self, x: Tensor, positions: Tensor | None = None, crossed: bool = False) -> Tensor:
+        """``x`` ``(..., T, D)`` rotated at positions ``0 .. T-1`` (or ``positions`` ``(T,)``); ``crossed``: each
+        feature turned by its own pair's angle against its partner in the other pairing (the mistake)."""
         T = x.size(-2)
         if max(max(p) for p in self.pairs) >= x.size(-1):  # a recipe that splits heads another width: not this map
             raise RuntimeError(f"a rotary read on {self.dims}-wide heads cannot turn {x.size(-1)}-wide ones")
         pos = torch.arange(T, device=x.device, dtype=torch.float64) if positions is None else positions.double()
-        i = torch.tensor([p[0] for p in self.pairs], device=x.device)
-        j = torch.tensor([p[1] for p in self.pairs], device=x.device)
-        angle = pos[:, None] * torch.tensor(self.omega, dtype=torch.float64, device=x.device)  # (T, P)
-        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        pairs = self.crossing() if crossed else self.pairs
+        angles = dict(zip((f for p in self.pairs for f in p), (w for w in self.omega for _ in (0, 1)), strict=True))
+        i = torch.tensor([p[0] for p in pairs], device=x.device)
+        j = torch.tensor([p[1] for p in pairs], device=x.device)
+        omega = lambda side: torch.tensor([angles[p[side]] for p in pairs], dtype=torch.float64, device=x.device)
+        ai, aj = pos[:, None] * omega(0), pos[:, None] * omega(1)  # (T, P): each feature's own angle
         xi, xj = x[..., i], x[..., j]  # (..., T, P)
         out = x.clone()
-        out[..., i] = xi * cos - xj * sin
-        out[..., j] = xi * sin + xj * cos
+        out[..., i] = xi * ai.cos().to(x.dtype) - xj * ai.sin().to(x.dtype)
+        out[..., j] = xj * aj.cos().to(x.dtype) + xi * aj.sin().to(x.dtype)
         return out
+
+    def crossing(self) -> tuple[tuple[int, int], ...]:
+        """The same features paired the other way: halves for adjacent pairs, adjacent pairs for halves."""
+        f = sorted(i for p in self.pairs for i in p)
+        n = len(f) // 2
+        if self.pairs == tuple((f[a], f[a + n]) for a in range(n)):
+            return tuple((f[2 * a], f[2 * a + 1]) for a in range(n))
+        if self.pairs == tuple((f[2 * a], f[2 * a + 1]) for a in range(n)):
+            return tuple((f[a], f[a + n]) for a in range(n))
+        raise RuntimeError("rotary pairs that are neither adjacent nor halves have no other pairing")
 
     @property
     def dims(self) -> int:
@@ -110,7 +126,8 @@ class Rotary:
             if all(j == i + 1 for i, j in self.pairs)
             else "pairs"
         )
-        return f"rotary on {2 * len(self.pairs)} dims, {how}, base angle {max(self.omega):.3g} rad/position"
+        text = f"rotary on {2 * len(self.pairs)} dims, {how}, base angle {max(self.omega):.3g} rad/position"
+        return text + (" (each feature turned against a partner of the other pairing)" if self.crossed else "")
 
 
 @dataclass(frozen=True)
@@ -678,10 +695,46 @@ def _fit_rotary(actual: list[Tensor], predicted: list[Tensor], tol: float) -> Ro
         return None
     if P.size(1) < 3:
         raise Unreadable("too few positions to read a position map")
-    rot = _rotation(torch.linalg.lstsq(P[:, 1], A[:, 1]).solution.t())  # (D, D): A_1 = P_1 @ R1^T
-    if float((rot.apply(P) - A).abs().max() / size) > 1e-6:
-        raise Unreadable("a position map other than a rotation linear in the position")
-    return rot
+    R1 = torch.linalg.lstsq(P[:, 1], A[:, 1]).solution.t()  # (D, D): A_1 = P_1 @ R1^T
+    for read in (_rotation, _crossed_rotation):
+        try:
+            rot = read(R1)
+        except Unreadable:
+            continue
+        if rot is not None and float((rot.apply(P, crossed=rot.crossed) - A).abs().max() / size) <= 1e-6:
+            return rot
+    raise Unreadable("a position map other than a rotation linear in the position")
+
+
+def _crossed_rotation(R1: Tensor) -> Rotary | None:
+    """The rotary whose tables pair features one way while its rotate function pairs them the other (each
+    feature ``f`` turned by its own angle against partner ``p``: ``R1[f, f] = cos``, ``R1[f, p] = -+sin``), as
+    :class:`Rotary` with ``crossed``: its ``pairs`` those of equal angles (the tables'); None when ``R1`` is no
+    such map."""
+    D = R1.size(0)
+    angle: dict[int, float] = {}
+    partner: dict[int, int] = {}
+    for f in range(D):
+        off = R1[f].clone()
+        off[f] = 0.0
+        if float(off.abs().max()) < 1e-9:
+            continue
+        p = int(off.abs().argmax())
+        partner[f] = p
+        angle[f] = math.atan2(float(R1[f, p]) * (-1.0 if f < p else 1.0), float(R1[f, f]))
+    turned = sorted(angle)
+    if len(turned) < 4 or len(turned) % 2:
+        return None
+    n = len(turned) // 2
+    for pairs in (
+        tuple((turned[a], turned[a + n]) for a in range(n)),
+        tuple((turned[2 * a], turned[2 * a + 1]) for a in range(n)),
+    ):
+        rot = Rotary(pairs, tuple(angle[i] for i, _ in pairs), crossed=True)
+        same = all(abs(angle[i] - angle[j]) < 1e-6 for i, j in pairs)
+        if same and all(partner[i] == j and partner[j] == i for i, j in rot.crossing()):
+            return rot
+    return None
 
 
 def _heads_rotary(actual: list[Tensor], preds: list[Tensor], maps: list[Tensor]) -> Rotary | None:

@@ -61,8 +61,8 @@ from .adapters import (
     _wrap,
     mha_projections,
 )
-from .capture import capture
-from .dataflow import Reading, read_dataflow
+from .capture import capture, capture_until_error
+from .dataflow import SOFTMAX_OPS, Reading, attention_sites, read_dataflow
 from .projections import NotAttention, _Found, find_projections, linear_weights, name_key, settle_roles
 from .recipe import mask_period, recipe_attention
 from .scoremap import Sample, ScoreMap, read_score_map, scores_of
@@ -394,10 +394,23 @@ def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | No
                 return form
             if float(diff[:, 1:].max()) <= 1e-6 * size:
                 return replace(form, time_first=True)
-            return _layout_by_padding(module, form, x)  # rows mixed either way (a mistaken split): the masks say
+            # rows mixed either way (a mistaken split or merge): the masks say, else the keys' axis of the scores
+            found = _layout_by_padding(module, form, x)
+            return found if found.time_first else _layout_by_keys(module, form, x)
     finally:
         module.train(training)
     return form
+
+
+def _layout_by_keys(module: nn.Module, form: CallForm, x: Tensor) -> CallForm:
+    """``form`` time-first when the attention of a call on ``x`` ``(3, 5, E)`` spans 3 keys: the module reads the
+    first axis of its input as the positions, whatever its merge then makes of the rows."""
+    ops, err = capture_until_error(lambda: _call(module, form, (x, x, x), {}), {"x": x}, module)
+    try:
+        keys = {site.k.size(-2) for site in attention_sites(ops, [x])}
+    except Exception:
+        return form
+    return replace(form, time_first=True) if err is None and keys == {x.size(0)} != {x.size(1)} else form
 
 
 def _layout_by_padding(module: nn.Module, form: CallForm, x: Tensor) -> CallForm:
@@ -613,6 +626,10 @@ class ProbedAdapter(AttentionAdapter):
             self.causal_unless_masked = False  # until probed
             self.causal_unless_masked = self.always_causal and self.probe_causal_unless_masked()
             self.always_causal = self.always_causal and not self.causal_unless_masked
+            stated = self._stated_mask()
+            if mask_convention is None and stated.polarity != self.masks.polarity:  # its words over its behaviour
+                self.convention = self.bool_mask_convention = stated.polarity
+            self.masks = stated
         else:
             self.causal_unless_masked = _forms.causal_unless_masked
             self.form, self.masks = _forms.form, _forms.masks
@@ -1199,7 +1216,9 @@ class ProbedAdapter(AttentionAdapter):
         if arg is None or self.form.torch_form:
             return self.padding_keeps, ""
         stated = stated_polarity(self.module.forward, arg)
-        if stated is None or (stated == "keep") == self.padding_keeps:
+        if stated is None:
+            return self.padding_keeps, UNSTATED
+        if (stated == "keep") == self.padding_keeps:
             return self.padding_keeps, ""
         said, does = ("a real token", "padding") if stated == "keep" else ("padding", "a real token")
         note = (
@@ -1207,6 +1226,26 @@ class ProbedAdapter(AttentionAdapter):
             f"its docstring says"
         )
         return stated == "keep", note
+
+    def _stated_mask(self) -> MaskForm:
+        """The mask in the convention the module's own words state for its mask argument, where its behaviour reads
+        the other way round (``padding_inverted``): a statement in its docstring or comments (``attention_mask:
+        1 for tokens to attend``), else, for a mask of one value per key, Hugging Face's documented meaning of the
+        name ``attention_mask`` (1 = a real token). The probe alone cannot tell an inverted mask from the other
+        convention; these words can."""
+        arg, m = self.form.mask_arg, self.masks
+        if arg is None or self.form.torch_form or m.use not in ("bool", "int", "float01"):
+            return m
+        stated, whose = stated_polarity(self.module.forward, arg), "its docstring"
+        if stated is None and name_key(arg) == "attentionmask" and m.layout in _PER_KEY:
+            stated, whose = "keep", "Hugging Face's attention_mask"
+        if stated == m.polarity:
+            return m
+        if stated is None:  # said only where the experiment read it cleanly
+            return replace(m, note=UNSTATED) if not m.note and (m.use != "bool" or m.bool_reading) else m
+        said, does = ("a real token", "padding") if stated == "keep" else ("padding", "a real token")
+        note = f"{whose} says 1/True = {said}, but it behaves as 1/True = {does}; the checks hand it as stated"
+        return replace(m, polarity=stated, note=f"{m.note}; {note}" if m.note else note)
 
     @torch.no_grad()
     def probe_padding_arg(self) -> tuple[CallForm, bool]:
@@ -1374,7 +1413,27 @@ class ProbedAdapter(AttentionAdapter):
         past_alone = float(late[:, :p].abs().max() / size) <= EXACT
         reaches_later = float(late[:, p + 1 :].abs().max() / size) > SEEN
         earlier_reaches = float(early[:, 2:].abs().max() / size) > SEEN
-        return past_alone and reaches_later and earlier_reaches
+        return (past_alone or self._weights_causal(x, lambda: self._plain(x))) and reaches_later and earlier_reaches
+
+    @torch.no_grad()
+    def _softmaxes(self, x: Tensor, call: Callable[[], object]) -> list[Tensor]:
+        """The ``(..., T, T)`` attention weights of every softmax ``call`` (self-attention of ``x`` ``(B, T, E)``)
+        computes; none where it raises."""
+        training = self.module.training
+        self.module.eval()
+        try:
+            ops, err = capture_until_error(call, {"x": x}, self.module)
+        finally:
+            self.module.train(training)
+        T = x.size(1)
+        return [] if err else [op.out for op in ops if op.func in SOFTMAX_OPS and tuple(op.out.shape[-2:]) == (T, T)]
+
+    def _weights_causal(self, x: Tensor, call: Callable[[], object]) -> bool:
+        """Whether ``call``'s attention weights are all zero above the diagonal: causal by what it attends to,
+        where its outputs mix positions afterwards (a mistaken merge)."""
+        weights = self._softmaxes(x, call)
+        above = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).triu(1)
+        return bool(weights) and all(bool((w[..., above] == 0).all()) for w in weights)
 
     @torch.no_grad()
     def probe_causal_unless_masked(self) -> bool:
@@ -1400,7 +1459,8 @@ class ProbedAdapter(AttentionAdapter):
         finally:
             self.module.train(training)
         size = base.abs().max().clamp_min(1e-12)
-        return float(late[:, :p].abs().max() / size) > SEEN
+        run = lambda: self._run(x, x, x, every, None, False, weights=False)
+        return float(late[:, :p].abs().max() / size) > SEEN and not self._weights_causal(x, run)
 
     @torch.no_grad()
     def probe_masks(self) -> MaskForm:
@@ -1470,6 +1530,10 @@ class ProbedAdapter(AttentionAdapter):
         batched = self._probe_batched()
         if batched is not None:
             return batched
+        seen = self._weights_reading(x, hide, j)
+        if seen is not None:  # its outputs mix positions (a mistaken merge), its weights do not
+            self.masks = MaskForm(seen, "bool", seen, "b1qk", "read off its attention weights")
+            return replace(self.masks, layout=self._probe_layout(x, hide, weights=True))
         if changes is None:  # no (T_q, T_k) mask runs, and no form masks cleanly: the module mixes positions
             runs = self._probe_runs()
             if runs is not None:
@@ -1485,24 +1549,35 @@ class ProbedAdapter(AttentionAdapter):
         self.masks = MaskForm(weak, "bool", self.convention, "b1qk", (note + "; " if note else "") + seemed)
         return replace(self.masks, layout=self._probe_layout(x, hide))
 
-    def _probe_layout(self, x: Tensor, hide: Tensor) -> _Layout:
-        """The first per-sequence layout for which each sequence gets its own mask."""
+    def _weights_reading(self, x: Tensor, hide: Tensor, j: int) -> Literal["keep", "block"] | None:
+        """What True means by the attention weights alone: the mask ``hide`` ``(T, T)`` (False at key j) or its
+        complement gives key j weight 0 for every query while the others keep some; None when neither does."""
+        arg = self.form.mask_arg
+        for polarity, mask in (("keep", hide), ("block", ~hide)):
+            weights = self._softmaxes(x, lambda m=mask: self._invoke(x, x, x, {arg: m}))
+            if weights and all(bool((w[..., j] == 0).all()) and bool(w.sum(-1).gt(0).all()) for w in weights):
+                return polarity  # type: ignore[return-value]
+        return None
+
+    def _probe_layout(self, x: Tensor, hide: Tensor, weights: bool = False) -> _Layout:
+        """The first per-sequence layout for which each sequence gets its own mask (by its attention weights
+        with ``weights``: a module whose outputs mix the sequences)."""
         other = hide.clone()
         other[:, 0], other[:, 2] = False, True  # (T, T): a second mask, key 0 hidden instead
         arg = self.form.mask_arg
         masks = torch.stack([hide, other])  # (B=2, T, T)
         x0, x1 = x[:1], x[1:]  # one tensor object each: self-attention
-        want = torch.cat(
-            [
-                _first(self._invoke(x0, x0, x0, {arg: self._mask(hide)})),
-                _first(self._invoke(x1, x1, x1, {arg: self._mask(other)})),
-            ]
-        )  # (B, T, E): each sequence alone, with its 2-D mask
+
+        def seen(q: Tensor, mask: Tensor) -> Tensor:
+            call = lambda: self._invoke(q, q, q, {arg: self._mask(mask)})
+            return torch.cat(self._softmaxes(q, call)[:1] or [torch.zeros(0)]) if weights else _first(call())
+
+        want = torch.cat([seen(x0, hide), seen(x1, other)])  # each sequence alone, with its 2-D mask
         layouts: tuple[_Layout, ...] = ("b1qk", "bhqk", "bqk", "hbqk", "qkb")
         for layout in layouts:
             self.masks = replace(self.masks, layout=layout)
             try:
-                got = _first(self._invoke(x, x, x, {arg: self._mask(masks)}))
+                got = seen(x, masks)
             except Exception:
                 continue
             if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
@@ -1618,6 +1693,8 @@ class ProbedAdapter(AttentionAdapter):
         return None
 
 
+# said of a mask whose convention was read by experiment alone: a module that reads it inverted would pass
+UNSTATED = "read by experiment: its code does not say which way round it is meant"
 # What a module's own words say a mask's True (or 1) means: "True = keep", "1 for tokens to attend", "True means
 # padding". Only a statement of that form counts, never a name.
 _STATED = re.compile(r"\b(?:true|1)(?:/(?:true|1))?\s*(?:=|==|:|->|means|marks|indicates|is|are|for)\s*(?:an?\s+|the\s+)?(not\s+)?(\w+)", re.I)  # fmt: skip

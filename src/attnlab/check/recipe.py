@@ -75,13 +75,16 @@ class Recipe:
     rows: Literal["right", "tiled", "windows_major"] = "right"
     # False: (B, T, E) read as (T, B, E) (nn.MultiheadAttention without batch_first): attention across the batch
     batch_first: bool = True
-    merge: Literal["transpose", "no_transpose", "interleaved"] = "transpose"
+    # "no_transpose_time_first": a (T, B, E) module's (B, H, T, D) memory reread as its own (T, B, H*D) output
+    merge: Literal["transpose", "no_transpose", "no_transpose_time_first", "interleaved"] = "transpose"
     out_proj: bool = True
     # which of Q, K, V the module's position map (rotary) turns: "qk" as it should, "q" alone, or V as well
     rotary: Literal["qk", "q", "qkv"] = "qk"
     # the module's bias by position on the scores (its score map, attnlab.check.scoremap) as the reference holds it,
     # or "negated": rising with the distance between query and key (ALiBi's slopes with the wrong sign)
     position_bias: Literal["right", "negated"] = "right"
+    # the rotation built from tables of one pairing (adjacent / halves) and a rotate function of the other
+    rotary_crossed: bool = False
     # q_from, k_from and v_from hold only when K and V come from another tensor than the queries: a mistake in the
     # cross-attention branch (Perceiver's ``if is_cross_attention:``), self-attention computed as it should be
     cross_only: bool = False
@@ -151,6 +154,8 @@ def _merge(context: Tensor, how: str) -> Tensor:
     B, H, T, D = context.shape
     if how == "no_transpose":
         return context.reshape(B, T, H * D)  # (B, H, T, D) memory reread as (B, T, H*D)
+    if how == "no_transpose_time_first":
+        return context.reshape(T, B, H * D).transpose(0, 1)  # reread as (T, B, H*D), handed back batch-first
     if how == "interleaved":
         return context.permute(0, 2, 3, 1).reshape(B, T, H * D)  # feature d of head h at d*H + h
     return context.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
@@ -242,7 +247,7 @@ def recipe_attention(
     if w.rotary is not None:  # the module's own position map on Q and K (rotary), or a mistaken use of it
         rotated = {"qk": ("q", "k"), "q": ("q",), "qkv": ("q", "k", "v")}[recipe.rotary]
         for name in rotated:
-            s[f"{name}_heads"] = w.rotate(s[f"{name}_heads"])
+            s[f"{name}_heads"] = w.rotate(s[f"{name}_heads"], crossed=recipe.rotary_crossed)
     k, v = s["k_heads"], s["v_heads"]
     if G != H:  # GQA: each K/V head serves H/G query heads
         if recipe.kv_repeat == "tile":
