@@ -351,6 +351,9 @@ NOT_YET: dict[str, str] = {
     "non-finite outputs under every float form, so the mask probe hands a bool mask (its first form that runs "
     "finite), and the catalogue's mask_after_softmax (blocked weights zeroed after softmax) fits neither: the "
     "departure is named first (stage: masked differs by inf)",
+    "stablelm_padding_on_queries": "a 2D padding mask broadcast over the query axis inside the module (padded "
+    "queries blanked, every key kept): read as a (B, T_k) key mask, it seems to change nothing for real queries "
+    "and mask_ignored is named first (padding-mask conventions: the other helper's cause)",
     "olmo2_k_uses_q_proj": "check builds the config with num_key_value_heads = H/2 to expose K/V-head bugs; keys "
     "made by q_proj (H heads wide) then cannot go through k_norm (G heads wide): every row raises, and the crash "
     "is named first (at the module's own G = H the mistake shows as such)",
