@@ -335,10 +335,13 @@ def cases_bart(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
 DRIVERS = {s: globals()[f"cases_{s}"] for s in STYLES}
 
 
-def run_cases(path: Path) -> list[tuple[str, float | Exception]]:
+def run_cases(
+    path: Path, drivers: dict[str, Callable[[ModuleType], tuple[nn.Module, list[Case]]]] | None = None
+) -> list[tuple[str, float | Exception]]:
+    """Each case of the file's style driver (of ``drivers``, this corpus's by default): its gap to the reference."""
     mod = load(path)
     torch.manual_seed(0)
-    m, cases = DRIVERS[mod.STYLE](mod)
+    m, cases = (drivers or DRIVERS)[mod.STYLE](mod)
     assert type(m).__name__ == mod.TARGET
     results: list[tuple[str, float | Exception]] = []
     with torch.no_grad():

@@ -313,7 +313,12 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
 @torch.no_grad()
 def context_required(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
     """``form`` taking K and V from its second argument when the module, called with the first alone, raises but
-    runs with both (torchtune's ``forward(x, y=None)``: self-attention passes x twice, y=None reads a cache)."""
+    runs with both (torchtune's ``forward(x, y=None)``: self-attention passes x twice, y=None reads a cache).
+
+    The other way round, an optional second argument taken for a context by its name is dropped when the module
+    runs without it but with no context tensor, of the query's length or another (MPT's ``forward(x,
+    past_key_value=None, ...)``: a cache, read as ``past_key_value[0]``): self-attention only."""
+    form = _context_refused(module, form, embed_dim)
     names, params = _param_names(module.forward)
     names = [n for n in names if n not in _CAUSAL_ARGS + _WEIGHTS_ARGS]
     widths = [embed_dim] if embed_dim else [p.size(-1) for p in module.parameters() if p.dim() == 2][:1]
@@ -334,6 +339,42 @@ def context_required(module: nn.Module, form: CallForm, embed_dim: int | None) -
     except Exception:
         return form
     return both if isinstance(out, Tensor) and out.shape == x.shape else form
+
+
+@torch.no_grad()
+def _context_refused(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` as self-attention only (one input) when its optional second input, a context by its name, is
+    refused: the module runs on the query alone, and raises (or answers in another shape) with a context tensor
+    of the query's length and of another."""
+    if form.inputs != 2 or not form.context_optional or form.keyword_only:
+        return form
+    widths = [embed_dim] if embed_dim else [p.size(-1) for p in module.parameters() if p.dim() == 2][:1]
+    if not widths:
+        return form
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    g = torch.Generator().manual_seed(93)
+    x = torch.randn(2, 5, widths[0], generator=g).to(dtype)
+    alone = replace(form, inputs=1, input_names=form.input_names[:1], context_optional=False, rest_by_name=False)
+    training = module.training
+    module.eval()
+    try:
+        try:
+            out = _first(_call(module, alone, (x, x, x), {}))
+        except Exception:
+            return form
+        if not isinstance(out, Tensor) or out.shape != x.shape:
+            return form
+        for length in (5, 3):
+            c = torch.randn(2, length, widths[0], generator=g).to(dtype)
+            try:
+                out = _first(_call(module, form, (x, c, c), {}))
+            except Exception:
+                continue
+            if isinstance(out, Tensor) and out.shape == x.shape:
+                return form  # it takes a context
+        return alone
+    finally:
+        module.train(training)
 
 
 @torch.no_grad()
@@ -995,7 +1036,22 @@ class ProbedAdapter(AttentionAdapter):
             raise Unsupported(f"{self.name} takes one context for K and V ({form.describe()})")
         if form.inputs == 1 and (key is not query or value is not query):
             raise Unsupported(f"{self.name} is self-attention only ({form.describe()})")
+        if self._causal_by_default and form.causal_arg not in kwargs:
+            kwargs = {**kwargs, form.causal_arg: False}  # MPT's is_causal=True: a plain call says it is not
         return _call(self.module, form, (query, key, value), kwargs)
+
+    @property
+    def _causal_by_default(self) -> bool:
+        """Whether forward's causal argument defaults to True (MPT's ``is_causal=True``): then a call that is not
+        causal has to say so."""
+        arg = self.form.causal_arg
+        if arg is None or self.form.torch_form:
+            return False
+        try:
+            param = inspect.signature(self.module.forward).parameters.get(arg)
+        except (TypeError, ValueError):
+            return False
+        return param is not None and param.default is True
 
     def _run(self, query, key, value, keep_mask, key_padding_mask, is_causal, *, weights: bool) -> object:
         form = self.form
@@ -1779,9 +1835,9 @@ def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G
         flat = F.linear(x, w.to(dtype), None if b is None else b.to(dtype))  # (B, T, n*D)
         heads = flat.view(B, T, n, -1)
         refs += [(flat, 1), (heads, 1), (heads.transpose(1, 2), 2), (heads.transpose(1, 2).flatten(0, 1), 1)]
-    leaves = [m for m in module.modules() if m is not module and not any(True for _ in m.children())]
+    subs = [m for m in module.modules() if m is not module]  # containers too: StableLM's one norm per head
     calls: list[tuple[nn.Module, object, object]] = []
-    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, i[0] if i else None, o))) for m in leaves]
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, i[0] if i else None, o))) for m in subs]
     try:
         base = _first(_call(module, form, (x, x, x), {}))
     except Exception:
@@ -1797,9 +1853,11 @@ def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G
         if not (isinstance(t, Tensor) and isinstance(out, Tensor) and out.shape == t.shape and t.dim() >= 3):
             continue
         axis = next((a for r, a in refs if r.shape == t.shape and torch.allclose(t, r, rtol=1e-4, atol=1e-5)), None)
-        if axis is None or torch.allclose(out, t, rtol=1e-4, atol=1e-5) or not _per_vector(sub, t, out):
+        # on (B, n, T, D) a map may differ per head (one norm per head, applied to the heads in the reference's order)
+        per_head = axis == 2 and t.dim() == 4
+        if axis is None or torch.allclose(out, t, rtol=1e-4, atol=1e-5) or not _per_vector(sub, t, out, per_head):
             continue
-        side = _side_of_scores(module, form, x, base, size, index, axis)
+        side = _side_of_scores(module, form, x, base, size, index, axis, subs)
         if side is not None and side not in found:
             found[side] = HeadMap(sub, flat=t.size(-1) != p.q_weight.size(0) // H)
     return found
@@ -1816,46 +1874,67 @@ def _without(module: nn.Module, maps: dict[str, HeadMap]) -> nn.Module:
     return made
 
 
-def _per_vector(sub: nn.Module, t: Tensor, out: Tensor) -> bool:
-    """Whether ``sub`` maps each vector alone: its output commutes with reversing any axis but the last."""
+def _per_vector(sub: nn.Module, t: Tensor, out: Tensor, per_head: bool = False) -> bool:
+    """Whether ``sub`` maps each vector alone: its output commutes with reversing any axis but the last (but the
+    heads' axis 1 of (B, n, T, D) too when ``per_head``: each head's vectors alone, by a map of that head's own)."""
     try:
         return all(
             torch.allclose(sub(t.flip(d)), out.flip(d), rtol=1e-4, atol=1e-5)
             for d in range(t.dim() - 1)
-            if t.size(d) > 1
+            if t.size(d) > 1 and not (per_head and d == 1)
         )
     except Exception:
         return False
 
 
 def _side_of_scores(
-    module: nn.Module, form: CallForm, x: Tensor, base: Tensor, size: float, index: int, axis: int
+    module: nn.Module,
+    form: CallForm,
+    x: Tensor,
+    base: Tensor,
+    size: float,
+    index: int,
+    axis: int,
+    subs: list[nn.Module],
 ) -> str | None:
-    """ "q" or "k": the side of the scores the ``index``-th submodule call feeds, by moving its output at position 0."""
-    seen = [0]
+    """ "q" or "k": the side of the scores the ``index``-th call of ``subs`` feeds, by moving its output at position
+    0: a key there reaches the other rows. A causal module's row 0 sees key 0 alone, whatever its query: when the
+    move changes nothing, the output is moved at the last position, and a query there changes its own row."""
 
-    def move(m: nn.Module, i: tuple, o: Tensor) -> Tensor | None:
-        seen[0] += 1
-        if seen[0] - 1 != index:
+    def moved_at(pos: int) -> Tensor | None:
+        seen = [0]
+
+        def move(m: nn.Module, i: tuple, o: Tensor) -> Tensor | None:
+            seen[0] += 1
+            if seen[0] - 1 != index:
+                return None
+            o = o.clone()
+            row = o.select(axis, pos)  # a random push: a constant one may be orthogonal to what it meets (a normed K)
+            row.add_(torch.randn(row.shape, generator=torch.Generator().manual_seed(95)).to(row))
+            return o
+
+        hooks = [m.register_forward_hook(move) for m in subs]
+        try:
+            return _first(_call(module, form, (x, x, x), {}))
+        except Exception:
             return None
-        o = o.clone()
-        row = o.select(axis, 0)  # a random push: a constant one may be orthogonal to what it meets (a normed K)
-        row.add_(torch.randn(row.shape, generator=torch.Generator().manual_seed(95)).to(row))
-        return o
+        finally:
+            for h in hooks:
+                h.remove()
 
-    leaves = [m for m in module.modules() if m is not module and not any(True for _ in m.children())]
-    hooks = [m.register_forward_hook(move) for m in leaves]
-    try:
-        moved = _first(_call(module, form, (x, x, x), {}))
-    except Exception:
+    moved = moved_at(0)
+    if not isinstance(moved, Tensor):
         return None
-    finally:
-        for h in hooks:
-            h.remove()
     diff = (moved - base).abs()
     if float(diff[:, 1:].max()) > 1e-6 * size:
         return "k"
-    return "q" if float(diff[:, 0].max()) > 1e-6 * size else None
+    if float(diff[:, 0].max()) > 1e-6 * size:
+        return "q"
+    moved = moved_at(-1)  # nothing moved: a causal module's first row (a key there would have moved the others)
+    if not isinstance(moved, Tensor):
+        return None
+    diff = (moved - base).abs()
+    return "q" if float(diff[:, -1].max()) > 1e-6 * size and float(diff[:, :-1].max()) <= 1e-6 * size else None
 
 
 def _sequence(query: Tensor, key: Tensor, value: Tensor, b: int) -> tuple[Tensor, Tensor, Tensor]:
