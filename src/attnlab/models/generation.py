@@ -207,9 +207,8 @@ def prefill(
             caches=caches,
             only_last=True,
         )
-        if start == 0 and end < T and idx.device.type == "cpu":
-            # the first call's work memory, freed: glibc would keep it resident beside the cache filling up
-            release_freed_heap()
+        if end < T and idx.device.type == "cpu":
+            release_freed_heap()  # this call's work memory, freed (see PREFILL_CHUNK)
     return logits[:, -1]  # (B, V)
 
 
