@@ -151,8 +151,9 @@ def sdpa_attention(
     CPU in fp16/bf16 that is slower, and its dK/dV of grouped heads miss the rule (measured, see
     :func:`sdpa_compute_dtype`). ``rows``: :func:`unmask_dead_rows` of ``keep``, computed once for all
     layers (:attr:`attnlab.core.masks.Masks.opened` and ``.dead``); used while ``keep`` is unchanged here.
-    ``opened_bias``: the opened ``keep`` as an additive float mask (0 / -inf), also made once for all layers:
-    SDPA and the one-query path then add it instead of turning a bool mask into one in every layer.
+    ``opened_bias``: the opened ``keep`` (``keep`` itself where ``empty_rows`` is False) as an additive float mask
+    (0 / -inf), also made once for all layers: SDPA and the one-query path then add it instead of turning a bool
+    mask into one in every layer.
     """
     if need_weights:
         raise ValueError(
@@ -166,6 +167,7 @@ def sdpa_attention(
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         bias = None if bias is None else bias.to(compute_dtype)
     T_q, T_k = q.size(-2), k.size(-2)
+    given = keep  # the caller's keep: opened_bias describes it (or its opened rows), not one changed here
     if causal and (T_q != T_k or keep is not None or bias is not None):
         # SDPA's is_causal is top-left aligned and takes no other mask: materialise ours.
         tri = causal_keep(T_q, T_k, q.device)  # (T_q, T_k), bottom-right aligned
@@ -178,8 +180,9 @@ def sdpa_attention(
     shared = rows is not None and keep is not None and empty_rows
     keep, dead = rows if shared and rows is not None else unmask_dead_rows(keep, empty_rows)
     mask = keep
-    if shared and bias is None and opened_bias is not None and opened_bias.dtype == q.dtype:
-        mask = opened_bias  # (B, 1, T_q, T_k) float: the same mask, converted once for every layer
+    usable = shared or (not empty_rows and keep is not None and keep is given)
+    if usable and bias is None and opened_bias is not None and opened_bias.dtype == q.dtype:
+        mask = opened_bias  # (B|1, 1, T_q, T_k) float: the same mask, converted once for every layer
     if bias is not None:  # SDPA takes one mask: fold the blocked positions into the bias
         mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
         if dead is not None:

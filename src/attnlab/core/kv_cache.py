@@ -29,6 +29,8 @@ scripts/kv_cache_agreement.py, reported in docs/howto/real-models.md (the 8-bit 
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Literal, cast
 
 import torch
@@ -75,6 +77,52 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``q (..., D)`` int8 times its ``scale (..., D / block)``, as ``dtype``."""
     out = q.reshape(*q.shape[:-1], scale.size(-1), -1).float() * scale[..., None]  # (..., D / block, block)
     return out.flatten(-2).to(dtype)
+
+
+def dequantize_int8_into(out: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """:func:`dequantize_int8` written into ``out (..., D)`` (any float dtype, a strided view of a larger buffer
+    too), with no temporary: the same numbers, each ``float32(q) * scale`` rounded once to ``out``'s dtype."""
+    out.copy_(q)  # int8 values are exact in every float dtype
+    out.view(*out.shape[:-1], scale.size(-1), -1).mul_(scale[..., None])  # (..., D / block, block), in float32
+    return out
+
+
+# Buffers of at least this many bytes are mapped lazily by lazy_zeros.
+LAZY_ZEROS_BYTES = 1 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
+    """``torch.zeros(shape)`` whose memory becomes resident only as it is written.
+
+    On a CPU, a buffer of :data:`LAZY_ZEROS_BYTES` or more is an anonymous memory map of its own: the OS hands out
+    zero pages on first touch, and gives the whole map back when the tensor is freed. ``torch.zeros`` writes every
+    byte at once, so a cache of ``max_len`` slots was resident in full before the prompt's first token (SmolLM2's
+    float16 cache at 8192 slots: 189 MB from the start), and a run stopped early never needed most of it. Elsewhere,
+    and for small buffers, ``torch.zeros``.
+    """
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if dev.type != "cpu" or nbytes < LAZY_ZEROS_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    pages = mmap.mmap(-1, nbytes)  # anonymous, private, zero-filled; the tensor keeps it alive
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
+def share_read_scratch(caches: nn.ModuleList | list[KVCache]) -> None:
+    """Let the compact caches of one model share one buffer for their reads (:meth:`KVCache.read`).
+
+    A cache stored in fewer bytes than it computes in (float16, int8) is read back as a new tensor in the compute
+    dtype on each call: at 8184 slots SmolLM2's keys and values come back as 12.6 MB of float32 per layer and
+    prefill chunk, of a size that grows with every chunk (glibc cannot reuse the freed, smaller holes: the heap grew
+    by ~100 MB over a long prefill, measured). The layers run one after another, so one buffer of the largest
+    cache's size serves them all, written in place. Only reads without autograd use it (a backward pass would need
+    every layer's keys at once); the tensors such a read returns are valid until the next read of a cache sharing
+    the buffer. :meth:`attnlab.models.decoder.Decoder.setup_caches` calls this for its compact caches.
+    """
+    scratch: dict[str, Tensor] = {}
+    for cache in caches:
+        if isinstance(cache, KVCache) and cache.k.dtype != cache.compute_dtype:
+            cache.read_scratch = scratch
 
 
 def append_slots(length: int, new: int, max_len: int) -> tuple[int, int]:
@@ -146,14 +194,17 @@ class KVCache(nn.Module):
         self.compute_dtype = compute_dtype or (storage if storage.is_floating_point else torch.float32)
         shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, G, max_len, D)
         v_shape = (batch_size, num_kv_heads, max_len, v_head_dim)  # (B, G, max_len, Dv)
-        self.register_buffer("k", torch.zeros(shape, dtype=storage, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(v_shape, dtype=storage, device=device), persistent=False)
+        # zeros (position mode reads every slot, the unwritten ones masked: they must be finite), resident as written
+        self.register_buffer("k", lazy_zeros(shape, storage, device), persistent=False)
+        self.register_buffer("v", lazy_zeros(v_shape, storage, device), persistent=False)
         for name, dim in (("k_scale", head_dim), ("v_scale", v_head_dim)):
             scales = None
             if storage == torch.int8:  # (B, G, max_len, D / block)
-                scales = torch.zeros(*shape[:3], dim // int8_block(dim), dtype=torch.float32, device=device)
+                scales = lazy_zeros((*shape[:3], dim // int8_block(dim)), torch.float32, device)
             self.register_buffer(name, scales, persistent=False)
         self.length = 0  # filled slots in append mode
+        # shared with the model's other caches by share_read_scratch: where reads in the compute dtype are written
+        self.read_scratch: dict[str, Tensor] | None = None
 
     @classmethod
     def for_module(
@@ -266,14 +317,42 @@ class KVCache(nn.Module):
 
     def read(self, end: int | None = None) -> tuple[Tensor, Tensor]:
         """The keys ``(B, G, end, D)`` and values ``(B, G, end, Dv)`` of slots ``[0, end)`` (default all) in the compute
-        dtype: views when the storage is the compute dtype, else dequantized copies."""
+        dtype: views when the storage is the compute dtype, else dequantized copies (without autograd, into the
+        buffer :func:`share_read_scratch` gave this cache, if any: valid until the next read of a cache sharing it)."""
+        scratch = self.read_scratch
+        if scratch is not None and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            scratch = None
         out = []
-        for buf, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+        for name, buf, scales in (("k", self.k, self.k_scale), ("v", self.v, self.v_scale)):
             part = buf if end is None else buf[:, :, :end]
+            if scratch is not None:
+                out.append(
+                    self._read_into(scratch, name, buf, part, None if scales is None else scales[:, :, : part.size(2)])
+                )
+                continue
             if scales is not None:
                 part = dequantize_int8(part, scales if end is None else scales[:, :, :end], self.compute_dtype)
             out.append(part if part.dtype == self.compute_dtype else part.to(self.compute_dtype))
         return out[0], out[1]
+
+    def _read_into(
+        self, scratch: dict[str, Tensor], name: str, buf: Tensor, part: Tensor, scales: Tensor | None
+    ) -> Tensor:
+        """``part`` (the first slots of ``buf``) in the compute dtype, written into ``scratch[name]``; that buffer is
+        (re)made, lazily resident, where it is missing or smaller than ``buf``."""
+        dst = scratch.get(name)
+        B, G, S, D = buf.shape
+        if (
+            dst is None
+            or dst.dtype != self.compute_dtype
+            or dst.device != buf.device
+            or dst.shape[:2] != (B, G)
+            or dst.size(2) < S
+            or dst.size(3) != D
+        ):
+            dst = scratch[name] = lazy_zeros((B, G, S, D), self.compute_dtype, buf.device)
+        view = dst[:, :, : part.size(2)]  # (B, G, end, D), a strided view of the shared buffer
+        return view.copy_(part) if scales is None else dequantize_int8_into(view, part, scales)
 
     def prepare_positions(self, cache_positions: Tensor) -> Tensor:
         """``cache_positions`` ``(T,)`` as int64 on this cache's device, checked against ``max_len`` first where

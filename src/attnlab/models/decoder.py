@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..core.attention import ContextParallelAttention, MultiHeadAttention
 from ..core.fused import FusedLinearView, fusable
-from ..core.kv_cache import KVCache, decoder_positions, kv_storage_dtype
+from ..core.kv_cache import KVCache, decoder_positions, kv_storage_dtype, share_read_scratch
 from ..core.masks import decoder_masks
 from ..core.mla_cache import MLACache
 from ..core.rope import rope_cos_sin
@@ -207,7 +207,8 @@ class Decoder(nn.Module):
 
         ``kv_dtype``: the caches' storage (``"float16"``, ``"bfloat16"``, ``"int8"``, ...; see
         :data:`attnlab.core.kv_cache.KV_DTYPES`); default the dtype K/V are computed in, exact. Reads give the
-        keys and values back in that compute dtype."""
+        keys and values back in that compute dtype (without autograd, into one buffer the layers share:
+        :func:`~attnlab.core.kv_cache.share_read_scratch`)."""
         if max_len > self.arch.block_size:
             why = (
                 f"the model has no position beyond {self.arch.block_size - 1}"
@@ -231,7 +232,7 @@ class Decoder(nn.Module):
                 MLACache(batch_size, max_len, d.kv_lora_rank, d.qk_rope_head_dim, dtype=dtype, device=device)
                 for _ in self.blocks
             )
-        return nn.ModuleList(
+        caches = nn.ModuleList(
             KVCache(
                 batch_size,
                 max_len,
@@ -245,6 +246,8 @@ class Decoder(nn.Module):
             )
             for block in self.blocks
         )
+        share_read_scratch(caches)  # a compact cache's reads in the compute dtype: one buffer for every layer
+        return caches
 
     def _float_weight(self) -> Tensor:
         """The final norm's weight: a float parameter in every model, quantized ones included."""

@@ -13,8 +13,8 @@ attnlab rotate ``(i, i + D/2)``. llama.cpp's converter therefore permutes the ro
 transformers' GGUF loader does, so that RoPE pairs the same channels as the model was trained with.
 
 **Tokenizer.** Built from the file's own vocabulary, merges, special tokens and chat template
-with Hugging Face ``tokenizers`` (the BPE itself) and wrapped in ``transformers``'
-``PreTrainedTokenizerFast`` (``apply_chat_template``, ``decode``). The pre-tokenizer, which GGUF
+with Hugging Face ``tokenizers`` (the BPE itself) and wrapped in :class:`~attnlab.weight_files.bpe_tokenizer.BPETokenizer`
+(transformers' tokenizer API, ``apply_chat_template``, ``decode``, without importing transformers). The pre-tokenizer, which GGUF
 names rather than stores (``tokenizer.ggml.pre``), is rebuilt from llama.cpp's definition of that
 name; an unknown one is refused rather than guessed.
 
@@ -46,6 +46,7 @@ from ..models.weight_maps import GGUF_BLOCK_NAMES, llama_name_from_gguf, unpermu
 from ..quant import FORMATS, QuantEmbedding, QuantLinear
 from ..quant import dequantize as dequantize_kept
 from ..runtime import ModelFileError, ModelFileNotFoundError, import_advice
+from .bpe_tokenizer import BPETokenizer
 from .file_checks import FP16_MAX, check_complete, check_gguf_layout, check_values, field_error
 
 if TYPE_CHECKING:  # annotations only: gguf and transformers are imported when a file is read
@@ -683,23 +684,25 @@ def _read_vocabulary(reader: GGUFReader) -> _Vocabulary:
     return _Vocabulary(kind, tokens, types, merges, specials, add_bos, add_eos)
 
 
-def tokenizer_from_gguf(reader: GGUFReader) -> PreTrainedTokenizerBase:
-    """The tokenizer a GGUF file describes, as a ``transformers`` fast tokenizer.
+def tokenizer_from_gguf(reader: GGUFReader) -> BPETokenizer | PreTrainedTokenizerBase:
+    """The tokenizer a GGUF file describes, with ``transformers``' tokenizer API.
 
     Byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen2, ...) is built here
-    from the file's vocabulary, merges, control tokens and chat template. SentencePiece
+    from the file's vocabulary, merges, control tokens and chat template, as a
+    :class:`~attnlab.weight_files.bpe_tokenizer.BPETokenizer` (Hugging Face ``tokenizers`` without importing
+    transformers, which builds its ``PreTrainedTokenizerFast`` on demand: ``tok.hf``). SentencePiece
     vocabularies (``"llama"``: Llama 2, TinyLlama) go to transformers' own GGUF conversion, which
     rebuilds their merges from the token scores. Every field is checked first, so that a damaged
     one is a :class:`GGUFError` naming it rather than an ``IndexError`` from deep in the build.
     """
     path = _path(reader)
-    try:
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # and its dependency, tokenizers
-    except Exception as err:  # not installed, or broken by a package it imports: the advice tells which
-        need = f"building the tokenizer of {path!r} needs transformers and tokenizers"
-        raise GGUFError(import_advice("transformers", need, err)) from None
     vocab = _read_vocabulary(reader)
     if vocab.kind == "llama":
+        try:
+            from transformers import AutoTokenizer
+        except Exception as err:  # not installed, or broken by a package it imports: the advice tells which
+            need = f"building the SentencePiece tokenizer of {path!r} needs transformers"
+            raise GGUFError(import_advice("transformers", need, err)) from None
         try:
             return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
         except Exception as e:  # transformers' GGUF conversion raises many kinds; the file is what is wrong
@@ -715,6 +718,11 @@ def tokenizer_from_gguf(reader: GGUFReader) -> PreTrainedTokenizerBase:
             f"load this tokenizer with transformers (AutoTokenizer.from_pretrained(dir, gguf_file=name))."
         )
     try:
+        import tokenizers  # noqa: F401
+    except Exception as err:
+        need = f"building the tokenizer of {path!r} needs tokenizers"
+        raise GGUFError(import_advice("tokenizers", need, err)) from None
+    try:
         bpe = _byte_level_bpe(vocab, pre)
     except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of tokens outside the vocabulary
         raise GGUFError(
@@ -722,14 +730,13 @@ def tokenizer_from_gguf(reader: GGUFReader) -> PreTrainedTokenizerBase:
             f"tokenizer ({e}); {_FIX_METADATA}."
         ) from None
     token = {key: vocab.tokens[i] for key, i in vocab.specials.items()}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
+    return BPETokenizer(  # transformers' API without importing transformers (its PreTrainedTokenizerFast on demand)
+        bpe,
         bos_token=token.get("bos"),
         eos_token=token.get("eos"),
         unk_token=token.get("unknown"),
         pad_token=token.get("padding"),
         chat_template=_field(reader, "tokenizer.chat_template", "str"),
-        clean_up_tokenization_spaces=False,
     )
 
 
