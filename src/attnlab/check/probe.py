@@ -36,6 +36,7 @@ masks are skipped.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import re
@@ -1610,7 +1611,7 @@ class ProbedAdapter(AttentionAdapter):
         complement gives key j weight 0 for every query while the others keep some; None when neither does."""
         arg = self.form.mask_arg
         for polarity, mask in (("keep", hide), ("block", ~hide)):
-            weights = self._softmaxes(x, lambda m=mask: self._invoke(x, x, x, {arg: m}))
+            weights = self._softmaxes(x, functools.partial(self._invoke, x, x, x, {arg: mask}))
             if weights and all(bool((w[..., j] == 0).all()) and bool(w.sum(-1).gt(0).all()) for w in weights):
                 return polarity  # type: ignore[return-value]
         return None
