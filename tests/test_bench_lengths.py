@@ -1,5 +1,5 @@
 """bench-decode --prompt-lengths: its flag's parsing, its table, the worker protocol (timed runs, memory readings);
-with --batch, each runner's batched greedy rows against its own batch-1 rows (attnlab in this process; llama.cpp
+with --batch-size, each runner's batched greedy rows against its own batch-1 rows (attnlab in this process; llama.cpp
 through the workers, where ATTNLAB_LLAMA_PYTHON or /work/peers/llama-venv/bin/python has llama-cpp-python)."""
 
 from __future__ import annotations
@@ -145,13 +145,13 @@ def test_the_worker_answers_each_command_on_one_line():
 
 
 def test_batch_is_checked_and_needs_prompt_lengths(capsys):
-    assert main(["bench-decode", "--batch", "3"]) == 2
+    assert main(["bench-decode", "--batch-size", "3"]) == 2
     assert (
-        "--batch 3 sets the prompts each length decodes at once with --prompt-lengths; without it, pass "
+        "--batch-size 3 sets the prompts each length decodes at once with --prompt-lengths; without it, pass "
         "--batch-sizes (e.g. --batch-sizes 1 8)." in capsys.readouterr().err
     )
-    assert main(["bench-decode", "--model", "/nowhere/m.gguf", "--prompt-lengths", "32", "--batch", "0"]) == 2
-    assert "--batch must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["bench-decode", "--model", "/nowhere/m.gguf", "--prompt-lengths", "32", "--batch-size", "0"]) == 2
+    assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_batch_rows_differ_and_row_zero_is_the_batch_1_prompt():

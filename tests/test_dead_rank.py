@@ -308,4 +308,6 @@ def test_bench_context_parallel_with_a_dead_rank_says_so_in_one_line(tmp_path):
         "out-of-memory killer); so every rank stopped, and no result was written. Run it again with "
         f"`torchrun --nproc_per_node 2 -m attnlab bench {' '.join(args)} --out-dir {out}`"
     ], log
-    assert took < TIMEOUT and "[rank0]: Traceback" not in log
+    # The line above (died, not froze) says which path ended the run; the clock only bounds it: under a full
+    # suite's load the survivor's exit, notice to exit, once took 10.03 s, so the bound here is the loaded one.
+    assert took < TIMEOUT + SLACK and "[rank0]: Traceback" not in log

@@ -154,7 +154,10 @@ def test_auto_chunks_a_prompt_longer_than_a_chunk(monkeypatch):
     run_prefill(model, torch.randint(0, V, (2, 25)), torch.zeros(2, 25, dtype=torch.bool), slots=30, chunk="auto")
     assert len(built) == 3 and built[0].causal and built[0].keep is None  # 12 tokens: SDPA's causal path
     for m, shape in zip(built[1:], ((8, 20), (5, 25)), strict=True):  # then their causal mask over the filled slots
-        assert m.keep is not None and tuple(m.keep.shape[-2:]) == shape and m.opened_bias is None
+        assert m.keep is not None and tuple(m.keep.shape[-2:]) == shape
+        # made float once for every layer (SDPA would convert the bool mask in each one): 0 where kept, -inf not
+        assert m.opened_bias is not None and torch.equal(m.opened_bias == 0, m.keep.expand_as(m.opened_bias))
+        assert bool(m.opened_bias[~m.keep.expand_as(m.opened_bias)].eq(float("-inf")).all())
     built.clear()
     idx, pad = left_pad([torch.randint(0, V, (n,)).tolist() for n in (20, 13)])
     run_prefill(model, idx, pad, slots=30, chunk="auto")

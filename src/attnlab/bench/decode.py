@@ -118,7 +118,7 @@ def bench_decode(
     mla_config: MLABenchConfig = DEFAULT_MLA_CONFIG,
     llama_python: str | None = None,
     kv_dtype: str = "auto",
-    batch: int = 1,
+    batch_size: int = 1,
 ) -> int:
     """Measure greedy decode ms/token and tokens/s per context length; print a table, write JSON and Markdown.
 
@@ -141,7 +141,7 @@ def bench_decode(
             (default 32), --repeats, --threads (default: auto, the decode's count chosen by timing steps),
             --kv-dtype (attnlab's cache, default auto as attnlab generate), --llama-python, --out-dir and --seed.
         llama_python: with --prompt-lengths, the Python interpreter whose llama_cpp runs llama.cpp (default: this one).
-        batch: with --prompt-lengths, the prompts of each length decoded at once (default 1): attnlab's batched
+        batch_size: with --prompt-lengths, the prompts of each length decoded at once (default 1): attnlab's batched
             generate and llama.cpp's own multi-sequence batching (one context of that many sequences), greedy on
             each row; decode and prefill tokens/s then count all rows.
         contexts: prompt lengths to measure.
@@ -179,9 +179,9 @@ def bench_decode(
         raise UsageError(str(err)) from None
     if kv_dtype != "auto" and model is None:
         raise UsageError(f"--kv-dtype {kv_dtype} sets the gguf runner's KV cache; pass it with --model (e.g. smollm2).")
-    if batch != 1 and not prompt_lengths:
+    if batch_size != 1 and not prompt_lengths:
         raise UsageError(
-            f"--batch {batch} sets the prompts each length decodes at once with --prompt-lengths; without it, "
+            f"--batch-size {batch_size} sets the prompts each length decodes at once with --prompt-lengths; without it, "
             "pass --batch-sizes (e.g. --batch-sizes 1 8)."
         )
     if prompt_lengths:
@@ -189,7 +189,7 @@ def bench_decode(
             raise UsageError("--prompt-lengths measures a GGUF model against llama.cpp: pass --model smollm2 with it.")
         lengths = parse_lengths(prompt_lengths)
         new = 32 if max_new_tokens is None else max_new_tokens
-        return bench_decode_lengths(model, lengths, new, repeats, threads, out_dir, seed, llama_python, kv_dtype, batch)
+        return bench_decode_lengths(model, lengths, new, repeats, threads, out_dir, seed, llama_python, kv_dtype, batch_size)
     if mla:
         sweep_flags = {
             "--model": model is not None,

@@ -19,7 +19,7 @@ whose every token is timed as the runner's iterator yields it (attnlab's ``gener
   256 MB tensor measured just before that length (:func:`attnlab.bench.timing.copy_bandwidth`);
 * greedy agreement with attnlab: the share of new tokens equal to attnlab's, position by position.
 
-With ``--batch N`` every runner decodes N prompts of that length at once (N rows of random ids, a different row
+With ``--batch-size N`` every runner decodes N prompts of that length at once (N rows of random ids, a different row
 each): attnlab its batched ``generate_steps``, llama.cpp its own multi-sequence batching (one context of N
 sequences: :class:`attnlab.bench.lengths_worker.LlamaCppBatch`), greedy on every row. Decode tokens/s is then
 aggregate, N tokens a step; prefill tokens/s is ``N * length`` over the time to the first step's N tokens; the
@@ -222,7 +222,7 @@ def bench_decode_lengths(
         check_range("--prompt-lengths", length, low=1, integer=True)
     check_range("--max-new-tokens", max_new_tokens, low=2, integer=True, hint="decode tokens/s needs t_last - t_first")
     check_range("--repeats", repeats, low=1, integer=True)
-    check_range("--batch", batch, low=1, integer=True, hint="the prompts of each length decoded at once")
+    check_range("--batch-size", batch, low=1, integer=True, hint="the prompts of each length decoded at once")
     if threads is not None:
         check_range("--threads", threads, low=1, integer=True, hint="or leave it out: auto, chosen by timing steps")
     out_dir = check_writable_dir(out_dir, "--out-dir")
