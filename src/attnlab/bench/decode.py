@@ -189,7 +189,9 @@ def bench_decode(
             raise UsageError("--prompt-lengths measures a GGUF model against llama.cpp: pass --model smollm2 with it.")
         lengths = parse_lengths(prompt_lengths)
         new = 32 if max_new_tokens is None else max_new_tokens
-        return bench_decode_lengths(model, lengths, new, repeats, threads, out_dir, seed, llama_python, kv_dtype, batch_size)
+        return bench_decode_lengths(
+            model, lengths, new, repeats, threads, out_dir, seed, llama_python, kv_dtype, batch_size
+        )
     if mla:
         sweep_flags = {
             "--model": model is not None,
