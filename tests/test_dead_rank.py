@@ -311,3 +311,25 @@ def test_bench_context_parallel_with_a_dead_rank_says_so_in_one_line(tmp_path):
     # The line above (died, not froze) says which path ended the run; the clock only bounds it: under a full
     # suite's load the survivor's exit, notice to exit, once took 10.03 s, so the bound here is the loaded one.
     assert took < TIMEOUT + SLACK and "[rank0]: Traceback" not in log
+
+
+def test_a_rank_never_seen_where_torchrun_started_every_rank_here_is_named_dead(monkeypatch):
+    """A rank killed while the group forms can end before this one sees it in /proc (CI, a loaded machine): its host
+    stays unknown. Where torchrun started every rank on this host it has ended, and is named so, not as a rank
+    on another host; under another launcher nothing says where it ran."""
+    import socket
+
+    host = socket.gethostname()
+    job = Job(0, 2, 10.0, [(host, os.getpid()), ("?", 0)])
+    err = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6042: Connection reset by peer")
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    found = diagnose(job, err, grace_s=0)
+    assert found is not None and found.lost == [1]
+    assert found.what == (
+        "rank 1 (pid unknown: it ended before this rank could see it) died: its process ended without a word "
+        "(kill -9, a crash or the out-of-memory killer)"
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # rank 1 may run on another host
+    found = diagnose(job, err, grace_s=0)
+    assert found is not None and "rank 1 run on other hosts, where this rank cannot look" in found.what

@@ -225,6 +225,13 @@ def _joining_failure(rank: int, world: int, seen: dict[int, int], missing: dict[
     return RankFailure(dead, what, [], world)
 
 
+def _all_here() -> bool:
+    """Whether torchrun started every rank on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``): its agent starts them as
+    siblings, so one never seen in /proc has ended (another launcher may start them apart, where only a rank seen and
+    gone counts)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+
+
 @contextmanager
 def watch_joining(timeout_s: float, lost: Callable[[Job, RankFailure], None]) -> Iterator[None]:
     """While the block joins the process group, watch this host's other ranks; call ``lost(job, failure)`` (from
@@ -236,11 +243,7 @@ def watch_joining(timeout_s: float, lost: Callable[[Job, RankFailure], None]) ->
     The peers are the processes torchrun started for the same rendezvous (:func:`local_job`).
     """
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    # torchrun's agent starts every rank of a host as siblings: one never seen, where all are here, has ended (another
-    # launcher may start them apart, where only a rank seen and gone counts)
-    all_here = "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get(
-        "WORLD_SIZE"
-    )
+    all_here = _all_here()
     done = threading.Event()
     seen: dict[int, int] = {}
     missing: dict[int, float] = {}
@@ -284,6 +287,15 @@ def diagnose(job: Job, err: BaseException, *, grace_s: float | None = None) -> R
     torchrun sends the survivors when it sees a rank die (``grace_s=0``: that rank is already reaped).
     """
     host = socket.gethostname()
+    unseen = [r for r, (h, _) in enumerate(job.peers) if h == "?" and r != job.rank]
+    if unseen and _all_here():  # a rank killed while the group formed, before this one saw it (CI, a loaded machine)
+        what = (
+            f"rank {unseen[0]} (pid unknown: it ended before this rank could see it) died: its process ended without "
+            "a word (kill -9, a crash or the out-of-memory killer)"
+        )
+        if len(unseen) > 1:
+            what += f"; also lost: rank{'s' if len(unseen) > 2 else ''} {_ranks(unseen[1:])}"
+        return RankFailure(unseen, what, [], job.world)
     local = {r: pid for r, (h, pid) in enumerate(job.peers) if h == host and r != job.rank}
     remote = [r for r, (h, _) in enumerate(job.peers) if h != host]
     if grace_s is None:
