@@ -184,22 +184,21 @@ def _own_masks(a: AttentionAdapter, masks: dict) -> dict:
     return {**masks, "is_causal": True} if getattr(a, "always_causal", False) else masks
 
 
+def _probe_stages(a: AttentionAdapter, probe: _Probe, recipe: Recipe | None = None) -> dict[str, Tensor]:
+    """``recipe``'s stages (float64) at the module's sizes on ``probe``'s inputs, under its masks as the module
+    applies them."""
+    heads = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
+    return recipe_attention(
+        a.projections(), probe.q, probe.k, probe.v, recipe=recipe or Recipe(), **heads, **_own_masks(a, probe.masks)
+    )
+
+
 def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok: bool = False) -> float | None:
     """Relative error of the module against ``recipe`` on ``probe``, over the queries that see a key (and,
     with ``nan_ok``, whose outputs are finite); None: the recipe cannot be computed at these sizes (so it
     is not what the module does)."""
     try:
-        s = recipe_attention(
-            a.projections(),
-            probe.q,
-            probe.k,
-            probe.v,
-            num_heads=a.num_heads,
-            num_kv_heads=a.num_kv_heads,
-            scale=a.scale,
-            recipe=recipe,
-            **_own_masks(a, probe.masks),
-        )
+        s = _probe_stages(a, probe, recipe)
     except RuntimeError:
         return None
     assert probe.out is not None
@@ -689,16 +688,7 @@ def _stage_cause(a: AttentionAdapter, probes: list[_Probe], explains: list[str])
         return None
     inputs = {"query": probe.q} if probe.k is probe.q else {"query": probe.q, "key": probe.k, "value": probe.v}
     ops = capture(lambda: a(probe.q, probe.k, probe.v, **probe.masks), inputs, module)
-    stages = recipe_attention(
-        a.projections(),
-        probe.q,
-        probe.k,
-        probe.v,
-        num_heads=a.num_heads,
-        num_kv_heads=a.num_kv_heads,
-        scale=a.scale,
-        **_own_masks(a, probe.masks),
-    )
+    stages = _probe_stages(a, probe)
     match_stages(ops, stages)
     matched, missing, candidate = first_departure(ops, stages, masked=bool(_own_masks(a, probe.masks)))
     if missing is None:

@@ -973,17 +973,7 @@ class ProbedAdapter(AttentionAdapter):
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ProbedAdapter:
         """A copy on ``device`` in ``dtype``, probed again there: its mask may read otherwise on another device."""
-        return ProbedAdapter(
-            copy.deepcopy(self.module).to(device=device, dtype=dtype),
-            num_heads=self.num_heads,
-            scale=self._scale_given,
-            mask_convention=self.convention,
-            name=self.name,
-            factory=self.factory,
-            dropout=self.dropout_p,
-            embed_dim=self.embed_dim,
-            materialised=self.lazy,
-        )
+        return self._sibling(copy.deepcopy(self.module).to(device=device, dtype=dtype), probed=False)
 
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -1016,7 +1006,9 @@ class ProbedAdapter(AttentionAdapter):
         )
         return _same_size(built, embed_dim, num_heads, num_kv_heads)
 
-    def _sibling(self, module: nn.Module) -> ProbedAdapter:
+    def _sibling(self, module: nn.Module, probed: bool = True) -> ProbedAdapter:
+        """An adapter of ``module`` built as this one was; ``probed``: with this one's call forms (else found
+        again on the first call)."""
         return ProbedAdapter(
             module,
             num_heads=self.num_heads,
@@ -1027,7 +1019,7 @@ class ProbedAdapter(AttentionAdapter):
             dropout=self.dropout_p,
             embed_dim=self.embed_dim,
             materialised=self.lazy,
-            _forms=self._probed(),
+            _forms=self._probed() if probed else None,
         )
 
     # -- calling the module ----------------------------------------------------------------------
