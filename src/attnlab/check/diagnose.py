@@ -187,9 +187,9 @@ def _own_masks(a: AttentionAdapter, masks: dict) -> dict:
 def _probe_stages(a: AttentionAdapter, probe: _Probe, recipe: Recipe | None = None) -> dict[str, Tensor]:
     """``recipe``'s stages (float64) at the module's sizes on ``probe``'s inputs, under its masks as the module
     applies them."""
-    heads = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
+    p, masks, h, g = a.projections(), _own_masks(a, probe.masks), a.num_heads, a.num_kv_heads
     return recipe_attention(
-        a.projections(), probe.q, probe.k, probe.v, recipe=recipe or Recipe(), **heads, **_own_masks(a, probe.masks)
+        p, probe.q, probe.k, probe.v, num_heads=h, num_kv_heads=g, scale=a.scale, recipe=recipe or Recipe(), **masks
     )
 
 
