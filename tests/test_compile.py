@@ -61,6 +61,7 @@ def test_compiled_forward_with_cache_in_append_mode():
     assert not counters["graph_break"]
 
 
+@pytest.mark.slow  # an inductor compile of ~20 s
 def test_autocast_under_compile():
     mha = MultiHeadAttention(16, 4)
     compiled = torch.compile(mha, fullgraph=True)

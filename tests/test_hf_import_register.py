@@ -70,6 +70,7 @@ def test_import_attnlab_alone_makes_attn_implementation_attnlab_work_and_shows_t
     assert got["attr"] == "math"
 
 
+@pytest.mark.slow  # a fresh interpreter importing transformers; the import-alone test stays quick
 def test_transformers_imported_first_is_registered_at_import_attnlab():
     head = textwrap.dedent("""
         import transformers.modeling_utils
@@ -80,6 +81,7 @@ def test_transformers_imported_first_is_registered_at_import_attnlab():
     assert got["plain"]["model.layers.0.self_attn"] == "sdpa"
 
 
+@pytest.mark.slow  # a fresh interpreter importing transformers; the import-alone test stays quick
 def test_without_the_automatic_registration_transformers_refuses_the_name():
     head = "import attnlab\nRESULT = {}\n"
     got = _run(head + BUILD, ATTNLAB_HF_AUTOREGISTER="0")

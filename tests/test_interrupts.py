@@ -233,6 +233,7 @@ BENCH = ["bench", "--lengths", "8", "16", "--tokens", "16", "--embed-dim", "16",
 BENCH += ["--warmup", "0", "--runners", "attnlab", "floor", "--no-memory", "--no-train", "--gemm-size", "64"]
 
 
+@pytest.mark.slow  # two bench runs; the decode sweep's partial results stay in make test
 def test_bench_interrupted_keeps_the_finished_lengths_beside_the_last_full_result(tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "out"
     out_dir.mkdir()

@@ -432,6 +432,7 @@ ABLATE = [
 ]
 
 
+@pytest.mark.slow  # two ablation studies; test_disk_full's study resume stays quick
 def test_ablate_interrupted_then_resumed_matches_an_uninterrupted_study(tmp_path, capsys, monkeypatch):
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert _run(capsys, "ablate-heads", *ABLATE, "--out-dir", str(full))[0] == 0

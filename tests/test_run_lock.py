@@ -172,6 +172,7 @@ def test_a_stale_lock_is_taken_over_and_the_crash_leftovers_removed(tmp_path, ca
     assert (run / "notes.tmp").read_text() == "mine"
 
 
+@pytest.mark.slow  # training subprocesses; the race test keeps the lock in make test
 def test_resume_while_the_run_still_trains_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -293,6 +294,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # training subprocesses; the race test keeps the lock in make test
 def test_under_torchrun_a_refusal_on_rank_0_ends_every_rank(tmp_path):
     """Rank 0 alone locks the folder; its refusal reaches the other rank through the process group."""
     held = tmp_path / "held"

@@ -183,7 +183,10 @@ def test_terminated_names_its_signal():
 # -- the other commands: one line naming the signal, 128 + its number ----------------------------------
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, *OTHERS], ids=lambda s: s.name)
+# make test keeps SIGHUP; the rarer stop signals run in `make test-all` (CI)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGHUP, *(pytest.param(s, marks=pytest.mark.slow) for s in OTHERS)], ids=lambda s: s.name
+)
 def test_bench_stops_on_every_stop_signal_with_one_line_naming_it(tmp_path, capsys, monkeypatch, sig):
     from attnlab.bench import attention
 
@@ -213,6 +216,7 @@ def test_doctor_and_the_rest_restore_every_handler(capsys):
 # -- train, in a phase ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole training run twice; test_every_stop_signal_mid_step covers SIGHUP too, in the slow set
 def test_sighup_mid_step_saves_and_resumes_to_the_uninterrupted_weights(tmp_path, reference):
     _check_phase(tmp_path, "step", signal.SIGHUP, reference)
 

@@ -91,6 +91,7 @@ def test_the_default_is_cpu_and_the_option_wins_over_the_variable():
         resolve_test_device("tpu", {})
 
 
+@pytest.mark.slow  # three pytest sessions in subprocesses (~9 s of make test); test_cpu_only_skip_logic stays quick
 def test_an_invalid_name_stops_pytest_with_one_sentence(sessions):
     run = sessions["invalid"]
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout
@@ -99,6 +100,7 @@ def test_an_invalid_name_stops_pytest_with_one_sentence(sessions):
     assert "passed" not in run.stdout and "test_two" not in run.stdout  # stopped before collection
 
 
+@pytest.mark.slow  # three pytest sessions in subprocesses (~9 s of make test); test_cpu_only_skip_logic stays quick
 def test_a_device_this_machine_lacks_stops_pytest_with_one_sentence(sessions):
     run = sessions["unavailable"]
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout
@@ -106,6 +108,7 @@ def test_a_device_this_machine_lacks_stops_pytest_with_one_sentence(sessions):
     assert re.search(sentence, run.stdout), run.stdout
 
 
+@pytest.mark.slow  # three pytest sessions in subprocesses (~9 s of make test); test_cpu_only_skip_logic stays quick
 def test_cpu_only_tests_are_skipped_elsewhere_with_their_reason(sessions):
     run = sessions["fake_cuda"]
     assert run.returncode == pytest.ExitCode.OK, run.stdout
