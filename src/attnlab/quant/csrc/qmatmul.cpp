@@ -917,11 +917,14 @@ struct CacheRows {
   float* scale = nullptr;  // int8 only: D / qb per row
   int64_t kind = CACHE_F32;
   int64_t D = 0, qb = 0;
+  // int8: the scales of a row (D / qb) and log2(qb) where qb is a power of two (-1 otherwise), so that the vector
+  // loads find a value's scale with a shift rather than an integer division per 16 values.
+  int64_t per_row = 1, qshift = -1;
   int64_t elem() const { return kind == CACHE_F32 ? 4 : kind == CACHE_I8 ? 1 : 2; }
   CacheRows at(int64_t offset_rows) const {  // the rows from `offset_rows` on
     CacheRows r = *this;
     r.data += offset_rows * D * elem();
-    if (scale) r.scale += offset_rows * (D / qb);
+    if (scale) r.scale += offset_rows * per_row;
     return r;
   }
 };
@@ -1090,7 +1093,7 @@ ATTNLAB_AVX512 inline __m512 load16_avx512(const CacheRows& c, int64_t i, int64_
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(c.data) + at));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[i * (c.D / c.qb) + d / c.qb]));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[i * c.per_row + (d >> c.qshift)]));
   }
 }
 
@@ -1274,10 +1277,11 @@ AttnOps avx512_rows_ops() {
   return ops;
 }
 
-// The vector paths need D a multiple of 16 (and int8 scale blocks of 16s); any other shape runs plain C++.
+// The vector paths need D a multiple of 16 (and int8 scale blocks of 16s); any other shape runs plain C++. The
+// AVX-512 rows read int8 scales by a shift: blocks of a power of two.
 AttnOps attn_ops(int64_t isa, int64_t D, int64_t qb, int64_t kind) {
   const bool fits = D % 16 == 0 && qb % 16 == 0;
-  if (isa >= AVX512 && fits) {
+  if (isa >= AVX512 && fits && (kind != CACHE_I8 || (qb & (qb - 1)) == 0)) {
     switch (kind) {
       case CACHE_F16: return avx512_rows_ops<CACHE_F16>();
       case CACHE_BF16: return avx512_rows_ops<CACHE_BF16>();
@@ -1395,7 +1399,9 @@ CacheRows cache_rows(const at::Tensor& c, const at::Tensor* scale, int64_t b, in
   r.data = static_cast<uint8_t*>(c.data_ptr()) + (b * G + g) * S * D * r.elem();
   if (r.kind == CACHE_I8) {
     r.qb = D / scale->size(3);
-    r.scale = scale->data_ptr<float>() + (b * G + g) * S * (D / r.qb);
+    r.per_row = D / r.qb;
+    r.qshift = (r.qb & (r.qb - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(r.qb)) : -1;
+    r.scale = scale->data_ptr<float>() + (b * G + g) * S * r.per_row;
   }
   return r;
 }
