@@ -35,6 +35,8 @@ __all__ = [
     "left_pad",
     "PREFILL_CHUNK",
     "PREFILL_FIRST",
+    "PREFILL_MASK_KEYS",
+    "auto_chunk_rows",
     "prefill",
     "decode_step",
     "sample_next",
@@ -159,6 +161,17 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
 # masked calls, not their number, cost it. Peak RSS at 7000 tokens went from 806 to 673 MB with it.
 PREFILL_CHUNK = 512
 PREFILL_FIRST = 2048
+# Past PREFILL_CHUNK x PREFILL_MASK_KEYS mask entries an "auto" chunk takes fewer rows (a multiple of 64, at least 64):
+# its float32 mask (rows x keys) and its activations are a prefill's work memory at its peak, the last chunk, where
+# the cache is fullest. SmolLM2 at 8184 tokens: its last chunks 256 rows, the mask 8.4 MB instead of 16.5 (issue 51).
+# The masked area over the prompt is about the same; each extra call reads the cache back once more.
+PREFILL_MASK_KEYS = 4096
+
+
+def auto_chunk_rows(filled: int) -> int:
+    """Rows of the next ``chunk="auto"`` prefill call after ``filled`` cache slots (see :data:`PREFILL_MASK_KEYS`)."""
+    fit = PREFILL_CHUNK * PREFILL_MASK_KEYS // (filled + PREFILL_CHUNK)
+    return max(64, min(PREFILL_CHUNK, fit // 64 * 64))
 
 
 def prefill(
@@ -176,7 +189,8 @@ def prefill(
 
     The caches are filled in append mode (:mod:`attnlab.core.kv_cache`), ``chunk`` queries a call (None: the
     whole prompt in one call; ``"auto"``: without padding the first :data:`PREFILL_FIRST` tokens in one call, then
-    :data:`PREFILL_CHUNK` a call; with padding :data:`PREFILL_CHUNK` a call). Each call attends over the slots
+    :func:`auto_chunk_rows` a call, :data:`PREFILL_CHUNK` or fewer past :data:`PREFILL_MASK_KEYS` keys; with padding
+    the same from the start). Each call attends over the slots
     filled so far, never over the empty rest of the ``S``-slot buffers, so no mask of ``T x S`` is built. A
     prompt in one call without padding runs SDPA's causal path with no mask tensor at all; a later chunk needs its causal mask ``(chunk, filled)``, and padding a mask
     ``(B, 1, chunk, filled)``, which chunks keep small. On a CPU the chunks give the logits and cache of one call
@@ -202,11 +216,12 @@ def prefill(
         cast(KVCache | MLACache, cache).reset()  # append mode writes from slot 0
     padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
     if chunk == "auto":
-        chunk, first = PREFILL_CHUNK, (PREFILL_CHUNK if padded else max(PREFILL_CHUNK, PREFILL_FIRST))
+        ends = [min(T, PREFILL_CHUNK if padded else max(PREFILL_CHUNK, PREFILL_FIRST))]  # where each call's tokens end
+        while ends[-1] < T:
+            ends.append(min(T, ends[-1] + auto_chunk_rows(ends[-1])))
     else:
-        first = T if chunk is None else chunk
-    step = T if chunk is None else chunk
-    ends = [*range(min(T, first), T, step), T]  # where each call's tokens end
+        step = T if chunk is None else chunk
+        ends = [*range(min(T, step), T, step), T]
     for start, end in zip([0, *ends[:-1]], ends, strict=True):
         logits = model(
             idx[:, start:end],
