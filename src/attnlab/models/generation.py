@@ -126,7 +126,8 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
 
 
 # Queries per prefill call (see :func:`prefill`, chunk="auto"), issue 51. A prompt without padding runs its first
-# PREFILL_FIRST tokens in one call (SDPA's causal path, no mask: the least attention work), then PREFILL_CHUNK a call;
+# PREFILL_FIRST tokens in one call (SDPA's causal path, no mask: the least attention work), then PREFILL_CHUNK a call
+# (fewer past PREFILL_MASK_KEYS keys);
 # a padded one runs PREFILL_CHUNK a call from the start, its masks B x 512 x T x 6 bytes (bool keep, bool opened,
 # float32 bias), 96 MB at T = 8192 for each row, where one call would take 16x that.
 # Why chunks: one call over T tokens holds about ten (T, n_embd) float32 activations at once (the residual, its norm,
