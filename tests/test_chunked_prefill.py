@@ -71,37 +71,3 @@ def test_generate_with_a_chunked_prefill_gives_the_tokens_of_the_whole_one(monke
     monkeypatch.setattr("attnlab.models.generation.PREFILL_FIRST", 32)
     monkeypatch.setattr("attnlab.models.generation.PREFILL_CHUNK", 16)  # calls of 32, 16 and 12 tokens
     assert torch.equal(generate(model, prompt, 8, temperature=0, kv_dtype=kv_dtype), whole)
-
-
-def test_auto_chunks_shrink_to_their_mask_budget_in_rows_of_64():
-    from attnlab.models.generation import PREFILL_CHUNK, PREFILL_MASK_KEYS, auto_chunk_rows
-
-    for filled in range(0, 16384, 61):
-        rows = auto_chunk_rows(filled)
-        assert rows % 64 == 0 and 64 <= rows <= PREFILL_CHUNK, filled
-        if filled + PREFILL_CHUNK <= PREFILL_MASK_KEYS:
-            assert rows == PREFILL_CHUNK, filled
-        assert rows == 64 or rows * (filled + PREFILL_CHUNK) <= PREFILL_CHUNK * PREFILL_MASK_KEYS, filled
-        assert rows + 64 > PREFILL_CHUNK or (rows + 64) * (filled + PREFILL_CHUNK) > PREFILL_CHUNK * PREFILL_MASK_KEYS
-
-
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_auto_chunks_of_shrinking_rows_give_the_logits_and_cache_of_one_call_exactly(monkeypatch, kv_dtype):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, block_size=512, n_layer=2, n_head=6, n_kv_head=2, n_embd=48, intermediate_size=96)
-    model = Decoder(cfg).eval()
-    idx = torch.randint(0, V, (1, 400))
-    whole, whole_caches = run_prefill(model, idx, None, kv_dtype)
-    monkeypatch.setattr("attnlab.models.generation.PREFILL_FIRST", 64)
-    monkeypatch.setattr("attnlab.models.generation.PREFILL_CHUNK", 128)
-    monkeypatch.setattr("attnlab.models.generation.PREFILL_MASK_KEYS", 256)
-    calls: list[int] = []
-    forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda x, **kw: calls.append(x.size(1)) or forward(x, **kw))
-    got, caches = run_prefill(model, idx, "auto", kv_dtype)
-    assert calls == [128, 128, 64, 64, 16]  # the first call (at least a chunk), then rows x keys within 128 x 256
-    assert torch.equal(got, whole)
-    for a, b in zip(caches, whole_caches, strict=True):
-        for name in ("k", "v", "k_scale", "v_scale"):
-            x, y = getattr(a, name), getattr(b, name)
-            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name

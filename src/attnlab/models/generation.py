@@ -35,8 +35,6 @@ __all__ = [
     "left_pad",
     "PREFILL_CHUNK",
     "PREFILL_FIRST",
-    "PREFILL_MASK_KEYS",
-    "auto_chunk_rows",
     "prefill",
     "decode_step",
     "sample_next",
@@ -126,8 +124,7 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
 
 
 # Queries per prefill call (see :func:`prefill`, chunk="auto"), issue 51. A prompt without padding runs its first
-# PREFILL_FIRST tokens in one call (SDPA's causal path, no mask: the least attention work), then PREFILL_CHUNK a call
-# (fewer past PREFILL_MASK_KEYS keys);
+# PREFILL_FIRST tokens in one call (SDPA's causal path, no mask: the least attention work), then PREFILL_CHUNK a call;
 # a padded one runs PREFILL_CHUNK a call from the start, its masks B x 512 x T x 6 bytes (bool keep, bool opened,
 # float32 bias), 96 MB at T = 8192 for each row, where one call would take 16x that.
 # Why chunks: one call over T tokens holds about ten (T, n_embd) float32 activations at once (the residual, its norm,
@@ -162,17 +159,9 @@ def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
 # masked calls, not their number, cost it. Peak RSS at 7000 tokens went from 806 to 673 MB with it.
 PREFILL_CHUNK = 512
 PREFILL_FIRST = 2048
-# Past PREFILL_CHUNK x PREFILL_MASK_KEYS mask entries an "auto" chunk takes fewer rows (a multiple of 64, at least 64):
-# its float32 mask (rows x keys) and its activations are a prefill's work memory at its peak, the last chunk, where
-# the cache is fullest. SmolLM2 at 8184 tokens: its last chunks 256 rows, the mask 8.4 MB instead of 16.5 (issue 51).
-# The masked area over the prompt is about the same; each extra call reads the cache back once more.
-PREFILL_MASK_KEYS = 4096
-
-
-def auto_chunk_rows(filled: int) -> int:
-    """Rows of the next ``chunk="auto"`` prefill call after ``filled`` cache slots (see :data:`PREFILL_MASK_KEYS`)."""
-    fit = PREFILL_CHUNK * PREFILL_MASK_KEYS // (filled + PREFILL_CHUNK)
-    return max(64, min(PREFILL_CHUNK, fit // 64 * 64))
+# Not fewer rows as the keys grow: chunks of 448 down to 256 rows past 4096 keys (the mask and activations halved at
+# the end: peak RSS at 8184 + 8 with the int8 cache 481 MB instead of 509) gave SmolLM2's logits up to 0.55 away from
+# those of 512-row chunks at 8184 tokens with the int8 cache (equal at 4200 tokens), so they were left out (issue 51).
 
 
 def prefill(
@@ -190,8 +179,7 @@ def prefill(
 
     The caches are filled in append mode (:mod:`attnlab.core.kv_cache`), ``chunk`` queries a call (None: the
     whole prompt in one call; ``"auto"``: without padding the first :data:`PREFILL_FIRST` tokens in one call, then
-    :func:`auto_chunk_rows` a call, :data:`PREFILL_CHUNK` or fewer past :data:`PREFILL_MASK_KEYS` keys; with padding
-    the same from the start). Each call attends over the slots
+    :data:`PREFILL_CHUNK` a call; with padding :data:`PREFILL_CHUNK` a call). Each call attends over the slots
     filled so far, never over the empty rest of the ``S``-slot buffers, so no mask of ``T x S`` is built. A
     prompt in one call without padding runs SDPA's causal path with no mask tensor at all; a later chunk needs its causal mask ``(chunk, filled)``, and padding a mask
     ``(B, 1, chunk, filled)``, which chunks keep small. On a CPU the chunks give the logits and cache of one call
@@ -217,12 +205,11 @@ def prefill(
         cast(KVCache | MLACache, cache).reset()  # append mode writes from slot 0
     padded = bool(key_padding_mask[:, :T].any())  # one read per prompt; none means no mask at all
     if chunk == "auto":
-        ends = [min(T, PREFILL_CHUNK if padded else max(PREFILL_CHUNK, PREFILL_FIRST))]  # where each call's tokens end
-        while ends[-1] < T:
-            ends.append(min(T, ends[-1] + auto_chunk_rows(ends[-1])))
+        chunk, first = PREFILL_CHUNK, (PREFILL_CHUNK if padded else max(PREFILL_CHUNK, PREFILL_FIRST))
     else:
-        step = T if chunk is None else chunk
-        ends = [*range(min(T, step), T, step), T]
+        first = T if chunk is None else chunk
+    step = T if chunk is None else chunk
+    ends = [*range(min(T, first), T, step), T]  # where each call's tokens end
     for start, end in zip([0, *ends[:-1]], ends, strict=True):
         logits = model(
             idx[:, start:end],
