@@ -8,7 +8,19 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import KVCache, MultiHeadAttention
-from attnlab.core.kv_cache import INT8_BLOCK, RollingKVCache, dequantize_int8, quantize_int8
+from attnlab.core.kv_cache import (
+    CPU_FUSED_FLOAT16_MAX_BYTES,
+    CPU_FUSED_KV_DTYPE,
+    CPU_FUSED_LONG_KV_DTYPE,
+    INT8_BLOCK,
+    RollingKVCache,
+    dequantize_int8,
+    kv_cache_bytes,
+    kv_cache_choice,
+    kv_values_per_position,
+    quantize_int8,
+    resolve_kv_dtype,
+)
 from attnlab.quant.kernels import decode_attention, kernel_status
 
 KERNELS = kernel_status().available
@@ -81,6 +93,50 @@ def test_bytes_per_token_follow_the_storage():
     sizes = {d: KVCache(1, 4, 3, 64, dtype=d).bytes_per_token for d in ("float32", "float16", "bfloat16", "int8")}
     # K and V, 3 heads of 64: 4, 2 and 2 bytes a value; int8 one byte plus a float32 scale per 32 values
     assert sizes == {"float32": 1536, "float16": 768, "bfloat16": 768, "int8": 2 * 3 * (64 + 2 * 4)}
+
+
+def test_the_bytes_auto_weighs_are_a_cache_s_own():
+    for d in ("float32", "float16", "bfloat16", "int8"):
+        assert kv_cache_bytes(d, 2 * 3 * 64) == KVCache(1, 4, 3, 64, dtype=d).bytes_per_token, d
+
+
+def test_a_decoder_s_values_per_position_are_its_cache_s():
+    from attnlab.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=4, n_kv_head=2))
+    per = kv_values_per_position(model)
+    assert per == 3 * 2 * 2 * 8  # layers x (K, V) x KV heads x head dim
+    assert sum(c.bytes_per_token for c in model.setup_caches(1, 2, "float16")) == kv_cache_bytes("float16", per)
+
+
+def test_auto_stores_float16_up_to_its_bytes_and_int8_past_them_on_a_fused_cpu():
+    per = 11_520  # SmolLM2: 30 layers x (K, V) x 3 KV heads x 64
+    longest = CPU_FUSED_FLOAT16_MAX_BYTES // kv_cache_bytes("float16", per)  # the most positions float16 keeps
+    cpu = torch.device("cpu")
+    short, why = resolve_kv_dtype("auto", cpu, True, slots=longest, per_slot=per)
+    assert (short, why) == (
+        CPU_FUSED_KV_DTYPE,
+        "--kv-dtype auto on a CPU with the fused decode step (fewer bytes read per step)",
+    )
+    assert resolve_kv_dtype("auto", cpu, True)[0] == CPU_FUSED_KV_DTYPE  # the context not known: the short case
+    long, why = resolve_kv_dtype("auto", cpu, True, slots=longest + 1, per_slot=per)
+    assert long == CPU_FUSED_LONG_KV_DTYPE == "int8"
+    half, packed = (kv_cache_bytes(d, (longest + 1) * per) / 1e6 for d in ("float16", "int8"))
+    assert why.startswith(
+        f"--kv-dtype auto on a CPU with the fused decode step, {longest + 1} positions: {packed:.0f} MB against "
+        f"{half:.0f} MB in float16, over {CPU_FUSED_FLOAT16_MAX_BYTES / 1e6:.0f} MB; greedy agreement with float32"
+    ), why
+    storage, words = kv_cache_choice("auto", cpu, True, "kv_dtype", slots=8192, per_slot=per)
+    assert storage == "int8" and words.startswith(
+        "KV cache int8 (kv_dtype auto on a CPU with the fused decode step, 8192"
+    )
+    # without the fused step, or off the CPU, auto is the compute dtype at any length; a dtype asked for is kept
+    assert resolve_kv_dtype("auto", cpu, False, slots=8192, per_slot=per)[0] is None
+    assert resolve_kv_dtype("auto", torch.device("cuda"), True, slots=8192, per_slot=per)[0] is None
+    assert resolve_kv_dtype("float16", cpu, True, slots=8192, per_slot=per) == (
+        "float16",
+        "--kv-dtype float16 asked for it",
+    )
 
 
 def test_a_storage_that_is_not_one_is_refused():

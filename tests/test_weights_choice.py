@@ -16,7 +16,7 @@ import torch
 
 import attnlab
 from attnlab.cli import main
-from attnlab.core.kv_cache import CPU_FUSED_KV_DTYPE, resolve_kv_dtype
+from attnlab.core.kv_cache import CPU_FUSED_KV_DTYPE, kv_cache_choice, kv_values_per_position, resolve_kv_dtype
 from attnlab.runtime import UsageError
 from attnlab.tools import generate_cli
 from attnlab.weight_files import precision, pretrained
@@ -230,6 +230,19 @@ def test_generate_chat_runs_the_blocks_as_stored_by_default_and_says_why(served,
     assert re.match(r"attnlab: weights gguf \((Q\d_\d)( and Q\d_\d)* blocks as stored, ", line), line
     assert "generate's default for a GGUF file on a CPU: the model the file holds, as llama.cpp runs it" in line
     assert f"KV cache {CPU_FUSED_KV_DTYPE} (--kv-dtype auto on a CPU with the fused decode step" in line
+
+
+def test_generate_stores_a_long_prompt_s_cache_in_int8_and_says_why(served, capsys, gguf_smollm2):
+    model, tok = gguf_smollm2
+    prompt = "The cat sat on the mat. " * 240
+    n_ids = len(tok(prompt)["input_ids"])
+    storage, words = kv_cache_choice(
+        "auto", CPU, model.has_fused_decode, slots=n_ids + 1, per_slot=kv_values_per_position(model)
+    )
+    assert storage == "int8"  # a float16 cache of these positions would pass CPU_FUSED_FLOAT16_MAX_BYTES
+    assert main(["generate", "--model", "smollm2", "--prompt", prompt, "--max-new-tokens", "1", "--greedy"]) == 0
+    line = _weights_line(capsys.readouterr().err)
+    assert f", {words}): " in line and f"{n_ids + 1} positions" in words, line
 
 
 def test_generate_dtype_flag_loads_what_it_names(served, capsys):

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from ..core.kv_cache import resolve_kv_dtype
+from ..core.kv_cache import kv_values_per_position, resolve_kv_dtype
 from ..models.generation import generate
 from ..models.gpt import GPTConfig, TinyGPT
 from ..runtime import (
@@ -170,8 +170,8 @@ def bench_decode(
             decode_mla.json and decode_mla.md. Takes --mla-config.*, --repeats, --threads, --device, --dtype,
             --out-dir and --seed.
         mla_config: with --mla, the models and cache lengths.
-        kv_dtype: with --model, what the gguf runner's KV cache stores: auto (float16 on a CPU with the fused
-            decode step), float32, float16, bfloat16 or int8 (see attnlab generate --kv-dtype).
+        kv_dtype: with --model, what the gguf runner's KV cache stores: auto (as attnlab generate: on a CPU
+            with the fused decode step float16, int8 where the largest batch's cache would pass 32 MB), float32, float16, bfloat16 or int8 (see attnlab generate --kv-dtype).
     """
     try:
         resolve_kv_dtype(kv_dtype, torch.device("cpu"), fused=False)  # the name, checked before anything runs
@@ -620,7 +620,13 @@ def bench_decode_model(
     extra: dict[str, Any] = {}
     if gguf_path is not None:
         extra["gguf_model"], _ = from_pretrained(gguf_path, dtype="gguf", device=device)
-        storage, kv_why = resolve_kv_dtype(kv_dtype, device, extra["gguf_model"].has_fused_decode)
+        storage, kv_why = resolve_kv_dtype(  # as generate chooses for its largest run: every row's prompt and tokens
+            kv_dtype,
+            device,
+            extra["gguf_model"].has_fused_decode,
+            slots=max(batch_sizes) * (prompt_len + max_new_tokens),
+            per_slot=kv_values_per_position(extra["gguf_model"]),
+        )
         extra["gguf_kv_dtype"] = storage
         print(wrap(f"gguf runner: KV cache {storage or 'in the compute dtype'} ({kv_why})", width), flush=True)
         missing = _llama_cpp_available()

@@ -3,8 +3,9 @@ length, attnlab (the GGUF as stored) against llama.cpp on the same file with its
 
 Each runner is a process of its own (:mod:`attnlab.bench.lengths_worker`), kept for the whole run and sent the
 same prompt ids; runners take turns inside each repeat (the order rotating), so that a change of load hits every
-runner alike. attnlab runs what ``attnlab generate`` runs: its KV cache as ``--kv-dtype`` chooses (auto: float16 on
-a CPU with the fused decode step), named in the header. Each repeat is one run of ``--max-new-tokens`` tokens
+runner alike. attnlab runs what ``attnlab generate`` runs: its KV cache as ``--kv-dtype`` chooses for each length's
+prompt and new tokens (auto: on a CPU with the fused decode step float16, int8 where float16 would pass 32 MB), named
+in the header and in each row of the JSON. Each repeat is one run of ``--max-new-tokens`` tokens
 whose every token is timed as the runner's iterator yields it (attnlab's ``generate_steps``, llama.cpp's
 ``generate``). Per length and runner, medians over the repeats:
 
@@ -40,7 +41,7 @@ from typing import IO, Any, Protocol
 
 import torch
 
-from ..core.kv_cache import resolve_kv_dtype
+from ..core.kv_cache import kv_values_per_position, resolve_kv_dtype
 from ..runtime import UsageError, atomic_write_text, check_range, check_writable_dir, cpu_info
 from .table import terminal_width, wrap
 from .timing import copy_bandwidth
@@ -143,16 +144,20 @@ class Asks(Protocol):
 
 
 def run_repeats(
-    workers: Mapping[str, Asks], ids: list[int] | list[list[int]], new_tokens: int, repeats: int
+    workers: Mapping[str, Asks],
+    ids: list[int] | list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    extra: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """``repeats`` timed runs of ``new_tokens`` tokens after ``ids`` (a prompt, or rows of prompts for a batch) for
     every runner, the runners taking turns (their order rotated each repeat); ``{runner: [each run's answer:
-    first_s, last_s, tokens]}``."""
+    first_s, last_s, tokens]}``. ``extra``: more fields of a runner's command (attnlab's ``kv``)."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
     order = list(workers)
     for r in range(repeats):
         for name in order[r % len(order) :] + order[: r % len(order)]:
-            runs[name].append(workers[name].ask(cmd="generate", ids=ids, n=new_tokens))
+            runs[name].append(workers[name].ask(cmd="generate", ids=ids, n=new_tokens, **(extra or {}).get(name, {})))
     return runs
 
 
@@ -234,22 +239,38 @@ def bench_decode_lengths(
             f"--prompt-lengths up to {max(lengths)} + --max-new-tokens {max_new_tokens} exceeds the model's "
             f"{block} positions; pass lengths of at most {block - max_new_tokens}."
         )
-    try:
-        storage, kv_why = resolve_kv_dtype(kv_dtype, torch.device("cpu"), bool(meta.has_fused_decode))
+    per_value = kv_values_per_position(meta)  # K/V values one token caches
+    try:  # per length, as generate chooses for that prompt and its new tokens (every row's)
+        chosen = {
+            n: resolve_kv_dtype(
+                kv_dtype,
+                torch.device("cpu"),
+                bool(meta.has_fused_decode),
+                slots=batch * (n + max_new_tokens),
+                per_slot=per_value,
+            )
+            for n in lengths
+        }
     except ValueError as err:
         raise UsageError(str(err)) from None
     weight_bytes = {"attnlab": meta.weight_bytes(), "llama": sum(int(t.n_bytes) for t in open_gguf(path).tensors)}
-    per_value = meta.kv_cache_bytes_per_token // meta._kv_dtype().itemsize  # K/V values one token caches
-    attnlab_kv = sum(c.bytes_per_token for c in meta.setup_caches(1, 1, storage))  # at its storage, int8 scales too
-    kv_token = {"attnlab": attnlab_kv, "llama": per_value * _LLAMA_KV_BYTES}
-    kv_name = storage or str(meta._kv_dtype()).removeprefix("torch.")
+    kv_token = {  # bytes a token caches: attnlab's at each length's storage (int8 scales too), llama.cpp's float16
+        n: {
+            "attnlab": sum(c.bytes_per_token for c in meta.setup_caches(1, 1, storage)),
+            "llama": per_value * _LLAMA_KV_BYTES,
+        }
+        for n, (storage, _) in chosen.items()
+    }
+    compute = str(meta._kv_dtype()).removeprefix("torch.")
+    kv_names = {n: storage or compute for n, (storage, _) in chosen.items()}
+    whys = list(dict.fromkeys(f"{kv_names[n]} ({why})" for n, (_, why) in chosen.items()))
     vocab = int(meta.config.vocab_size)
     del meta
     width = terminal_width()
     thread_arg = "auto" if threads is None else str(threads)
     n_ctx = max(lengths) + max_new_tokens + 8
     print(
-        wrap(f"KV cache: attnlab {kv_name} ({kv_why}), llama.cpp float16 (its default)", width),
+        wrap(f"KV cache: attnlab {'; '.join(whys)}, llama.cpp float16 (its default)", width),
         flush=True,
     )
     workers: dict[str, Worker] = {}
@@ -257,7 +278,7 @@ def bench_decode_lengths(
     for name in RUNNERS:
         python = sys.executable if name == "attnlab" else (llama_python or sys.executable)
         print(f"starting {_LABEL[name]} ...", flush=True)
-        w = Worker(name, python, path, thread_arg, n_ctx, storage if name == "attnlab" else None, batch)
+        w = Worker(name, python, path, thread_arg, n_ctx, None, batch)
         if w.error is None:
             workers[name] = w
         else:
@@ -276,15 +297,15 @@ def bench_decode_lengths(
             bandwidth = copy_bandwidth(torch.device("cpu"))
             for w in workers.values():
                 w.ask(cmd="reset_peak")
-            runs = run_repeats(workers, ids, max_new_tokens, repeats)
-            row: dict[str, Any] = {"length": length, "copy_GB_per_s": bandwidth / 1e9}
+            runs = run_repeats(workers, ids, max_new_tokens, repeats, {"attnlab": {"kv": chosen[length][0]}})
+            row: dict[str, Any] = {"length": length, "copy_GB_per_s": bandwidth / 1e9, "kv_dtype": kv_names[length]}
             mean_ctx = length + max_new_tokens / 2
             ref = runs["attnlab"][-1]["tokens"]
             for name, w in workers.items():
                 figures = summarize_runs(runs[name], batch)
                 rate = figures["decode_tokens_per_s"]  # all rows: batch tokens a step
                 kind = "attnlab" if name == "attnlab" else "llama"
-                step_bytes = weight_bytes[kind] + batch * mean_ctx * kv_token[kind]
+                step_bytes = weight_bytes[kind] + batch * mean_ctx * kv_token[length][kind]
                 ttft = figures["ttft_s"]
                 row[name] = {
                     "ttft_s": ttft,
@@ -310,7 +331,12 @@ def bench_decode_lengths(
         "batch": batch,
         "repeats": repeats,
         "threads": thread_arg,
-        "kv_dtype": {"attnlab": kv_name, "asked": kv_dtype, "why": kv_why, "llama.cpp": "float16"},
+        "kv_dtype": {
+            "attnlab": "/".join(dict.fromkeys(kv_names.values())),
+            "asked": kv_dtype,
+            "why": "; ".join(whys),
+            "llama.cpp": "float16",
+        },
         "torch": torch.__version__,
         "cpu": cpu_info(),
         "load_average": os.getloadavg(),

@@ -13,7 +13,8 @@ a line on stdin and answers one JSON line on stdout:
   a list of BATCH rows of ids), in one run whose every step is timed as it comes out of the runner's iterator
   (:func:`timed_tokens`); ``{"first_s": s, "last_s": s, "tokens": [...]}``: seconds from the call to the first
   token (the prefill and its sampling) and to the last, and the tokens produced, one per step (with BATCH > 1,
-  one list of BATCH tokens per step; fewer than N steps where the runner stopped early);
+  one list of BATCH tokens per step; fewer than N steps where the runner stopped early); attnlab's may add
+  ``"kv": "int8"`` (or null: the compute dtype), the cache of that run in place of KV_DTYPE;
 * ``{"cmd": "reset_peak"}``: the peak resident set restarts from the current one (``/proc/self/clear_refs``);
 * ``{"cmd": "peak"}``: ``{"rss": bytes, "rss_peak": bytes}``.
 
@@ -239,7 +240,7 @@ def _attnlab(path: str, threads: str, kv_dtype: str | None, batched: bool = Fals
     model, _ = from_pretrained(path, dtype="gguf")
     release_freed_heap()
 
-    def run(ids: list[int] | list[list[int]], n: int) -> Iterator[Any]:
+    def run(ids: list[int] | list[list[int]], n: int, kv: str | None = kv_dtype) -> Iterator[Any]:
         rows = ids if batched else [ids]
         steps = generate_steps(
             model,
@@ -247,7 +248,7 @@ def _attnlab(path: str, threads: str, kv_dtype: str | None, batched: bool = Fals
             n,
             temperature=0,
             threads=chosen if chosen == "auto" else None,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv,
         )
         return (step.tokens.tolist() if batched else int(step.tokens[0]) for step in steps)
 
@@ -259,7 +260,8 @@ def serve(run: Runner, lines: Iterable[str], out: IO[str], clock: Callable[[], f
     for line in lines:
         cmd = json.loads(line)
         if cmd["cmd"] == "generate":
-            answer = timed_tokens(partial(run, cmd["ids"], cmd["n"]), cmd["n"], clock)
+            more = {"kv": cmd["kv"]} if "kv" in cmd else {}  # attnlab's alone
+            answer = timed_tokens(partial(run, cmd["ids"], cmd["n"], **more), cmd["n"], clock)
         elif cmd["cmd"] == "reset_peak":
             answer = {"ok": reset_peak_rss()}
         else:

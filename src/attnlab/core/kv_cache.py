@@ -502,28 +502,67 @@ def decoder_positions(
 # 22.2, 23.6. float16 is the fastest (int8's widening and scaling cost more than its bytes save here) and the
 # closest to float32 (scripts/kv_cache_agreement.py); int8 holds the fewest bytes, for memory.
 CPU_FUSED_KV_DTYPE: KVDtype = "float16"
+# ... up to this many bytes of float16 cache; a call whose cache would hold more stores int8 (issue 51: peak RSS).
+# SmolLM2 caches 23,040 bytes a position in float16, 12,960 in int8: over 32 MB from 1389 positions, 189 MB against
+# 106 MB at its 8192. The int8 cache's cost (docs/howto/real-models.md, "The 8-bit KV cache against the float32
+# cache"): teacher-forced over 20 chat prompts it takes the float32 cache's greedy token at 97.1% of the positions,
+# where the float32 cache itself, summed in another order (2 threads instead of 1), takes it at 97.7%.
+CPU_FUSED_FLOAT16_MAX_BYTES = 32_000_000
+CPU_FUSED_LONG_KV_DTYPE: KVDtype = "int8"
 
 
-def resolve_kv_dtype(asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype") -> tuple[str | None, str]:
+def kv_cache_bytes(dtype: str, values: int) -> int:
+    """Bytes a cache of ``values`` K/V values takes stored as ``dtype`` (a name of :data:`KV_DTYPES`), int8's
+    float32 scales (one per :data:`INT8_BLOCK` values) counted."""
+    if dtype == "int8":
+        return values + 4 * (values // INT8_BLOCK)
+    return values * KV_DTYPES[dtype].itemsize
+
+
+def resolve_kv_dtype(
+    asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype", *, slots: int = 0, per_slot: int = 0
+) -> tuple[str | None, str]:
     """``(storage, why)`` for a command's ``--kv-dtype``: a name of :data:`KV_DTYPES`, or None for the compute dtype.
 
     ``auto``: on a CPU whose decode step is the fused C++ one (``fused``, it reads compact rows in their own bytes)
-    :data:`CPU_FUSED_KV_DTYPE`; elsewhere the dtype K/V are computed in, exact (a PyTorch path would only add a
-    dequantizing copy per step). Raises ``ValueError`` naming ``flag`` for anything else.
+    :data:`CPU_FUSED_KV_DTYPE`, or :data:`CPU_FUSED_LONG_KV_DTYPE` where the call's cache would take more than
+    :data:`CPU_FUSED_FLOAT16_MAX_BYTES` in float16: ``slots`` the positions it will reach (prompt and new tokens,
+    over all its rows), ``per_slot`` the K/V values one position caches over all layers (0 when not known: the
+    short case). Elsewhere the dtype K/V are computed in, exact (a PyTorch path would only add a dequantizing copy
+    per step). Raises ``ValueError`` naming ``flag`` for anything else.
     """
     name = asked.strip().lower()
     if name == "auto":
         if fused and device.type == "cpu":
-            return CPU_FUSED_KV_DTYPE, f"{flag} auto on a CPU with the fused decode step (fewer bytes read per step)"
+            where = f"{flag} auto on a CPU with the fused decode step"
+            half = kv_cache_bytes("float16", slots * per_slot)
+            if half <= CPU_FUSED_FLOAT16_MAX_BYTES:
+                return CPU_FUSED_KV_DTYPE, f"{where} (fewer bytes read per step)"
+            long = CPU_FUSED_LONG_KV_DTYPE
+            return long, (
+                f"{where}, {slots} positions: {kv_cache_bytes(long, slots * per_slot) / 1e6:.0f} MB against "
+                f"{half / 1e6:.0f} MB in float16, over {CPU_FUSED_FLOAT16_MAX_BYTES / 1e6:.0f} MB; greedy agreement with "
+                f"float32, teacher-forced: 97.1%, against 97.7% for float32 summed in another order"
+            )
         return None, f"{flag} auto: the compute dtype, exact (no compact-cache kernel on this path)"
     if name not in KV_DTYPES:
         raise ValueError(f"{flag} {asked!r} is not a KV-cache dtype; use auto, {', '.join(KV_DTYPES)}.")
     return name, f"{flag} {name} asked for it"
 
 
-def kv_cache_choice(asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype") -> tuple[str | None, str]:
+def kv_cache_choice(
+    asked: str, device: torch.device, fused: bool, flag: str = "--kv-dtype", *, slots: int = 0, per_slot: int = 0
+) -> tuple[str | None, str]:
     """``(storage, words)``: :func:`resolve_kv_dtype`, and what the weights line adds for it (``"KV cache float16
-    (why)"``; none for a cache in the compute dtype: the exact cache says nothing). ``attnlab generate`` and
-    ``attnlab.stream`` both choose here, so that they run the same cache and print the same line."""
-    storage, why = resolve_kv_dtype(asked, device, fused, flag)
+    (why)"``; none for a cache in the compute dtype: the exact cache says nothing). ``attnlab generate`` (its
+    chat too) and ``attnlab.stream`` both choose here, so that they run the same cache and print the same line."""
+    storage, why = resolve_kv_dtype(asked, device, fused, flag, slots=slots, per_slot=per_slot)
     return storage, f"KV cache {storage} ({why})" if storage else ""
+
+
+def kv_values_per_position(model: nn.Module) -> int:
+    """The K/V values one position of ``model``'s cache holds over all its layers (a decoder's
+    ``kv_cache_bytes_per_token`` over its compute dtype's size; 0 for a model that says neither)."""
+    per_token = int(getattr(model, "kv_cache_bytes_per_token", 0))
+    dtype = getattr(model, "_kv_dtype", None)
+    return per_token // dtype().itemsize if per_token and callable(dtype) else 0

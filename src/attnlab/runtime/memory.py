@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -219,10 +221,16 @@ def release_freed_heap() -> bool:
     converted, copied into place): after loading SmolLM2 from its GGUF, ``malloc_trim(0)`` took the resident
     set from 773 to 467 MB (issue 51). Costs a few milliseconds; call it after such a phase, not per step.
     """
+    trim = _malloc_trim()
+    return trim is not None and bool(trim(0))
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, looked up once (a prefill calls it after every layer), or None without glibc."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
-        return False
+        return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+    return trim

@@ -30,7 +30,7 @@ from typing import Any, ParamSpec
 
 import torch
 
-from ..core.kv_cache import kv_cache_choice
+from ..core.kv_cache import kv_cache_choice, kv_values_per_position
 from ..models.generation import Step, check_count, check_temperature, generate_steps, readable_int
 from ..runtime import (
     INTERRUPTS,
@@ -244,11 +244,18 @@ class _Ask:
             kv_dtype=self.kv_storage,
         )
 
-    def with_kv_cache(self, lm: Any) -> tuple[_Ask, str]:
-        """These flags with ``--kv-dtype`` resolved for ``lm`` on this device, and the words the weights line adds
-        (none for a cache in the compute dtype: the exact cache says nothing, as before the flag)."""
+    def with_kv_cache(self, lm: Any, positions: int = 0) -> tuple[_Ask, str]:
+        """These flags with ``--kv-dtype`` resolved for ``lm`` on this device and the ``positions`` its caches will
+        reach (see :func:`_reach`), and the words the weights line adds (none for a cache in the compute dtype: the
+        exact cache says nothing, as before the flag)."""
         try:
-            storage, words = kv_cache_choice(self.kv_dtype, self.device, bool(getattr(lm, "has_fused_decode", False)))
+            storage, words = kv_cache_choice(
+                self.kv_dtype,
+                self.device,
+                bool(getattr(lm, "has_fused_decode", False)),
+                slots=positions,
+                per_slot=kv_values_per_position(lm),
+            )
         except ValueError as err:
             raise UsageError(str(err)) from None
         return replace(self, kv_storage=storage), words
@@ -290,7 +297,7 @@ def run_generate(
         dtype: the weights: auto, gguf, float32, bfloat16 or float16. auto: a GGUF file (smollm2) on a CPU runs its blocks as stored (gguf: the model the file holds, as llama.cpp runs it, 5.6x fewer bytes per token than float32; float32 where attnlab's quantized kernels could not be built); other models float32 on a CPU (bfloat16 is no faster there), bfloat16 on CUDA. One line on stderr says which ran and why; float32 is the exact float model.
         compile: compile the decode step with torch.compile(fullgraph=True): off by default, because a chat-length answer does not repay the compilation (SmolLM2 float32, 100 tokens on a 2-core CPU: 8.1 s eager, 97 s compiled of which 92 s compiling; then 15.3 against 9.8 tokens/s). With --chat, compiled once per cache size (a power of two >= 64) and reused by later turns. gguf weights are already fused and run as they are.
         threads: CPU threads: a count, or auto. The count sizes torch's thread pool, which runs the prefill's matmuls and attention, torch's ops and attnlab's quantized kernels (the fused gguf decode step splits each matmul's rows and the attention heads over that many threads, with a barrier after each); the prefill runs at it. auto: torch's count for the prefill (the machine's cores) and, on a CPU, the decode at the fastest of that count, one fewer and one, timed on the first steps and checked again now and then: beside other work that keeps a core busy, 2 threads waiting at each barrier for the descheduled one decoded 7-25x slower than 1 on a 2-core machine. A count applies to the prefill and every step.
-        kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: float16 on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes; measured faster than float32 and int8 there), else the dtype K/V are computed in (exact). The weights line on stderr says which.
+        kv_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or int8 (one byte a value and a float32 scale per 32, as GGML's Q8_0). auto: on a CPU whose decode step is the fused gguf one (it reads the compact cache in its own bytes) float16, measured faster than float32 and int8 there, or int8 where the prompt and its new tokens (a conversation from stdin: the model's context) would take more than 32 MB of float16 cache (SmolLM2: from 1389 positions), for memory; else the dtype K/V are computed in (exact). The weights line on stderr says which.
     """
     _check_flags(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     if greedy and temperature not in (None, 0, 0.0):
@@ -406,7 +413,7 @@ def _load_and_generate(ask: _Ask, checkpoint: Path | None, turns: Turns | None, 
             ask.where, dtype=weights.dtype, device=ask.device
         )  # UsageError naming what is wrong
         release_freed_heap()  # the loading's freed temporaries, ~300 MB resident otherwise (issue 51)
-        ask, kv_words = ask.with_kv_cache(lm)
+        ask, kv_words = ask.with_kv_cache(lm, _reach(lm, loaded, ask))
         detail = ", ".join(part for part in (loaded_weights_detail(lm), kv_words) if part)
         print(weights.line(detail), file=sys.stderr, flush=True)
         if loaded is None and _is_hf_dir(Path(ask.where)):
@@ -548,10 +555,7 @@ def _generate_hf(lm: Any, tok: Any, ask: _Ask, turns: Turns | None, out: Stdout)
             lm, tok, ask, turns or Turns.from_stdin(sys.stdin, _command(model, None, source="--model")), out
         )
     block = lm.config.block_size
-    if ask.chat:
-        ids, what = _chat_ids(tok, [{"role": "user", "content": ask.prompt}]), "--prompt in the chat template"
-    else:
-        ids, what = list(tok(ask.prompt, verbose=False)["input_ids"]), "--prompt"
+    ids, what = _prompt_ids(tok, ask), "--prompt in the chat template" if ask.chat else "--prompt"
     if len(ids) >= block:
         fix = (
             f"shorten it by {_tokens(len(ids) - block + 1)} or more"
@@ -579,6 +583,23 @@ def _generate_hf(lm: Any, tok: Any, ask: _Ask, turns: Turns | None, out: Stdout)
         out.prompt = True
     _stream(lm, tok, ids, n, ask, out)
     return 0
+
+
+def _prompt_ids(tok: Any, ask: _Ask) -> list[int]:
+    """``--prompt`` as ids: in the chat template with ``--chat``, else as it is."""
+    if ask.chat:
+        return _chat_ids(tok, [{"role": "user", "content": ask.prompt}])
+    return list(tok(ask.prompt, verbose=False)["input_ids"])
+
+
+def _reach(lm: Any, tok: Any, ask: _Ask) -> int:
+    """The positions this command's K/V caches will reach, for ``--kv-dtype auto``: the prompt and its new tokens
+    (``--max-new-tokens``, else the default), within the model's block_size; for a conversation read from stdin
+    (one cache kind for all its turns) the block_size, which its history grows toward."""
+    block = int(lm.config.block_size)
+    if not ask.prompt or not _is_hf_tokenizer(tok) or (ask.chat and not getattr(tok, "chat_template", None)):
+        return block  # a conversation, or a prompt in a checkpoint's alphabet (no compact cache there)
+    return min(block, len(_prompt_ids(tok, ask)) + (ask.max_new_tokens or DEFAULT_NEW_TOKENS))
 
 
 def _chat_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:

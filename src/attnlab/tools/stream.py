@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.kv_cache import kv_cache_choice
+from ..core.kv_cache import kv_cache_choice, kv_values_per_position
 from ..models.generation import Step, generate_steps
 from ..runtime import LimitError, UsageError
 from ..weight_files.precision import WeightChoice, loaded_weights_detail, weights_name
@@ -202,7 +202,8 @@ def stream(
             stored on a CPU).
         device: as :func:`attnlab.from_pretrained` takes it.
         kv_dtype: what the KV cache stores, as ``attnlab generate --kv-dtype`` takes it (``"auto"``: generate's
-            default, float16 on a CPU with the fused gguf decode step, else the compute dtype; ``"float32"``,
+            default, on a CPU with the fused gguf decode step float16, or int8 where the prompt and its new tokens
+            would take more than 32 MB of float16 cache, else the compute dtype; ``"float32"``,
             ``"float16"``, ``"bfloat16"``, ``"int8"``); the weights line names a compact cache.
 
     Returns:
@@ -264,7 +265,14 @@ def stream(
     )
     dev = next(lm.parameters()).device
     try:
-        kv_storage, kv_words = kv_cache_choice(kv_dtype, dev, bool(getattr(lm, "has_fused_decode", False)), "kv_dtype")
+        kv_storage, kv_words = kv_cache_choice(
+            kv_dtype,
+            dev,
+            bool(getattr(lm, "has_fused_decode", False)),
+            "kv_dtype",
+            slots=len(ids) + n,
+            per_slot=kv_values_per_position(lm),
+        )
     except ValueError as err:
         raise UsageError(str(err)) from None
     steps = generate_steps(
