@@ -124,7 +124,21 @@ def _recipes_of(m: Mistake, a: AttentionAdapter) -> list[Recipe]:
     """The forms ``m`` takes in the code people write: its recipe for this target, then the catalogue's
     other forms (``Mistake.also``)."""
     recipe = _recipe_of(m, a)
-    return [] if recipe is None else [recipe, *m.also]
+    if recipe is None:
+        return []
+    added = _handed_values(a) if recipe.mask_stage == "after" else None
+    return [recipe, *m.also, *([replace(recipe, mask_added_after=added)] if added is not None else [])]
+
+
+def _handed_values(a: AttentionAdapter) -> tuple[float, float] | None:
+    """The numbers a kept and a blocked pair carry in the mask as the module is handed it (a bool or 0/1 mask of
+    its polarity, an additive one); None for valid lengths or a module without a probed mask form."""
+    masks = getattr(a, "masks", None)
+    if masks is None or masks.use == "lens":
+        return None
+    if masks.use == "float":
+        return 0.0, float("-inf") if masks.fill == "-inf" else torch.finfo(a.projections().q_weight.dtype).min
+    return (1.0, 0.0) if masks.polarity == "keep" else (0.0, 1.0)
 
 
 # -- probes ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import math
 import re
 import sysconfig
 import traceback
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -188,9 +189,14 @@ class Context:
         H = a.num_heads if num_heads is None else num_heads
         G = a.num_kv_heads if num_kv_heads is None else num_kv_heads
         D = a.embed_dim // a.num_heads if head_dim is None else head_dim
-        with torch.random.fork_rng(devices=[]):  # the new weights: the same for the same seed and name
-            torch.manual_seed(self.generator(name).initial_seed())
-            built: AttentionAdapter = resize(H * D, H, G)
+        # the same rebuild for the same sizes and seed: the diagnosis reruns a row that rebuilds it
+        rebuilt = _REBUILT.setdefault(a, {})
+        key = (H, G, D, self.generator(name).initial_seed())
+        if key not in rebuilt:
+            with torch.random.fork_rng(devices=[]):  # the new weights: the same for the same seed and name
+                torch.manual_seed(key[-1])
+                rebuilt[key] = resize(H * D, H, G)
+        built = rebuilt[key]
         built.set_training(False)
         return built
 
@@ -224,6 +230,12 @@ class Context:
             scale=a.scale,
             **masks,
         )
+
+
+# Each adapter's rebuilds at other sizes (Context.resized), kept while the adapter lives.
+_REBUILT: weakref.WeakKeyDictionary[AttentionAdapter, dict[tuple[int, int, int, int], AttentionAdapter]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _rel(got: Tensor, want: Tensor) -> float:

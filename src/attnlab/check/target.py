@@ -537,7 +537,17 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             f"a config object, layer_idx, block_size and bias); "
             f"give them defaults, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
         )
-    return _kv_heads_set(obj, kwargs, E0, H0, cast(int | None, wanted.get("num_kv_heads")))
+    kwargs = _kv_heads_set(obj, kwargs, E0, H0, cast(int | None, wanted.get("num_kv_heads")))
+    if (
+        wanted.get("num_kv_heads") is None
+        and G0 != H0
+        and _takes(obj, "num_kv_heads")
+        and not _runs(obj, kwargs, E0, H0)
+    ):
+        # H/2 K/V heads were our choice, not asked for: a module that runs only with as many as heads is built so
+        whole = _constructor_kwargs(spec, obj, {**wanted, "num_kv_heads": H0})
+        return whole if _runs(obj, whole, E0, H0) else kwargs
+    return kwargs
 
 
 def _kv_heads_set(obj: Callable, kwargs: dict[str, object], E: int, H: int, G: int | None) -> dict[str, object]:
