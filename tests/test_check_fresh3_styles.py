@@ -347,19 +347,9 @@ def test_the_loop_reference_reads_each_layout_it_claims() -> None:
 # ----------------------------------------------------------------------------- check
 
 
-# What check does not yet get right here (measured 7 December 2026), by cause; strict expected failures
-NOT_YET: dict[str, str] = {
-    "bart_mask_after_softmax": "an additive (0 / -inf) mask added to the probabilities after the softmax gives "
-    "non-finite outputs under every float form, so the mask probe hands a bool mask (its first form that runs "
-    "finite), and the catalogue's mask_after_softmax (blocked weights zeroed after softmax) fits neither: the "
-    "departure is named first (stage: masked differs by inf)",
-    "stablelm_padding_on_queries": "a 2D padding mask broadcast over the query axis inside the module (padded "
-    "queries blanked, every key kept): read as a (B, T_k) key mask, it seems to change nothing for real queries "
-    "and mask_ignored is named first (padding-mask conventions: the other helper's cause)",
-    "olmo2_k_uses_q_proj": "check builds the config with num_key_value_heads = H/2 to expose K/V-head bugs; keys "
-    "made by q_proj (H heads wide) then cannot go through k_norm (G heads wide): every row raises, and the crash "
-    "is named first (at the module's own G = H the mistake shows as such)",
-}
+# What check does not yet get right here, by cause; strict expected failures (none since the three fresh3 misses
+# were fixed by cause: BART's mask added after softmax, StableLM's padding over queries, OLMo-2's K from q_proj)
+NOT_YET: dict[str, str] = {}
 
 
 QUICK = {"mpt_correct", "stablelm_correct", "dinov2_merge_without_transpose"}
