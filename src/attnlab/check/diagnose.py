@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from .adapters import AttentionAdapter, Projections, Unsupported
 from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
-from .recipe import Proj, Recipe, recipe_attention
+from .recipe import Proj, Recipe, stages_of
 from .result import Cause, CheckResult, Report
 from .suite import CHECKS, HALF, SEQ_LEN, Context, placed, their_line
 
@@ -201,10 +201,7 @@ def _own_masks(a: AttentionAdapter, masks: dict) -> dict:
 def _probe_stages(a: AttentionAdapter, probe: _Probe, recipe: Recipe | None = None) -> dict[str, Tensor]:
     """``recipe``'s stages (float64) at the module's sizes on ``probe``'s inputs, under its masks as the module
     applies them."""
-    p, masks, h, g = a.projections(), _own_masks(a, probe.masks), a.num_heads, a.num_kv_heads
-    return recipe_attention(
-        p, probe.q, probe.k, probe.v, num_heads=h, num_kv_heads=g, scale=a.scale, recipe=recipe or Recipe(), **masks
-    )
+    return stages_of(a, probe.q, probe.k, probe.v, recipe=recipe or Recipe(), **_own_masks(a, probe.masks))
 
 
 def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok: bool = False) -> float | None:
@@ -250,10 +247,8 @@ class _Formula(AttentionAdapter):
         return self.target.projections()
 
     def _stage(self, stage: str, query: Tensor, key: Tensor, value: Tensor, **masks: object) -> Tensor:
-        heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "scale": self.scale}
         masks = _own_masks(self, masks)  # as the target, masked causally on every call when it is always causal
-        s = recipe_attention(self.projections(), query, key, value, recipe=self.recipe, **heads, **masks)  # type: ignore[arg-type]
-        return s[stage].to(query.dtype)
+        return stages_of(self, query, key, value, recipe=self.recipe, **masks)[stage].to(query.dtype)
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
         masks = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
@@ -512,7 +507,7 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
             f"query 2 with every key masked: {n} of {out.numel()} outputs NaN/inf",
             ["fully_masked_rows"],
         )
-    s = recipe_attention(a.projections(), x, x, x, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale)
+    s = stages_of(a, x, x, x)
     p = a.projections().to(torch.float64)
     rep = a.num_heads // a.num_kv_heads
     mean_v = s["v_heads"].mean(dim=2, keepdim=True).repeat_interleave(rep, dim=1)  # (B, H, 1, D): every key alike
@@ -648,11 +643,7 @@ _SHOWN = {"q_heads": "q", "k_heads": "k", "v_heads": "v", "scaled": "scores", "m
 
 def _name_by_stage(target: AttentionAdapter, x: Tensor, ops: list) -> None:
     """Match the ops of a self-attention call on ``x`` with the reference's stages (names for messages)."""
-    p = target.projections()
-    stages = recipe_attention(
-        p, x, x, x, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, scale=target.scale
-    )
-    match_stages(ops, stages)
+    match_stages(ops, stages_of(target, x, x, x))
 
 
 def _call_text(op_index: int, ops: list, input_names: list[str]) -> str:

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapters import Projections
+from .adapters import AttentionAdapter, Projections
 
-__all__ = ["Recipe", "STAGES", "mask_period", "recipe_attention"]
+__all__ = ["Recipe", "STAGES", "mask_period", "recipe_attention", "stages_of"]
 
 Source = Literal["query", "key", "value"]
 Proj = Literal["q", "k", "v"]
@@ -334,3 +334,10 @@ def recipe_attention(
     s["merged"] = _merge(s["context"], recipe.merge)  # (B, T_q, H*D)
     s["out"] = F.linear(s["merged"], w.out_weight, w.out_bias) if recipe.out_proj else s["merged"]  # (B, T_q, E)
     return s
+
+
+def stages_of(a: AttentionAdapter, query: Tensor, key: Tensor, value: Tensor, **kw: object) -> dict[str, Tensor]:
+    """:func:`recipe_attention` on adapter ``a``'s weights, heads and scale; ``kw``: ``recipe=`` and the masks."""
+    return recipe_attention(
+        a.projections(), query, key, value, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale, **kw
+    )  # type: ignore[arg-type]

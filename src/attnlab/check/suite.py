@@ -26,7 +26,7 @@ from torch.autograd import gradcheck
 from .adapters import AttentionAdapter, Projections, Unsupported
 from .device import place, resolve_device, resolve_dtype, where
 from .probe import as_adapter
-from .recipe import Recipe, recipe_attention
+from .recipe import Recipe, recipe_attention, stages_of
 from .reference import plain_attention, reference_attention
 from .result import CheckError, CheckResult, Report
 from .variants import VARIANT_CHECKS
@@ -209,17 +209,13 @@ class Context:
 
     def stages(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> dict[str, Tensor]:
         """Every stage of the reference (or of ``recipe``), float64: see :func:`attnlab.check.recipe.recipe_attention`."""
-        masks = self.own_masks(masks)
-        a = self.adapter
-        heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
-        return recipe_attention(a.projections(), query, key, value, recipe=self.recipe or Recipe(), **heads, **masks)
+        return stages_of(self.adapter, query, key, value, recipe=self.recipe or Recipe(), **self.own_masks(masks))
 
     def reference(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> Tensor:
         masks = self.own_masks(masks)
         a = self.adapter
         if self.recipe is not None:
-            heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
-            return recipe_attention(a.projections(), query, key, value, recipe=self.recipe, **heads, **masks)["out"]
+            return stages_of(a, query, key, value, recipe=self.recipe, **masks)["out"]
         return reference_attention(
             a.projections(),
             query,

@@ -254,7 +254,20 @@ def _config_reads(obj: Callable, name: str) -> tuple[list[str], set[str]]:
 
 def _own_source(obj: Callable) -> str:
     """The source of ``obj``, of its base classes, and of the classes and functions of its file that it names
-    (BertAttention builds BertSelfAttention(config)), transitively: where its config's fields are read."""
+    (BertAttention builds BertSelfAttention(config)), transitively: where its config's fields are read. Read once
+    per object (every constructor try and rebuild asks again)."""
+    known = _SOURCES.get(id(obj))
+    if known is not None and known[0] is obj:
+        return known[1]
+    _SOURCES[id(obj)] = (obj, _read_own_source(obj))
+    return _SOURCES[id(obj)][1]
+
+
+# _own_source's answers by id, each beside its object (kept alive, so that its id is not reused)
+_SOURCES: dict[int, tuple[object, str]] = {}
+
+
+def _read_own_source(obj: Callable) -> str:
     home = inspect.getmodule(obj)
     seen: set[int] = set()
     todo: list[object] = [obj]
