@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .capture import Op, capture_until_error
+from .capture import SOFTMAX_OPS, Op, capture_until_error
 
 __all__ = [
     "FUSED_OPS",
@@ -64,7 +64,6 @@ __all__ = [
     "tracked_args",
 ]
 
-SOFTMAX_OPS = ("softmax", "_softmax", "softmax_")
 _PRODUCTS = ("matmul", "bmm", "einsum", "baddbmm", "rmatmul")
 FUSED_OPS = ("scaled_dot_product_attention",)
 MATCH = 1e-6  # float64 probe: a row that is the parameter's matches to ~1e-15; anything else is far off
