@@ -24,6 +24,7 @@ so that a bias bug cannot hide.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -255,19 +256,15 @@ def _config_reads(obj: Callable, name: str) -> tuple[list[str], set[str]]:
 def _own_source(obj: Callable) -> str:
     """The source of ``obj``, of its base classes, and of the classes and functions of its file that it names
     (BertAttention builds BertSelfAttention(config)), transitively: where its config's fields are read. Read once
-    per object (every constructor try and rebuild asks again)."""
-    known = _SOURCES.get(id(obj))
-    if known is not None and known[0] is obj:
-        return known[1]
-    _SOURCES[id(obj)] = (obj, _read_own_source(obj))
-    return _SOURCES[id(obj)][1]
+    per object: every constructor try and rebuild asks again."""
+    try:
+        return _source_once(obj)
+    except TypeError:  # an unhashable callable: read each time
+        return _source_once.__wrapped__(obj)
 
 
-# _own_source's answers by id, each beside its object (kept alive, so that its id is not reused)
-_SOURCES: dict[int, tuple[object, str]] = {}
-
-
-def _read_own_source(obj: Callable) -> str:
+@functools.cache
+def _source_once(obj: Callable) -> str:
     home = inspect.getmodule(obj)
     seen: set[int] = set()
     todo: list[object] = [obj]
