@@ -395,3 +395,17 @@ def test_call_forms_read_by_experiment() -> None:
         assert torch.equal(causal, first(mpt.module(x)))
     stable = build_target(f"{CORPUS / 'stablelm_correct.py'}:StableLmAttention", embed_dim=E, num_heads=H, num_kv_heads=None, dropout=0.0, seed=0)  # fmt: skip
     assert "q_layernorm on q, k_layernorm on k" in (stable.describe_call() or "")
+
+
+def test_sizes_and_mask_form_are_what_the_module_runs_with() -> None:
+    """K/V heads at H/2 are check's own choice: OLMo-2 with K made by q_proj (through a G*D-wide k_norm) runs only
+    with as many K/V heads as heads and is built so, while its correct twin keeps H/2. StableLM's padding laid over
+    the queries, inside an always-causal module, is no per-query valid length (a causal prefix is the causal mask
+    itself, which a module ignoring its mask fits too): it is handed a (B, T_k) mask."""
+    sizes = {"embed_dim": E, "num_heads": H, "num_kv_heads": None, "dropout": 0.0, "seed": 0}
+    built = {stem: build_target(f"{CORPUS / stem}.py:Olmo2Attention", **sizes) for stem in ("olmo2_correct", "olmo2_k_uses_q_proj")}  # type: ignore[arg-type]  # fmt: skip
+    assert built["olmo2_correct"].num_kv_heads == H // 2
+    assert built["olmo2_k_uses_q_proj"].num_kv_heads == H
+    stable = build_target(f"{CORPUS / 'stablelm_padding_on_queries.py'}:StableLmAttention", **sizes)  # type: ignore[arg-type]
+    assert stable.always_causal
+    assert (stable.masks.use, stable.masks.layout) == ("int", "bk")
