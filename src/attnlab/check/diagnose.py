@@ -95,10 +95,9 @@ def _recipe_of(m: Mistake, a: AttentionAdapter) -> Recipe | None:
     ``mask_ignored``, only what travels through the mask argument is lost (see :func:`_apart_from_mask`)."""
     if m.id == "mask_ignored" and m.recipe is not None:
         return replace(m.recipe, kept_apart=_apart_from_mask(a))
-    masks = getattr(a, "masks", None)
-    if m.id == "padding_inverted" and m.recipe is not None and masks is not None and masks.use == "float":
+    if m.id == "padding_inverted" and m.recipe is not None and getattr(getattr(a, "masks", None), "use", "") == "float":
         # key padding handed as an additive mask: read the other way round, it is subtracted (HF's extended mask)
-        fill = float("-inf") if masks.fill == "-inf" else torch.finfo(a.projections().q_weight.dtype).min
+        fill = cast(tuple[float, float], _handed_values(a))[1]
         return replace(m.recipe, padding_fill=fill) if math.isfinite(fill) else m.recipe
     if m.id != "qkv_split_order":
         return m.recipe
