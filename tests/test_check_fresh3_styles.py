@@ -347,19 +347,9 @@ def test_the_loop_reference_reads_each_layout_it_claims() -> None:
 # ----------------------------------------------------------------------------- check
 
 
-# What check does not yet get right here (measured 7 December 2026), by cause; strict expected failures
-NOT_YET: dict[str, str] = {
-    "bart_mask_after_softmax": "an additive (0 / -inf) mask added to the probabilities after the softmax gives "
-    "non-finite outputs under every float form, so the mask probe hands a bool mask (its first form that runs "
-    "finite), and the catalogue's mask_after_softmax (blocked weights zeroed after softmax) fits neither: the "
-    "departure is named first (stage: masked differs by inf)",
-    "stablelm_padding_on_queries": "a 2D padding mask broadcast over the query axis inside the module (padded "
-    "queries blanked, every key kept): read as a (B, T_k) key mask, it seems to change nothing for real queries "
-    "and mask_ignored is named first (padding-mask conventions: the other helper's cause)",
-    "olmo2_k_uses_q_proj": "check builds the config with num_key_value_heads = H/2 to expose K/V-head bugs; keys "
-    "made by q_proj (H heads wide) then cannot go through k_norm (G heads wide): every row raises, and the crash "
-    "is named first (at the module's own G = H the mistake shows as such)",
-}
+# What check does not yet get right here, by cause; strict expected failures (none since the three fresh3 misses
+# were fixed by cause: BART's mask added after softmax, StableLM's padding over queries, OLMo-2's K from q_proj)
+NOT_YET: dict[str, str] = {}
 
 
 QUICK = {"mpt_correct", "stablelm_correct", "dinov2_merge_without_transpose"}
@@ -405,3 +395,17 @@ def test_call_forms_read_by_experiment() -> None:
         assert torch.equal(causal, first(mpt.module(x)))
     stable = build_target(f"{CORPUS / 'stablelm_correct.py'}:StableLmAttention", embed_dim=E, num_heads=H, num_kv_heads=None, dropout=0.0, seed=0)  # fmt: skip
     assert "q_layernorm on q, k_layernorm on k" in (stable.describe_call() or "")
+
+
+def test_sizes_and_mask_form_are_what_the_module_runs_with() -> None:
+    """K/V heads at H/2 are check's own choice: OLMo-2 with K made by q_proj (through a G*D-wide k_norm) runs only
+    with as many K/V heads as heads and is built so, while its correct twin keeps H/2. StableLM's padding laid over
+    the queries, inside an always-causal module, is no per-query valid length (a causal prefix is the causal mask
+    itself, which a module ignoring its mask fits too): it is handed a (B, T_k) mask."""
+    sizes = {"embed_dim": E, "num_heads": H, "num_kv_heads": None, "dropout": 0.0, "seed": 0}
+    built = {stem: build_target(f"{CORPUS / stem}.py:Olmo2Attention", **sizes) for stem in ("olmo2_correct", "olmo2_k_uses_q_proj")}  # type: ignore[arg-type]  # fmt: skip
+    assert built["olmo2_correct"].num_kv_heads == H // 2
+    assert built["olmo2_k_uses_q_proj"].num_kv_heads == H
+    stable = build_target(f"{CORPUS / 'stablelm_padding_on_queries.py'}:StableLmAttention", **sizes)  # type: ignore[arg-type]
+    assert stable.always_causal
+    assert (stable.masks.use, stable.masks.layout) == ("int", "bk")

@@ -351,7 +351,7 @@ def departure_hint(
     return f"the closest tensor differs by {err:.1e} (relative)" if err is not None else ""
 
 
-_SOFTMAXES = ("softmax", "_softmax", "softmax_")
+SOFTMAX_OPS = ("softmax", "_softmax", "softmax_")
 
 
 def score_map(ops: list[Op], stages: dict[str, Tensor]) -> str:
@@ -360,7 +360,7 @@ def score_map(ops: list[Op], stages: dict[str, Tensor]) -> str:
     positions (ALiBi), or an elementwise squashing of the scores (soft-capping ``tanh(s / c) * c``). Read off
     the log-weights on the keys both keep, each row centred (softmax forgets a constant per row). "" when it
     is neither: the caller says what it can instead."""
-    w_op = next((o for o in ops if o.func in _SOFTMAXES), None)
+    w_op = next((o for o in ops if o.func in SOFTMAX_OPS), None)
     want = stages["weights"].double()
     if w_op is None:
         return ""

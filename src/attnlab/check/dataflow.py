@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .capture import Op, capture_until_error
+from .capture import SOFTMAX_OPS, Op, capture_until_error
 
 __all__ = [
     "FUSED_OPS",
@@ -64,7 +64,6 @@ __all__ = [
     "tracked_args",
 ]
 
-SOFTMAX_OPS = ("softmax", "_softmax", "softmax_")
 _PRODUCTS = ("matmul", "bmm", "einsum", "baddbmm", "rmatmul")
 FUSED_OPS = ("scaled_dot_product_attention",)
 MATCH = 1e-6  # float64 probe: a row that is the parameter's matches to ~1e-15; anything else is far off
@@ -495,16 +494,15 @@ class _Bank:
         Y = x0 @ self.raw.t()  # (B, N): every row applied to the probe
         Yc, Fc = Y - Y.mean(0), feats - feats.mean(0)
         cos = (Fc / Fc.norm(dim=0).clamp_min(1e-300)).t() @ (Yc / Yc.norm(dim=0).clamp_min(1e-300))  # (n, N)
-        best = cos.abs().argmax(dim=1)
-        out: list[tuple[tuple[str, bool, int], float, float] | None] = []
-        for d, i in enumerate(best.tolist()):
-            if float(Fc[:, d].norm()) == 0.0 or float(1.0 - cos[d, i].abs()) > tol:
-                out.append(None)
-                continue
-            c = float((Fc[:, d] @ Yc[:, i]) / (Yc[:, i] @ Yc[:, i]))
-            bias = float(feats[:, d].mean() - c * Y[:, i].mean())
-            out.append((self.entries[i], c, bias))
-        return out
+        best = cos.abs().argmax(dim=1)  # (n,): each feature's nearest entry, then all of them at once
+        fits = (Fc.norm(dim=0) != 0) & (1.0 - cos.gather(1, best[:, None])[:, 0].abs() <= tol)
+        Yb, Ycb = Y[:, best], Yc[:, best]  # (B, n)
+        c = (Fc * Ycb).sum(0) / (Ycb * Ycb).sum(0)  # (n,): the factor
+        bias = feats.mean(0) - c * Yb.mean(0)  # (n,): the bias, scaled
+        return [
+            (self.entries[i], ci, bi) if ok else None
+            for i, ok, ci, bi in zip(best.tolist(), fits.tolist(), c.tolist(), bias.tolist(), strict=True)
+        ]
 
 
 def _bias_source(
@@ -648,6 +646,8 @@ def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: 
     the parameter's own order. None when nothing projects them (the output is the merged heads)."""
     B, T, E = y.shape
     flat_y = y.double().reshape(-1, E)
+    exact = 1e-6 * float(flat_y.abs().max().clamp_min(1e-12))
+    few = torch.arange(0, flat_y.size(0), max(1, flat_y.size(0) // 16))  # rows a candidate is tried on first
     below: set[int] = set()
     for i in sorted(contexts_at):
         below |= descendants(ops, i)
@@ -667,9 +667,12 @@ def _out_projection(module: nn.Module, ops: list[Op], contexts_at: set[int], y: 
                 for tr, W in ((True, P), (False, P.t())):
                     if W.shape != (E, N) or (tr and axis is not None):
                         continue
+                    part = flat_y[few] - M[few] @ W.t()  # an exact fit holds on any rows: most fail on a few
+                    if float((part - part.mean(0)).abs().max()) > 2 * exact:
+                        continue
                     rest = flat_y - M @ W.t()
                     bias = rest.mean(0)
-                    if float((rest - bias).abs().max()) > 1e-6 * float(flat_y.abs().max().clamp_min(1e-12)):
+                    if float((rest - bias).abs().max()) > exact:
                         continue
                     bias_src = None
                     for n, b in ones.items():

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from .adapters import AttentionAdapter, Projections, Unsupported
 from .capture import capture, departure_hint, first_departure, match_stages
 from .catalogue import MISTAKES, Mistake, by_id
-from .recipe import Proj, Recipe, recipe_attention
+from .recipe import Proj, Recipe, stages_of
 from .result import Cause, CheckResult, Report
 from .suite import CHECKS, HALF, SEQ_LEN, Context, placed, their_line
 
@@ -95,10 +95,9 @@ def _recipe_of(m: Mistake, a: AttentionAdapter) -> Recipe | None:
     ``mask_ignored``, only what travels through the mask argument is lost (see :func:`_apart_from_mask`)."""
     if m.id == "mask_ignored" and m.recipe is not None:
         return replace(m.recipe, kept_apart=_apart_from_mask(a))
-    masks = getattr(a, "masks", None)
-    if m.id == "padding_inverted" and m.recipe is not None and masks is not None and masks.use == "float":
+    if m.id == "padding_inverted" and m.recipe is not None and getattr(getattr(a, "masks", None), "use", "") == "float":
         # key padding handed as an additive mask: read the other way round, it is subtracted (HF's extended mask)
-        fill = float("-inf") if masks.fill == "-inf" else torch.finfo(a.projections().q_weight.dtype).min
+        fill = cast(tuple[float, float], _handed_values(a))[1]
         return replace(m.recipe, padding_fill=fill) if math.isfinite(fill) else m.recipe
     if m.id != "qkv_split_order":
         return m.recipe
@@ -124,7 +123,21 @@ def _recipes_of(m: Mistake, a: AttentionAdapter) -> list[Recipe]:
     """The forms ``m`` takes in the code people write: its recipe for this target, then the catalogue's
     other forms (``Mistake.also``)."""
     recipe = _recipe_of(m, a)
-    return [] if recipe is None else [recipe, *m.also]
+    if recipe is None:
+        return []
+    added = _handed_values(a) if recipe.mask_stage == "after" else None
+    return [recipe, *m.also, *([replace(recipe, mask_added_after=added)] if added is not None else [])]
+
+
+def _handed_values(a: AttentionAdapter) -> tuple[float, float] | None:
+    """The numbers a kept and a blocked pair carry in the mask as the module is handed it (a bool or 0/1 mask of
+    its polarity, an additive one); None for valid lengths or a module without a probed mask form."""
+    masks = getattr(a, "masks", None)
+    if masks is None or masks.use == "lens":
+        return None
+    if masks.use == "float":
+        return 0.0, float("-inf") if masks.fill == "-inf" else torch.finfo(a.projections().q_weight.dtype).min
+    return (1.0, 0.0) if masks.polarity == "keep" else (0.0, 1.0)
 
 
 # -- probes ---------------------------------------------------------------------------------------
@@ -187,10 +200,7 @@ def _own_masks(a: AttentionAdapter, masks: dict) -> dict:
 def _probe_stages(a: AttentionAdapter, probe: _Probe, recipe: Recipe | None = None) -> dict[str, Tensor]:
     """``recipe``'s stages (float64) at the module's sizes on ``probe``'s inputs, under its masks as the module
     applies them."""
-    p, masks, h, g = a.projections(), _own_masks(a, probe.masks), a.num_heads, a.num_kv_heads
-    return recipe_attention(
-        p, probe.q, probe.k, probe.v, num_heads=h, num_kv_heads=g, scale=a.scale, recipe=recipe or Recipe(), **masks
-    )
+    return stages_of(a, probe.q, probe.k, probe.v, recipe=recipe or Recipe(), **_own_masks(a, probe.masks))
 
 
 def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok: bool = False) -> float | None:
@@ -236,10 +246,8 @@ class _Formula(AttentionAdapter):
         return self.target.projections()
 
     def _stage(self, stage: str, query: Tensor, key: Tensor, value: Tensor, **masks: object) -> Tensor:
-        heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "scale": self.scale}
         masks = _own_masks(self, masks)  # as the target, masked causally on every call when it is always causal
-        s = recipe_attention(self.projections(), query, key, value, recipe=self.recipe, **heads, **masks)  # type: ignore[arg-type]
-        return s[stage].to(query.dtype)
+        return stages_of(self, query, key, value, recipe=self.recipe, **masks)[stage].to(query.dtype)
 
     def __call__(self, query, key, value, *, keep_mask=None, key_padding_mask=None, is_causal=False):
         masks = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
@@ -498,7 +506,7 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
             f"query 2 with every key masked: {n} of {out.numel()} outputs NaN/inf",
             ["fully_masked_rows"],
         )
-    s = recipe_attention(a.projections(), x, x, x, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale)
+    s = stages_of(a, x, x, x)
     p = a.projections().to(torch.float64)
     rep = a.num_heads // a.num_kv_heads
     mean_v = s["v_heads"].mean(dim=2, keepdim=True).repeat_interleave(rep, dim=1)  # (B, H, 1, D): every key alike
@@ -634,11 +642,7 @@ _SHOWN = {"q_heads": "q", "k_heads": "k", "v_heads": "v", "scaled": "scores", "m
 
 def _name_by_stage(target: AttentionAdapter, x: Tensor, ops: list) -> None:
     """Match the ops of a self-attention call on ``x`` with the reference's stages (names for messages)."""
-    p = target.projections()
-    stages = recipe_attention(
-        p, x, x, x, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, scale=target.scale
-    )
-    match_stages(ops, stages)
+    match_stages(ops, stages_of(target, x, x, x))
 
 
 def _call_text(op_index: int, ops: list, input_names: list[str]) -> str:

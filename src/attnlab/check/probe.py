@@ -550,6 +550,7 @@ class _Probed:
     padding_keeps: bool = False  # its key padding mask reads True = a real token (flash-attn's, HF's)
     max_len: int | None = None  # the longest sequence it runs (a causal buffer of fixed length); None: any
     causal_unless_masked: bool = False  # causal when no mask is handed, the mask alone otherwise
+    unreadable: bool = False  # its data flow could not be read: the same code at another size is not read again
 
 
 class ProbedAdapter(AttentionAdapter):
@@ -604,7 +605,7 @@ class ProbedAdapter(AttentionAdapter):
             materialise(module, embed_dim)
         form = _forms.form if _forms is not None else with_layout(module, read_call_form(module), embed_dim)
         self.reading = _forms.reading if _forms is not None else None
-        if _forms is None or _forms.reading is None:
+        if _forms is None or (_forms.reading is None and not _forms.unreadable):
             # its data flow is read in the layout it computes in, even where it is called in the one it declares
             self.reading = _read(module, replace(form, time_first=form.time_first or form.declared_batch_first), embed_dim)  # fmt: skip
         if self.reading is not None:
@@ -696,7 +697,7 @@ class ProbedAdapter(AttentionAdapter):
     def _probed(self) -> _Probed:
         return _Probed(
             self.form, self.masks, self.always_causal, self.qkv_order, self.reading, self.padding_keeps, self.max_len,
-            self.causal_unless_masked,
+            self.causal_unless_masked, self.reading is None,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -1693,6 +1694,9 @@ class ProbedAdapter(AttentionAdapter):
         causal = causal_keep(T, T, w.device) if self.always_causal else None  # (T, T)
 
         def fits(form: MaskForm, keep: Tensor) -> bool:
+            if causal is not None and bool((keep & causal)[:, :, list(moved)].eq(causal[:, list(moved)]).all()):
+                return False  # under its own causal mask this mask hides none of the moved keys: a module
+                # ignoring it would fit (d2l's per-query lengths of a causal prefix are the causal mask itself)
             self.masks = form
             try:
                 mask = self._mask(keep)

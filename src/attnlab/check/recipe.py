@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapters import Projections
+from .adapters import AttentionAdapter, Projections
 
-__all__ = ["Recipe", "STAGES", "mask_period", "recipe_attention"]
+__all__ = ["Recipe", "STAGES", "mask_period", "recipe_attention", "stages_of"]
 
 Source = Literal["query", "key", "value"]
 Proj = Literal["q", "k", "v"]
@@ -54,6 +54,9 @@ class Recipe:
     scale_after_softmax: bool = False  # the factor applied to the weights instead of the scores
     softmax_dim: int = -1  # over keys
     mask_stage: Literal["before", "after"] = "before"  # masked scores -inf before softmax
+    # with mask_stage "after": the mask added to the weights as the numbers the module was handed, (kept pair's,
+    # blocked pair's) (a bool keep mask: 1 and 0; an additive one: 0 and its fill), not blocked pairs zeroed
+    mask_added_after: tuple[float, float] | None = None
     # "finite": masked scores at -1e9 (the Annotated Transformer's fill): a softmax slice with every entry
     # blocked is then uniform rather than zero (with softmax_dim=-2, a padded key's column)
     # "zero": masked scores set to 0, a score like any other (softmax still gives blocked keys exp(0) each)
@@ -314,6 +317,13 @@ def recipe_attention(
         weights = torch.softmax(s["masked"], dim=recipe.softmax_dim)
         empty = ~keep.any(dim=recipe.softmax_dim, keepdim=True)  # a softmax over nothing but -inf ...
         weights = weights.masked_fill(empty, 0.0)  # ... has no visible key: zero weights (a NaN input stays NaN)
+    elif recipe.mask_added_after is not None:
+        s["masked"] = scores
+        kept, blocked = recipe.mask_added_after
+        weights = torch.softmax(scores, dim=recipe.softmax_dim)
+        if keep_mask is not None or key_padding_mask is not None or bias is not None or is_causal:  # one handed
+            weights = weights + torch.where(keep, kept, blocked).to(f64)
+        unseen = torch.zeros_like(unseen)  # no weight is zeroed: every key's value reaches the output
     else:
         s["masked"] = scores
         weights = torch.softmax(scores, dim=recipe.softmax_dim).masked_fill(~keep, 0.0)  # not renormalised
@@ -324,3 +334,10 @@ def recipe_attention(
     s["merged"] = _merge(s["context"], recipe.merge)  # (B, T_q, H*D)
     s["out"] = F.linear(s["merged"], w.out_weight, w.out_bias) if recipe.out_proj else s["merged"]  # (B, T_q, E)
     return s
+
+
+def stages_of(a: AttentionAdapter, query: Tensor, key: Tensor, value: Tensor, **kw: object) -> dict[str, Tensor]:
+    """:func:`recipe_attention` on adapter ``a``'s weights, heads and scale; ``kw``: ``recipe=`` and the masks."""
+    return recipe_attention(
+        a.projections(), query, key, value, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale, **kw
+    )  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import math
 import re
 import sysconfig
 import traceback
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from torch.autograd import gradcheck
 from .adapters import AttentionAdapter, Projections, Unsupported
 from .device import place, resolve_device, resolve_dtype, where
 from .probe import as_adapter
-from .recipe import Recipe, recipe_attention
+from .recipe import Recipe, recipe_attention, stages_of
 from .reference import plain_attention, reference_attention
 from .result import CheckError, CheckResult, Report
 from .variants import VARIANT_CHECKS
@@ -188,9 +189,14 @@ class Context:
         H = a.num_heads if num_heads is None else num_heads
         G = a.num_kv_heads if num_kv_heads is None else num_kv_heads
         D = a.embed_dim // a.num_heads if head_dim is None else head_dim
-        with torch.random.fork_rng(devices=[]):  # the new weights: the same for the same seed and name
-            torch.manual_seed(self.generator(name).initial_seed())
-            built: AttentionAdapter = resize(H * D, H, G)
+        # the same rebuild for the same sizes and seed: the diagnosis reruns a row that rebuilds it
+        rebuilt = _REBUILT.setdefault(a, {})
+        key = (H, G, D, self.generator(name).initial_seed())
+        if key not in rebuilt:
+            with torch.random.fork_rng(devices=[]):  # the new weights: the same for the same seed and name
+                torch.manual_seed(key[-1])
+                rebuilt[key] = resize(H * D, H, G)
+        built = rebuilt[key]
         built.set_training(False)
         return built
 
@@ -203,17 +209,13 @@ class Context:
 
     def stages(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> dict[str, Tensor]:
         """Every stage of the reference (or of ``recipe``), float64: see :func:`attnlab.check.recipe.recipe_attention`."""
-        masks = self.own_masks(masks)
-        a = self.adapter
-        heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
-        return recipe_attention(a.projections(), query, key, value, recipe=self.recipe or Recipe(), **heads, **masks)
+        return stages_of(self.adapter, query, key, value, recipe=self.recipe or Recipe(), **self.own_masks(masks))
 
     def reference(self, query: Tensor, key: Tensor, value: Tensor, **masks) -> Tensor:
         masks = self.own_masks(masks)
         a = self.adapter
         if self.recipe is not None:
-            heads: _HeadKwargs = {"num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads, "scale": a.scale}
-            return recipe_attention(a.projections(), query, key, value, recipe=self.recipe, **heads, **masks)["out"]
+            return stages_of(a, query, key, value, recipe=self.recipe, **masks)["out"]
         return reference_attention(
             a.projections(),
             query,
@@ -224,6 +226,12 @@ class Context:
             scale=a.scale,
             **masks,
         )
+
+
+# Each adapter's rebuilds at other sizes (Context.resized), kept while the adapter lives.
+_REBUILT: weakref.WeakKeyDictionary[AttentionAdapter, dict[tuple[int, int, int, int], AttentionAdapter]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _rel(got: Tensor, want: Tensor) -> float:

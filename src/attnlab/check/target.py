@@ -24,6 +24,7 @@ so that a bias bug cannot hide.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -254,7 +255,16 @@ def _config_reads(obj: Callable, name: str) -> tuple[list[str], set[str]]:
 
 def _own_source(obj: Callable) -> str:
     """The source of ``obj``, of its base classes, and of the classes and functions of its file that it names
-    (BertAttention builds BertSelfAttention(config)), transitively: where its config's fields are read."""
+    (BertAttention builds BertSelfAttention(config)), transitively: where its config's fields are read. Read once
+    per object: every constructor try and rebuild asks again."""
+    try:
+        return _source_once(obj)
+    except TypeError:  # an unhashable callable: read each time
+        return _source_once.__wrapped__(obj)
+
+
+@functools.cache
+def _source_once(obj: Callable) -> str:
     home = inspect.getmodule(obj)
     seen: set[int] = set()
     todo: list[object] = [obj]
@@ -537,7 +547,17 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             f"a config object, layer_idx, block_size and bias); "
             f"give them defaults, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
         )
-    return _kv_heads_set(obj, kwargs, E0, H0, cast(int | None, wanted.get("num_kv_heads")))
+    kwargs = _kv_heads_set(obj, kwargs, E0, H0, cast(int | None, wanted.get("num_kv_heads")))
+    if (
+        wanted.get("num_kv_heads") is None
+        and G0 != H0
+        and _takes(obj, "num_kv_heads")
+        and not _runs(obj, kwargs, E0, H0)
+    ):
+        # H/2 K/V heads were our choice, not asked for: a module that runs only with as many as heads is built so
+        whole = _constructor_kwargs(spec, obj, {**wanted, "num_kv_heads": H0})
+        return whole if _runs(obj, whole, E0, H0) else kwargs
+    return kwargs
 
 
 def _kv_heads_set(obj: Callable, kwargs: dict[str, object], E: int, H: int, G: int | None) -> dict[str, object]:

@@ -51,7 +51,7 @@ from ..check.capture import (
 )
 from ..check.cli import model_flag_conflicts, model_layer, say_layer_weights
 from ..check.probe import ProbedAdapter, as_adapter
-from ..check.recipe import STAGES, recipe_attention
+from ..check.recipe import STAGES, stages_of
 from ..check.target import build_target
 from ..core.attention import Backend, MultiHeadAttention
 from ..hf.trace import hf_attention_route, trace_hf
@@ -543,16 +543,7 @@ def _trace_call(
         raise error
 
     def reference(**given: Any) -> dict[str, Tensor]:
-        return recipe_attention(
-            adapter.projections(),
-            query,
-            key,
-            value,
-            num_heads=adapter.num_heads,
-            num_kv_heads=adapter.num_kv_heads,
-            scale=adapter.scale,
-            **given,
-        )
+        return stages_of(adapter, query, key, value, **given)
 
     stages = reference(**masks)
     given_inputs = list(inputs.values())
