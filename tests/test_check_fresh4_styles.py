@@ -389,3 +389,30 @@ def test_a_fresh4_style_is_judged_by_what_it_computes(path: Path) -> None:
     assert report.ok == (want == "pass"), (failures, ids)
     if want != "pass":
         assert ids[:1] == [want], (ids, failures)
+
+
+# What the call line says of each style read by experiment: the words that show it was read as written
+CALL_WORDS = {
+    "audiocraft_correct": "self-attention only: it asserts key and value are the query",  # masks refused too
+    "beit_correct": "weights read by data flow: q qkv.weight[0:32]",  # q_bias, v_bias beside a bias-free qkv
+    "dbrx_correct": "k Wqkv.weight[32:48]",  # attn_config: DbrxAttentionConfig built, kv_n_heads = 2 found
+    "segformer_correct": "height * width = T",  # forward(hidden_states, height, width)
+    "keras_correct": "q _query_dense.kernel",  # einsum("aecd,abcd->acbe", key, query): keys first
+    "cohere_correct": "q_norm on q, k_norm on k",  # a LayerNorm of weight (heads, D) on (B, T, heads, D)
+}
+
+
+@pytest.mark.parametrize(
+    "stem",
+    [
+        pytest.param(s, marks=[] if s in ("audiocraft_correct", "beit_correct") else [pytest.mark.slow])
+        for s in CALL_WORDS
+    ],
+)
+def test_the_call_form_is_read_by_experiment(stem: str) -> None:
+    path = CORPUS / f"{stem}.py"
+    adapter = build_target(f"{path}:{declared(path)['TARGET']}", embed_dim=E, num_heads=H, num_kv_heads=None, dropout=0.0, seed=0)  # fmt: skip
+    said = adapter.describe_call() or ""
+    assert CALL_WORDS[stem] in said, said
+    if stem == "audiocraft_correct":  # its asserted refusals are no inputs: no mask, no weights, no cross-attention
+        assert "no mask argument" in said and not adapter.supports_cross_attention

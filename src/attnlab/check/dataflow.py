@@ -324,6 +324,8 @@ def product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights:
         tb = next((x for x in reversed(lb) if x in lo and x not in la), None)
         if ta is None or tb is None:
             raise Unreadable("einsum without two free position indices")
+        if not first_is_weights and lo.index(ta) > lo.index(tb):  # keys first (Keras's "aecd,abcd->acbe", key,
+            a, la, ta, b, lb, tb = b, lb, tb, a, la, ta  # query): the scores' last index is the keys'
         group = "".join(x for x in lo if x not in (ta, tb))
         if any(x not in la and x not in lb for x in group):
             raise Unreadable("einsum output index of neither operand")
@@ -527,23 +529,29 @@ def _bias_source(
         # a bias vector, the weight's own module's first; else, where it is not zero, one kept per head ((H, D),
         # read flattened)
         nonzero = float(part.abs().max()) > 1e-9 * max(1.0, float(eff.abs().max()))
+        # at the rows' own indices, or from 0 (a vector of this role's alone: BEiT's q_bias, v_bias beside a packed
+        # bias-free qkv)
+        spans = list(dict.fromkeys([tuple(rows), tuple(r - min(rows) for r in rows)]))
         fits = [
-            n
+            (n, at)
             for n, p in params.items()
-            if p.is_floating_point() and p.numel() > max(rows) and (p.dim() == 1 or (nonzero and n != path))
+            for at in spans
+            if p.is_floating_point() and p.numel() > max(at) and (p.dim() == 1 or (nonzero and n != path))
         ]
-        cands = sorted(fits, key=lambda n: (params[n].dim() != 1, (n.rsplit(".", 1)[0] if "." in n else "") != owner))
+        cands = sorted(
+            fits, key=lambda c: (params[c[0]].dim() != 1, (c[0].rsplit(".", 1)[0] if "." in c[0] else "") != owner)
+        )
         hit = None
-        for n in cands:
-            vals = params[n].detach().double().reshape(-1)[torch.tensor(rows)]
+        for n, at in cands:
+            vals = params[n].detach().double().reshape(-1)[torch.tensor(at)]
             if float((vals - part).abs().max()) <= tol * max(float(size), 1e-12) * 10:
-                hit = n
+                hit = (n, at)
                 break
         if hit is None:
             if float(part.abs().max()) <= 1e-9 * max(1.0, float(eff.abs().max())):
                 continue
             return None, False
-        found.append((hit, tuple(rows)))
+        found.append(hit)
     if not found:
         return None, float(eff.abs().max()) <= 1e-9
     return tuple(found), True
