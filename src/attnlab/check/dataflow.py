@@ -324,8 +324,6 @@ def product_sides(op: Op, ops: list[Op], inputs: list[Tensor], first_is_weights:
         tb = next((x for x in reversed(lb) if x in lo and x not in la), None)
         if ta is None or tb is None:
             raise Unreadable("einsum without two free position indices")
-        if not first_is_weights and lo.index(ta) > lo.index(tb):  # keys first (Keras's "aecd,abcd->acbe", key,
-            a, la, ta, b, lb, tb = b, lb, tb, a, la, ta  # query): the scores' last index is the keys'
         group = "".join(x for x in lo if x not in (ta, tb))
         if any(x not in la and x not in lb for x in group):
             raise Unreadable("einsum output index of neither operand")
@@ -417,8 +415,36 @@ def attention_sites(ops: list[Op], inputs: list[Tensor], heads_first: bool = Fal
             if pv is None:
                 raise Unreadable("nothing multiplies the attention weights")
             _, v, ctx = product_sides(ops[pv], ops, inputs, first_is_weights=True)
+            if _keys_first(ops[sp], ops[pv], ops, inputs):
+                q, k = k, q
             sites.append(_unfold_queries(_Site(q, k, v, ctx, pv), heads_first))
     return sites
+
+
+def _keys_first(score: Op, pv: Op, ops: list[Op], inputs: list[Tensor]) -> bool:
+    """Whether the score einsum's first operand is K: its free index sits where the product with V contracts the
+    weights (Keras's ``einsum("aecd,abcd->acbe", key, query)`` then ``einsum("acbe,aecd->abcd", weights, v)``)."""
+    if score.func != "einsum":
+        return False
+
+    def letters(op: Op) -> tuple[list[str], str] | None:
+        tensors = _operands(op, ops, inputs)
+        parsed = _einsum_letters(op, [t.dim() for t in tensors]) if len(tensors) == 2 else None
+        return parsed if parsed is not None and len(parsed[0]) == 2 else None
+
+    parsed = letters(score)
+    if parsed is None:
+        return False
+    (la, lb), lo = parsed
+    ta = next((x for x in reversed(la) if x in lo and x not in lb), None)
+    contracted = -1  # P @ V (matmul, bmm): the weights' last axis
+    if pv.func == "einsum":
+        p = letters(pv)
+        c = None if p is None else next((x for x in p[0][0] if x in p[0][1] and x not in p[1]), None)
+        if p is None or c is None:
+            return False
+        contracted = p[0][0].index(c) - len(p[0][0])
+    return ta is not None and lo.index(ta) - len(lo) == contracted
 
 
 def _unfold_queries(site: _Site, heads_first: bool) -> _Site:
