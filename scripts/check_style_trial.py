@@ -33,7 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPORA = ("style_corpus", "style_corpus_more", "style_corpus_mla", "style_corpus_wild", "style_corpus_fresh3", "style_corpus_fresh4")
+CORPORA = (
+    "style_corpus",
+    "style_corpus_more",
+    "style_corpus_mla",
+    "style_corpus_wild",
+    "style_corpus_fresh3",
+    "style_corpus_fresh4",
+)
 
 # an argparse/tyro usage refusal: "error: ..." at the start of a line, or after "attnlab check: "
 _USAGE_ERROR = re.compile(r"^(?:\S*attnlab[^\n:]*:\s*)?error:", re.MULTILINE)

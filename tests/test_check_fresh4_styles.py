@@ -34,13 +34,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.check import run_checks
-from attnlab.check.catalogue import MISTAKES
 from attnlab.check.target import build_target
 from test_check_diagnosis import FAST
 from test_check_fresh2_styles import adjacent, halves, loop_attention
 from test_check_fresh2_styles import run_cases as fresh2_cases
+from test_check_fresh3_styles import (
+    check_cases,
+    declares_its_ground_truth,
+    matches_the_reference_iff_correct,
+    twins_are_the_correct_code,
+)
 from test_style_corpus_truth import declared
-from test_style_corpus_wild_truth import additive, causal_keep, pad_keep
+from test_style_corpus_wild_truth import additive, causal_keep, pad_keep, with_attr
 
 CORPUS = Path(__file__).parent / "style_corpus_fresh4"
 FILES = sorted(CORPUS.glob("*.py"))
@@ -126,18 +131,6 @@ def hf_tables(cos: Tensor, sin: Tensor, every: int = 1) -> tuple[Tensor, Tensor]
     return pick(cos.reshape(-1, cos.shape[-2], 2 * n)[0]).double(), pick(
         sin.reshape(-1, sin.shape[-2], 2 * n)[0]
     ).double()
-
-
-def with_flag(m: nn.Module, name: str, value: object, call: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        before = getattr(m, name)
-        setattr(m, name, value)
-        try:
-            return call()
-        finally:
-            setattr(m, name, before)
-
-    return run
 
 
 # ----------------------------------------------------------------------------- per-style drivers
@@ -269,7 +262,7 @@ def cases_audiocraft(mod: ModuleType) -> tuple[nn.Module, list[Case]]:
     x = x_in()
     return m, [
         ("self", lambda: m(x, x, x), reference(x, x, x, *p)),
-        ("causal (constructor flag)", with_flag(m, "causal", True, lambda: m(x, x, x)), reference(x, x, x, *p, causal_keep(T))),
+        ("causal (constructor flag)", with_attr(m, "causal", True, lambda: m(x, x, x)), reference(x, x, x, *p, causal_keep(T))),
     ]  # fmt: skip
 
 
@@ -300,30 +293,11 @@ def run_cases(path: Path) -> list[tuple[str, float | Exception]]:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_declares_its_ground_truth(path: Path) -> None:
-    c = declared(path)
-    assert {"EXPECTED", "TARGET", "STYLE", "CALL"} <= c.keys(), path.name
-    assert c["STYLE"] in STYLES and path.stem.startswith(c["STYLE"] + "_")
-    expected = c["EXPECTED"]
-    assert expected == "pass" or expected in {m.id for m in MISTAKES}, expected
-    doc = path.read_text().split('"""', 2)[1]
-    assert ("Mistake: none" in doc) == (expected == "pass"), path.name
-    if expected != "pass":
-        assert path.stem == f"{c['STYLE']}_{expected}" and "Line:" in doc, path.name
-        assert path.with_name(f"{path.stem}_repaired.py").exists(), path.name
-    elif path.stem.endswith("_repaired"):
-        assert path.name.replace("_repaired", "") in doc, path.name
+    declares_its_ground_truth(path, STYLES)
 
 
 def test_repaired_twins_are_the_correct_code_and_differ_from_their_mistake_in_a_few_lines() -> None:
-    for path in FILES:
-        if not path.stem.endswith("_repaired"):
-            continue
-        code = path.read_text().split('"""', 2)[2]
-        correct = (CORPUS / f"{declared(path)['STYLE']}_correct.py").read_text().split('"""', 2)[2]
-        assert code == correct, f"{path.name} is not the correct module's code"
-        mistake = path.with_name(path.name.replace("_repaired", "")).read_text().split('"""', 2)[2]
-        changed = set(mistake.splitlines()) ^ set(code.splitlines())
-        assert 2 <= len(changed) <= 12, f"{path.name}: {len(changed)} lines differ from its mistake"  # + EXPECTED
+    twins_are_the_correct_code(FILES, CORPUS)
 
 
 def test_the_corpus_covers_its_styles_and_no_other_corpus_does() -> None:
@@ -336,13 +310,7 @@ def test_the_corpus_covers_its_styles_and_no_other_corpus_does() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_against_the_loop_reference(path: Path) -> None:
-    results = run_cases(path)
-    table = "; ".join(f"{label}: {r if isinstance(r, Exception) else f'{r:.2e}'}" for label, r in results)
-    if declared(path)["EXPECTED"] == "pass":
-        assert all(not isinstance(r, Exception) and r <= EXACT for _, r in results), f"{path.name}: {table}"
-    else:
-        worst = max((r for _, r in results if not isinstance(r, Exception)), default=0.0)
-        assert worst > VISIBLE, f"{path.name} matches the reference: {table}"
+    matches_the_reference_iff_correct(path, run_cases(path))
 
 
 def test_the_reference_reads_the_layouts_it_claims() -> None:
@@ -365,17 +333,7 @@ NOT_YET: dict[str, str] = {}
 
 
 QUICK = {"settransformer_correct", "keras_softmax_query_axis"}
-CASES = [
-    pytest.param(
-        p,
-        id=p.stem,
-        marks=[
-            *([] if p.stem in QUICK else [pytest.mark.slow]),
-            *([pytest.mark.xfail(strict=True, reason=NOT_YET[p.stem])] if p.stem in NOT_YET else []),
-        ],
-    )
-    for p in FILES
-]
+CASES = check_cases(FILES, QUICK, NOT_YET)
 
 
 @pytest.mark.parametrize("path", CASES)
