@@ -9,9 +9,11 @@ and writes JSON.
 
 The corpora (``--corpus``, repeatable; all by default): style_corpus (the six named styles), style_corpus_more
 (HF GPT-2, minGPT, timm ViT), style_corpus_mla (multi-head latent attention), style_corpus_wild (20 styles no
-other corpus covers, from fairseq and Whisper to Swin and Falcon, each mistake with its repaired twin) and
+other corpus covers, from fairseq and Whisper to Swin and Falcon, each mistake with its repaired twin),
 style_corpus_fresh3 (eight more, written to measure the gap: MPT, OLMo-2, StableLM, Baichuan, InternLM2, ChatGLM,
-DINOv2's MemEffAttention, BART). style_corpus_fresh and style_corpus_fresh2 are scored by naming them.
+DINOv2's MemEffAttention, BART) and style_corpus_fresh4 (nine more: diffusers' AttnProcessor, BEiT, the Set
+Transformer, SegFormer, a Keras port, Cohere, DBRX, audiocraft, Llama 3.2 Vision's cross-attention).
+style_corpus_fresh and style_corpus_fresh2 are scored by naming them.
 
 Usage:
     python scripts/check_style_trial.py [--corpus NAME ...] [--files GLOB] [--out PATH] [--trace] [--jobs N] [--timeout S]
@@ -31,7 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPORA = ("style_corpus", "style_corpus_more", "style_corpus_mla", "style_corpus_wild", "style_corpus_fresh3")
+CORPORA = (
+    "style_corpus",
+    "style_corpus_more",
+    "style_corpus_mla",
+    "style_corpus_wild",
+    "style_corpus_fresh3",
+    "style_corpus_fresh4",
+)
 
 # an argparse/tyro usage refusal: "error: ..." at the start of a line, or after "attnlab check: "
 _USAGE_ERROR = re.compile(r"^(?:\S*attnlab[^\n:]*:\s*)?error:", re.MULTILINE)

@@ -284,9 +284,14 @@ def run_cases(path: Path) -> list[tuple[str, float | Exception]]:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_declares_its_ground_truth(path: Path) -> None:
+    declares_its_ground_truth(path, STYLES)
+
+
+def declares_its_ground_truth(path: Path, styles: tuple[str, ...]) -> None:
+    """A corpus file's EXPECTED, TARGET, STYLE and CALL, its docstring's Mistake and Line, and its twin."""
     c = declared(path)
     assert {"EXPECTED", "TARGET", "STYLE", "CALL"} <= c.keys(), path.name
-    assert c["STYLE"] in STYLES and path.stem.startswith(c["STYLE"] + "_")
+    assert c["STYLE"] in styles and path.stem.startswith(c["STYLE"] + "_")
     expected = c["EXPECTED"]
     assert expected == "pass" or expected in {m.id for m in MISTAKES}, expected
     doc = path.read_text().split('"""', 2)[1]
@@ -299,11 +304,16 @@ def test_declares_its_ground_truth(path: Path) -> None:
 
 
 def test_repaired_twins_are_the_correct_code_and_differ_from_their_mistake_in_a_few_lines() -> None:
-    for path in FILES:
+    twins_are_the_correct_code(FILES, CORPUS)
+
+
+def twins_are_the_correct_code(files: list[Path], corpus: Path) -> None:
+    """Each repaired twin is its style's correct module to the letter and differs from its mistake in a few lines."""
+    for path in files:
         if not path.stem.endswith("_repaired"):
             continue
         code = path.read_text().split('"""', 2)[2]
-        correct = (CORPUS / f"{declared(path)['STYLE']}_correct.py").read_text().split('"""', 2)[2]
+        correct = (corpus / f"{declared(path)['STYLE']}_correct.py").read_text().split('"""', 2)[2]
         assert code == correct, f"{path.name} is not the correct module's code"
         mistake = path.with_name(path.name.replace("_repaired", "")).read_text().split('"""', 2)[2]
         changed = set(mistake.splitlines()) ^ set(code.splitlines())
@@ -322,7 +332,11 @@ def test_the_corpus_covers_its_styles_and_no_other_corpus_does() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_against_the_loop_reference(path: Path) -> None:
-    results = run_cases(path)
+    matches_the_reference_iff_correct(path, run_cases(path))
+
+
+def matches_the_reference_iff_correct(path: Path, results: list[tuple[str, float | Exception]]) -> None:
+    """A correct or repaired module matches the reference on every case, a mistake misses it visibly on one."""
     table = "; ".join(f"{label}: {r if isinstance(r, Exception) else f'{r:.2e}'}" for label, r in results)
     if declared(path)["EXPECTED"] == "pass":
         assert all(not isinstance(r, Exception) and r <= EXACT for _, r in results), f"{path.name}: {table}"
@@ -352,18 +366,23 @@ def test_the_loop_reference_reads_each_layout_it_claims() -> None:
 NOT_YET: dict[str, str] = {}
 
 
+def check_cases(files: list[Path], quick: set[str], not_yet: dict[str, str]) -> list:
+    """The check rows: slow but for the ``quick`` stems, strict expected failures for ``not_yet``'s."""
+    return [
+        pytest.param(
+            p,
+            id=p.stem,
+            marks=[
+                *([] if p.stem in quick else [pytest.mark.slow]),
+                *([pytest.mark.xfail(strict=True, reason=not_yet[p.stem])] if p.stem in not_yet else []),
+            ],
+        )
+        for p in files
+    ]
+
+
 QUICK = {"mpt_correct", "stablelm_correct", "dinov2_merge_without_transpose"}
-CASES = [
-    pytest.param(
-        p,
-        id=p.stem,
-        marks=[
-            *([] if p.stem in QUICK else [pytest.mark.slow]),
-            *([pytest.mark.xfail(strict=True, reason=NOT_YET[p.stem])] if p.stem in NOT_YET else []),
-        ],
-    )
-    for p in FILES
-]
+CASES = check_cases(FILES, QUICK, NOT_YET)
 
 
 @pytest.mark.parametrize("path", CASES)

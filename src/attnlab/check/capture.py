@@ -157,6 +157,7 @@ _OPERANDS = {
     "addbmm": ("input", "batch1", "batch2"),
     "bmm": ("input", "mat2"),
     "matmul": ("input", "other"),
+    "linear": ("input", "weight", "bias"),  # BEiT's F.linear(input=x, weight=..., bias=...)
 }
 
 
@@ -167,9 +168,9 @@ def _positional(func: object, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     kwargs = dict(kwargs)
     moved = list(args)
-    for n in names[len(args) :]:
+    for n in names[len(args) :]:  # the leading ones given: the rest stay keywords
         if n not in kwargs:
-            return args, {**kwargs}
+            break
         moved.append(kwargs.pop(n))
     return tuple(moved), kwargs
 

@@ -414,8 +414,36 @@ def attention_sites(ops: list[Op], inputs: list[Tensor], heads_first: bool = Fal
             if pv is None:
                 raise Unreadable("nothing multiplies the attention weights")
             _, v, ctx = product_sides(ops[pv], ops, inputs, first_is_weights=True)
+            if _keys_first(ops[sp], ops[pv], ops, inputs):
+                q, k = k, q
             sites.append(_unfold_queries(_Site(q, k, v, ctx, pv), heads_first))
     return sites
+
+
+def _keys_first(score: Op, pv: Op, ops: list[Op], inputs: list[Tensor]) -> bool:
+    """Whether the score einsum's first operand is K: its free index sits where the product with V contracts the
+    weights (Keras's ``einsum("aecd,abcd->acbe", key, query)`` then ``einsum("acbe,aecd->abcd", weights, v)``)."""
+    if score.func != "einsum":
+        return False
+
+    def letters(op: Op) -> tuple[list[str], str] | None:
+        tensors = _operands(op, ops, inputs)
+        parsed = _einsum_letters(op, [t.dim() for t in tensors]) if len(tensors) == 2 else None
+        return parsed if parsed is not None and len(parsed[0]) == 2 else None
+
+    parsed = letters(score)
+    if parsed is None:
+        return False
+    (la, lb), lo = parsed
+    ta = next((x for x in reversed(la) if x in lo and x not in lb), None)
+    contracted = -1  # P @ V (matmul, bmm): the weights' last axis
+    if pv.func == "einsum":
+        p = letters(pv)
+        c = None if p is None else next((x for x in p[0][0] if x in p[0][1] and x not in p[1]), None)
+        if p is None or c is None:
+            return False
+        contracted = p[0][0].index(c) - len(p[0][0])
+    return ta is not None and lo.index(ta) - len(lo) == contracted
 
 
 def _unfold_queries(site: _Site, heads_first: bool) -> _Site:
@@ -525,23 +553,29 @@ def _bias_source(
         # a bias vector, the weight's own module's first; else, where it is not zero, one kept per head ((H, D),
         # read flattened)
         nonzero = float(part.abs().max()) > 1e-9 * max(1.0, float(eff.abs().max()))
+        # at the rows' own indices, or from 0 (a vector of this role's alone: BEiT's q_bias, v_bias beside a packed
+        # bias-free qkv)
+        spans = list(dict.fromkeys([tuple(rows), tuple(r - min(rows) for r in rows)]))
         fits = [
-            n
+            (n, at)
             for n, p in params.items()
-            if p.is_floating_point() and p.numel() > max(rows) and (p.dim() == 1 or (nonzero and n != path))
+            for at in spans
+            if p.is_floating_point() and p.numel() > max(at) and (p.dim() == 1 or (nonzero and n != path))
         ]
-        cands = sorted(fits, key=lambda n: (params[n].dim() != 1, (n.rsplit(".", 1)[0] if "." in n else "") != owner))
+        cands = sorted(
+            fits, key=lambda c: (params[c[0]].dim() != 1, (c[0].rsplit(".", 1)[0] if "." in c[0] else "") != owner)
+        )
         hit = None
-        for n in cands:
-            vals = params[n].detach().double().reshape(-1)[torch.tensor(rows)]
+        for n, at in cands:
+            vals = params[n].detach().double().reshape(-1)[torch.tensor(at)]
             if float((vals - part).abs().max()) <= tol * max(float(size), 1e-12) * 10:
-                hit = n
+                hit = (n, at)
                 break
         if hit is None:
             if float(part.abs().max()) <= 1e-9 * max(1.0, float(eff.abs().max())):
                 continue
             return None, False
-        found.append((hit, tuple(rows)))
+        found.append(hit)
     if not found:
         return None, float(eff.abs().max()) <= 1e-9
     return tuple(found), True

@@ -133,12 +133,28 @@ def materialise(module: nn.Module, embed_dim: int) -> bool:
     return True
 
 
+def _grid_args(params: dict[str, inspect.Parameter]) -> tuple[str, str] | None:
+    """The required (height, width) of a vision module's token map (SegFormer's, PVT's ``forward(x, H, W)``),
+    handed in with the tokens: their names, or None."""
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD]
+    h = next((n for n in required if name_key(n) in ("height", "h", "imgh")), None)
+    w = next((n for n in required if name_key(n) in ("width", "w", "imgw")), None)
+    return (h, w) if h and w else None
+
+
+def _grid(T: int) -> tuple[int, int]:
+    """A token map of T tokens, as square as T allows: (height, width), height * width = T."""
+    h = max(d for d in range(1, math.isqrt(T) + 1) if T % d == 0)
+    return h, T // h
+
+
 def _param_names(fn: Callable) -> tuple[list[str], dict[str, inspect.Parameter]]:
     params = dict(inspect.signature(fn).parameters)
+    grid = _grid_args(params) or ()
     positional = [
         n
         for n, p in params.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in _MASK_ARGS + _PAD_ARGS
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in _MASK_ARGS + _PAD_ARGS + grid
     ]
     if not positional:  # forward(self, *, x, mask=None): the inputs are keyword-only
         positional = [
@@ -181,11 +197,17 @@ class CallForm:
     rest_by_name: bool = False
     # the output is the query plus the attention (mmcv's identity connection): the query is taken off again
     residual: bool = False
+    # three inputs, but it asserts that key and value are the query (audiocraft's self-attention): self only
+    self_only: bool = False
+    # the (height, width) arguments of a token map, given a factorisation of T on each call (SegFormer's)
+    grid: tuple[str, str] | None = None
 
     def describe(self) -> str:
         sig = ("*, " if self.keyword_only else "") + ", ".join(self.input_names)
         extras = [a for a in (self.mask_arg, self.padding_arg, self.causal_arg, self.weights_arg) if a]
         layout = " with (T, B, E) inputs" if self.time_first else ""
+        layout += " (self-attention only: it asserts key and value are the query)" if self.self_only else ""
+        layout += f" ({' * '.join(self.grid)} = T, as square as T allows)" if self.grid else ""
         return f"forward({sig}{''.join(', ' + e for e in extras)}){layout}"
 
 
@@ -240,6 +262,7 @@ def read_call_form(module: nn.Module) -> CallForm:
         rest_by_name=bool(inputs)
         and params[inputs[0]].kind != inspect.Parameter.KEYWORD_ONLY
         and _rest_by_name(params, tuple(inputs[:n_inputs])),
+        grid=_grid_args(params),
     )
 
 
@@ -257,6 +280,8 @@ def _call(module: nn.Module, form: CallForm, qkv: tuple[Tensor, ...], kwargs: di
         if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
             return (out[0].transpose(0, 1), *out[1:])
         return out.transpose(0, 1) if isinstance(out, Tensor) else out
+    if form.grid is not None and form.grid[0] not in kwargs:
+        kwargs = {**kwargs, **dict(zip(form.grid, _grid(qkv[0].size(1)), strict=True))}
     if form.context_optional and qkv[1] is qkv[0] and qkv[2] is qkv[0]:  # self-attention: no context given
         return module(qkv[0], **kwargs)
     if form.keyword_only:
@@ -306,9 +331,62 @@ def with_layout(module: nn.Module, form: CallForm, embed_dim: int | None) -> Cal
     mistake (time-first inputs handed to ``F.multi_head_attention_forward`` untransposed), which the checks show."""
     form = context_required(module, form, embed_dim)
     found = _with_residual(module, _layout_by_experiment(module, form, embed_dim), embed_dim)
+    found = _refused(module, found, embed_dim)
     if found.time_first and getattr(module, "batch_first", None) is True:
         return replace(found, time_first=False, declared_batch_first=True)
     return found
+
+
+_REFUSALS = (AssertionError, NotImplementedError)  # how a module says it takes no such input, not a crash
+
+
+@torch.no_grad()
+def _refused(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallForm:
+    """``form`` without the inputs the module refuses on purpose (audiocraft's ``assert attn_mask is None``,
+    ``assert not need_weights``, ``assert key is query``): a plain self-attention call runs, and every call with
+    the input raises AssertionError or NotImplementedError. A crash of another kind (a mask of the wrong dtype)
+    is a finding, and the input stays."""
+    widths = [embed_dim] if embed_dim else [p.size(-1) for p in module.parameters() if p.dim() == 2][:1]
+    if not widths:
+        return form
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    x = torch.randn(2, 5, widths[0], generator=torch.Generator().manual_seed(92)).to(dtype)
+    training = module.training
+    module.eval()
+
+    def refused(tries: list[dict], qkv: tuple[Tensor, ...] = (x, x, x)) -> bool:
+        for kwargs in tries:
+            try:
+                _call(module, form, qkv, kwargs)
+            except _REFUSALS:
+                continue
+            except Exception:
+                return False
+            return False
+        return True
+
+    try:
+        if not any((form.mask_arg, form.padding_arg, form.weights_arg, form.inputs == 3)):
+            return form
+        try:
+            _call(module, form, (x, x, x), {})
+        except Exception:
+            return form
+        shapes = [(5, 5), (2, 5, 5), (2, 1, 5, 5), (2, 1, 1, 5), (2, 5)]  # an assert on one shape is no refusal
+        masks = [torch.ones(s, dtype=torch.bool) for s in shapes] + [torch.zeros(s, dtype=dtype) for s in shapes]
+        mask = None if form.mask_arg and refused([{form.mask_arg: m} for m in masks]) else form.mask_arg
+        pad = form.padding_arg
+        if pad and refused([{pad: torch.zeros(2, 5, dtype=t)} for t in (torch.bool, dtype, torch.long)]):
+            pad = None
+        weights = None if form.weights_arg and refused([{form.weights_arg: True}]) else form.weights_arg
+        causal = None if form.causal_arg and refused([{form.causal_arg: True}]) else form.causal_arg
+        self_only = form.inputs == 3 and refused([{}], (x, x.clone(), x.clone()))
+    finally:
+        module.train(training)
+    return replace(
+        form, mask_arg=mask, padding_arg=pad, weights_arg=weights, causal_arg=causal, self_only=self_only,
+        average_arg=form.average_arg if weights else None, torch_form=form.torch_form and None not in (mask, pad, weights),
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -680,7 +758,7 @@ class ProbedAdapter(AttentionAdapter):
             self.always_causal, self.qkv_order = _forms.always_causal, _forms.qkv_order
             self.convention = mask_convention or self._default_convention()
             self.bool_mask_convention = self.convention
-        self.supports_cross_attention = self.form.inputs > 1
+        self.supports_cross_attention = self.form.inputs > 1 and not self.form.self_only
         self.shared_kv = self.form.inputs == 2
 
     def _default_convention(self) -> Literal["keep", "block"]:
@@ -1028,7 +1106,7 @@ class ProbedAdapter(AttentionAdapter):
         form = self.form
         if form.inputs == 2 and value is not key:
             raise Unsupported(f"{self.name} takes one context for K and V ({form.describe()})")
-        if form.inputs == 1 and (key is not query or value is not query):
+        if (form.inputs == 1 or form.self_only) and (key is not query or value is not query):
             raise Unsupported(f"{self.name} is self-attention only ({form.describe()})")
         if self._causal_by_default and form.causal_arg not in kwargs:
             kwargs = {**kwargs, form.causal_arg: False}  # MPT's is_causal=True: a plain call says it is not
@@ -1787,12 +1865,15 @@ class HeadMap:
 
     module: nn.Module
     flat: bool  # called on the merged heads (B, T, n*D) rather than on (..., D)
+    heads_last: bool = False  # called on (B, T, n, D) (Cohere's norm of weight (n, D)) rather than (B, n, T, D)
 
     def apply(self, x: Tensor) -> Tensor:
         state = {
             n: t.detach().to(device=x.device, dtype=x.dtype) if t.is_floating_point() else t.to(x.device)
             for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]
         }
+        if self.heads_last:
+            return torch.func.functional_call(self.module, state, (x.transpose(1, 2),)).transpose(1, 2)
         if not self.flat:
             return torch.func.functional_call(self.module, state, (x,))
         B, n, T, D = x.shape
@@ -1850,13 +1931,14 @@ def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G
         if not (isinstance(t, Tensor) and isinstance(out, Tensor) and out.shape == t.shape and t.dim() >= 3):
             continue
         axis = next((a for r, a in refs if r.shape == t.shape and torch.allclose(t, r, rtol=1e-4, atol=1e-5)), None)
-        # on (B, n, T, D) a map may differ per head (one norm per head, applied to the heads in the reference's order)
-        per_head = axis == 2 and t.dim() == 4
-        if axis is None or torch.allclose(out, t, rtol=1e-4, atol=1e-5) or not _per_vector(sub, t, out, per_head):
+        # on (B, n, T, D) or (B, T, n, D) a map may differ per head (one norm per head, a weight per head and
+        # feature), applied to the heads in the reference's order
+        heads_axis = None if axis is None or t.dim() != 4 else 3 - axis
+        if axis is None or torch.allclose(out, t, rtol=1e-4, atol=1e-5) or not _per_vector(sub, t, out, heads_axis):
             continue
         side = _side_of_scores(module, form, x, base, size, index, axis, subs)
         if side is not None and side not in found:
-            found[side] = HeadMap(sub, flat=t.size(-1) != p.q_weight.size(0) // H)
+            found[side] = HeadMap(sub, flat=t.size(-1) != p.q_weight.size(0) // H, heads_last=heads_axis == 2)
     return found
 
 
@@ -1871,14 +1953,14 @@ def _without(module: nn.Module, maps: dict[str, HeadMap]) -> nn.Module:
     return made
 
 
-def _per_vector(sub: nn.Module, t: Tensor, out: Tensor, per_head: bool = False) -> bool:
+def _per_vector(sub: nn.Module, t: Tensor, out: Tensor, heads_axis: int | None = None) -> bool:
     """Whether ``sub`` maps each vector alone: its output commutes with reversing any axis but the last (but the
-    heads' axis 1 of (B, n, T, D) too when ``per_head``: each head's vectors alone, by a map of that head's own)."""
+    heads' axis too when given: each head's vectors alone, by a map of that head's own)."""
     try:
         return all(
             torch.allclose(sub(t.flip(d)), out.flip(d), rtol=1e-4, atol=1e-5)
             for d in range(t.dim() - 1)
-            if t.size(d) > 1 and not (per_head and d == 1)
+            if t.size(d) > 1 and d != heads_axis
         )
     except Exception:
         return False

@@ -84,11 +84,20 @@ def _whole(src: RowSource, module: nn.Module, out: bool = False) -> str | None:
         return None
     path, transposed, rows = src.parts[0]
     owner, _, last = path.rpartition(".")
-    if last != "weight" or not _is_linear(module.get_submodule(owner)):
+    if last != "weight" or not _is_linear(module.get_submodule(owner)) or not _own_bias(src, owner, module):
         return None
     p = module.get_parameter(path)
     natural = transposed == (_is_conv1d(module.get_submodule(owner)) != out)
     return owner if natural and rows == tuple(range((p.t() if transposed else p).size(0))) else None
+
+
+def _own_bias(src: RowSource, owner: str, module: nn.Module) -> bool:
+    """Whether ``src``'s bias, if any, is its Linear's own or zero (not BEiT's ``q_bias`` beside a bias-free
+    ``qkv``)."""
+    return src.bias is None or all(
+        path == f"{owner}.bias" or not module.get_parameter(path).reshape(-1)[list(rows)].any()
+        for path, rows in src.bias
+    )
 
 
 def _spare_for(
@@ -172,7 +181,11 @@ def _thirds(r: Reading, module: nn.Module) -> tuple[str, tuple[str, ...]] | None
         return None
     path = r.q.parts[0][0]
     owner, _, last = path.rpartition(".")
-    if last != "weight" or not _is_linear(module.get_submodule(owner)):
+    if (
+        last != "weight"
+        or not _is_linear(module.get_submodule(owner))
+        or not all(_own_bias(s, owner, module) for s in srcs.values())
+    ):
         return None
     n = linear_weights(module.get_submodule(owner))[0].size(0) // 3
     at = {s.parts[0][2]: role for role, s in srcs.items()}

@@ -78,6 +78,31 @@ _REQUIRED_ONLY: dict[str, tuple[tuple[str, ...], object]] = {
     "causal": (("causal", "is_causal"), False),
 }  # fmt: skip
 _CONFIG_ARGS = ("config", "cfg", "args", "params", "hparams", "model_args", "conf", "configs")
+
+
+def _config_args(obj: Callable) -> list[str]:
+    """The arguments of ``obj`` that take a config object: those of :data:`_CONFIG_ARGS`, any other named
+    ``*_config`` / ``*_cfg`` / ``*_args``, or annotated with a plain class of its own file (DBRX's
+    ``attn_config: DbrxAttentionConfig``)."""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return []
+    home = inspect.getmodule(obj)
+
+    def own_class(ann: object) -> bool:
+        if isinstance(ann, str):
+            ann = getattr(home, ann.split("[")[0].strip(), None)
+        return inspect.isclass(ann) and inspect.getmodule(ann) is home and not issubclass(ann, nn.Module)
+
+    return [
+        n
+        for n, p in params.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        and (n in _CONFIG_ARGS or n.endswith(("_config", "_cfg", "_args")) or own_class(p.annotation))
+    ]
+
+
 # The fields a config may carry, by what they mean; a callable takes (E, H, G, dropout). The longest
 # sequence the checks run is 1024 tokens: a causal buffer of block_size must hold it.
 CONFIG_FIELDS: dict[tuple[str, ...], object] = {
@@ -506,8 +531,8 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
         for n in names:
             if n in required and n not in kwargs:
                 kwargs[n] = value
-    for n in _CONFIG_ARGS:
-        if n in params and n not in kwargs and params[n].kind != inspect.Parameter.VAR_KEYWORD:
+    for n in _config_args(obj):
+        if n not in kwargs:
             try:
                 kwargs[n] = _make_config(spec, obj, params[n], wanted)
             except TargetError:
@@ -565,7 +590,7 @@ def _kv_heads_set(obj: Callable, kwargs: dict[str, object], E: int, H: int, G: i
     integer whose value makes the module compute G K/V heads, found by experiment (:mod:`.kv_heads`); G (or H/2
     when none was asked) goes there. Unchanged where a named K/V-heads argument or field was filled."""
     kv_fields = next(names for names in CONFIG_FIELDS if "num_key_value_heads" in names)
-    configs = {n: _config_reads(obj, n)[0] for n in _CONFIG_ARGS if n in kwargs}
+    configs = {n: _config_reads(obj, n)[0] for n in _config_args(obj) if n in kwargs}
     if any(n in ALIASES["num_kv_heads"] for n in kwargs) or any(f in kv_fields for fs in configs.values() for f in fs):
         return kwargs
     unnamed = {n: [f for f in fs if f not in _CONFIG_VALUES] for n, fs in configs.items()}
@@ -740,7 +765,7 @@ def _takes(obj: Callable, canonical: str, *, config: bool = True) -> bool:
         "dropout": "attn_pdrop",
     }  # one spelling of each: the value CONFIG_FIELDS gives it tells the meaning
     meaning = next(names for names in CONFIG_FIELDS if fields[canonical] in names)
-    return any(f in meaning for n in _CONFIG_ARGS if n in params for f in _config_reads(obj, n)[0])
+    return any(f in meaning for n in _config_args(obj) for f in _config_reads(obj, n)[0])
 
 
 def _canonical_factory(spec: str, obj: Callable) -> Callable[..., object]:
