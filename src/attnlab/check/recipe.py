@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -336,8 +336,8 @@ def recipe_attention(
     return s
 
 
-def stages_of(a: AttentionAdapter, query: Tensor, key: Tensor, value: Tensor, **kw: object) -> dict[str, Tensor]:
+def stages_of(a: AttentionAdapter, query: Tensor, key: Tensor, value: Tensor, **kw: Any) -> dict[str, Tensor]:
     """:func:`recipe_attention` on adapter ``a``'s weights, heads and scale; ``kw``: ``recipe=`` and the masks."""
     return recipe_attention(
         a.projections(), query, key, value, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale, **kw
-    )  # type: ignore[arg-type]
+    )
