@@ -11,6 +11,7 @@ draws exactly the numbers it always drew. A test that only means something on a 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -132,7 +133,9 @@ def cpu_only_skip_reason(device: torch.device, reasons: list[str | None]) -> str
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A skip marker on each ``cpu_only`` test when the device is not the CPU (reported at the test)."""
+    """A skip marker on each ``cpu_only`` test when the device is not the CPU (reported at the test); the files in
+    the order of tests/durations.json, longest first (see :func:`_longest_first`)."""
+    _longest_first(items)
     for item in items:
         reasons = [m.args[0] if m.args else m.kwargs.get("reason") for m in item.iter_markers("cpu_only")]
         try:
@@ -141,6 +144,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: {e}") from None
         if skip:
             item.add_marker(pytest.mark.skip(reason=skip))
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Sort ``items`` by their file's seconds in tests/durations.json, longest first (a file not listed last; each
+    file's tests keep their order). `make test` passes ``--no-loadscope-reorder``, so its two workers take files in
+    this order: a long file then starts early instead of running alone at the end, which xdist's own order (most
+    tests first) did with test_smollm2.py's 5 tests of 41 s. scripts/test_durations.py rewrites the file."""
+    path = Path(__file__).with_name("durations.json")
+    seconds: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 
 @pytest.fixture
