@@ -398,7 +398,7 @@ class Decoder(nn.Module):
         # A long prefill call on a CPU (append mode, no autograd, queries x keys >= 2^20: megabytes of work memory a
         # layer) gives each layer's freed work memory back before the next layer: glibc's heap otherwise grew by
         # ~23 MB of freed, fragmented holes over SmolLM2's 30 layers in a 504-token chunk at 8184 slots, resident
-        # until the call's end (issue 51, measured with VmHWM). It is not free: a trim takes ~13 ms, and an 8184-token
+        # until the call's end (issue 51, measured with VmHWM). It is not free: an 8184-token
         # prompt (int8 cache, 2 threads, AMD EPYC Zen 4) reached its first token in 30.4-31.9 s with it against
         # 25.7-26.1 s without, peaking at 507-511 MB against 687-705 MB; trimming every second layer kept 666-685 MB.
         # Short calls skip it: it would cost more than it frees.
