@@ -481,11 +481,33 @@ def _linears(E: int, H: int, G: int, kwargs: dict[str, object]) -> list[nn.Modul
     return [nn.Linear(E, w, bias=False) for w in widths]
 
 
+# A trial value no attention module needs can still build one: a reduction ratio of 1024 makes SegFormer's
+# Conv2d(E, E, kernel_size=1024) 9.6 GB at E = 48, which took most of check's 22 s there. A trial is first built on
+# the meta device, which allocates nothing, and one over this many parameter and buffer elements is not run.
+_TRIAL_ELEMENTS = 1 << 24
+
+
+def _oversized(obj: Callable, kwargs: dict[str, object]) -> bool:
+    """Whether ``obj(**kwargs)``, built on the meta device, holds more than ``_TRIAL_ELEMENTS`` elements; False
+    where it cannot be built there (it then is built for real)."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng():
+            made = obj(**kwargs)
+    except Exception:
+        return False
+    if not isinstance(made, nn.Module):
+        return False
+    held = [*made.parameters(), *made.buffers()]
+    return sum(t.numel() for t in held) > _TRIAL_ELEMENTS
+
+
 def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
     """Whether ``obj(**kwargs)`` builds a module whose self-attention of ``(2, 7, E)`` returns ``(2, 7, E)``,
     finite, and whose data flow has H heads where it can be read."""
     from .probe import _call, context_required, read_call_form
 
+    if _oversized(obj, kwargs):
+        return False
     try:
         with torch.random.fork_rng():
             made = obj(**kwargs)
