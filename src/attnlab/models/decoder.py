@@ -28,7 +28,6 @@ from ..core.rope import rope_cos_sin
 from ..core.validation import check_document_ids
 from ..core.variants import document_positions
 from ..quant.layers import QuantEmbedding, QuantLinear, fuse_rows
-from ..runtime import release_freed_heap
 from .blocks import Block, RMSNorm, SwiGLUMLP, make_norm
 from .config import DecoderConfig
 from .generation import check_token_ids, generate
@@ -395,21 +394,6 @@ class Decoder(nn.Module):
                 dtype=x.dtype,
                 device=x.device,
             )
-        # A long prefill call on a CPU (append mode, no autograd, queries x keys >= 2^20: megabytes of work memory a
-        # layer) gives each layer's freed work memory back before the next layer: glibc's heap otherwise grew by
-        # ~23 MB of freed, fragmented holes over SmolLM2's 30 layers in a 504-token chunk at 8184 slots, resident
-        # until the call's end (issue 51, measured with VmHWM). It is not free: an 8184-token
-        # prompt (int8 cache, 2 threads, AMD EPYC Zen 4) reached its first token in 30.4-31.9 s with it against
-        # 25.7-26.1 s without, peaking at 507-511 MB against 687-705 MB; trimming every second layer kept 666-685 MB.
-        # Short calls skip it: it would cost more than it frees.
-        trim = (
-            caches is not None
-            and cache_positions is None
-            and T * (int(getattr(caches[0], "length", 0)) + T) >= 1 << 20
-            and x.device.type == "cpu"
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        )
         for i, block in enumerate(self.blocks):
             x = block(
                 x,
@@ -421,8 +405,6 @@ class Decoder(nn.Module):
                 context_parallel=context_parallel,
                 key_padding_mask=key_padding_mask,
             )  # (B, T, E)
-            if trim:
-                release_freed_heap()
         if only_last:
             x = x[:, -1:]  # (B, 1, E)
         return self._logits(self.final_norm(x))  # (B, T, E) @ (E, V) -> (B, T, V)
