@@ -3,7 +3,7 @@
 For each corpus file this runs ``python -m attnlab check --target FILE:TARGET`` with no other option (or
 ``attnlab trace --target ...`` with --trace), two at a time at most, and records the exit code, the wall time,
 whether the module was called as written, the first 'Likely cause' id, and whether that matches the file's EXPECTED
-(pass -> exit 0; a mistake -> the first cause is that mistake). Prints a table and a summary (overall and per
+(pass -> exit 0; a mistake -> the first cause is that mistake); with --trace, the stage of the first departure. Prints a table and a summary (overall and per
 corpus; repaired twins, the ``*_repaired.py`` files, are counted apart as well: each one flagged is a false alarm),
 and writes JSON.
 
@@ -47,6 +47,9 @@ _USAGE_ERROR = re.compile(r"^(?:\S*attnlab[^\n:]*:\s*)?error:", re.MULTILINE)
 # where the tool says its own code broke rather than the module's
 _INTERNAL = re.compile(r"Traceback \(most recent call last\)|internal error", re.IGNORECASE)
 _CAUSE_ID = re.compile(r"\[([a-z][a-z0-9_]*)\]$")
+# attnlab trace's verdict: the first reference stage the module never produces, or the exception it raised
+_DEPARTURE = re.compile(r"^\s*>> first departure: the reference's (\w+)", re.MULTILINE)
+_RAISED = re.compile(r"^\s*>> raised ", re.MULTILINE)
 
 
 def constants(path: Path) -> dict[str, str]:
@@ -102,6 +105,7 @@ def run_one(path: Path, trace: bool, timeout: float) -> dict:
     internal = bool(_INTERNAL.search(output))
     ran = rc in (0, 1) and not usage_refusal and not internal  # a traceback is no run, whatever the exit code
     cause_id, cause_text = first_cause(output)
+    departure = _DEPARTURE.search(output)  # read off the whole output: the tail kept below may have lost it
     expected = meta.get("EXPECTED")
     if trace:
         match = None
@@ -124,6 +128,8 @@ def run_one(path: Path, trace: bool, timeout: float) -> dict:
         "crash_as_module_failure": internal and rc == 1,
         "first_cause": cause_id,
         "first_cause_text": cause_text,
+        # trace: the stage of the first departure ("raised" where the module raised; None: every stage reproduced)
+        "first_departure": departure.group(1) if departure else ("raised" if _RAISED.search(output) else None),
         "match": match,
         "output_tail": output[-3000:],
     }
@@ -143,6 +149,9 @@ def score(rows: list[dict]) -> dict:
         "repaired_exit_0": sum(r["exit_code"] == 0 for r in repaired),
         "repaired_total": len(repaired),
         "mistakes_named_first": sum(bool(r["match"]) for r in mistakes),
+        # trace: correct modules traced with no departure, mistakes traced to a departure (or a raise)
+        "correct_no_departure": sum(r["ran_as_written"] and not r.get("first_departure") for r in correct),
+        "mistakes_departed": sum(r["ran_as_written"] and bool(r.get("first_departure")) for r in mistakes),
         "mistakes_total": len(mistakes),
         "exit_3": sum(r["exit_code"] == 3 for r in rows),
         "crashes_as_module_failures": sum(r["crash_as_module_failure"] for r in rows),
@@ -152,6 +161,10 @@ def score(rows: list[dict]) -> dict:
 
 def print_score(s: dict, trace: bool) -> None:
     print(f"called as written:            {s['called_as_written']}/{s['files']}")
+    if trace:
+        print(f"correct modules no departure: {s['correct_no_departure']}/{s['correct_total']}")
+        print(f"mistakes departing:           {s['mistakes_departed']}/{s['mistakes_total']}")
+        print(f"exit 3 (internal error):      {s['exit_3']}")
     if not trace:
         print(f"correct modules exit 0:       {s['correct_exit_0']}/{s['correct_total']}")
         if s["repaired_total"]:
@@ -190,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"  done {row['file']} (exit {row['exit_code']}, {row['seconds']}s)", file=sys.stderr, flush=True)
 
-    head = f"{'file':46} {'expected':24} {'exit':>4} {'sec':>6} {'ran':>3}  {'first cause':26} match"
+    head = f"{'file':46} {'expected':24} {'exit':>4} {'sec':>6} {'ran':>3}  {'first departure' if args.trace else 'first cause':26} match"
     print(head)
     print("-" * len(head))
     for r in rows:
         match = "-" if r["match"] is None else ("yes" if r["match"] else "no")
         print(
             f"{r['file']:46} {r['expected'] or '?':24} {r['exit_code']!s:>4} {r['seconds']:>6.1f} "
-            f"{'yes' if r['ran_as_written'] else 'no':>3}  {r['first_cause'] or '-':26} {match}"
+            f"{'yes' if r['ran_as_written'] else 'no':>3}  {(r['first_departure'] if args.trace else r['first_cause']) or '-':26} {match}"
         )
 
     summary = {"mode": "trace" if args.trace else "check", **score(rows)}

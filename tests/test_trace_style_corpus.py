@@ -25,6 +25,20 @@ from attnlab.tools.trace import TargetTrace, trace_module
 
 CORPUS = Path(__file__).parent / "style_corpus"
 FILES = sorted(CORPUS.glob("*.py"))
+# Styles nobody listed when trace's stages were placed (issue 50): traced the same way, the same rules. Their files
+# are marked slow (about 2 s each); the QUICK ones, one per kind of stage, run in every test run.
+FRESH = [
+    p for name in ("style_corpus_fresh3", "style_corpus_fresh4") for p in sorted(CORPUS.parent.glob(f"{name}/*.py"))
+]
+QUICK = {
+    "olmo2_k_uses_q_proj.py",  # k: K through the query projection
+    "dbrx_rotary_q_only.py",  # k_heads: the keys left unturned
+    "internlm2_scale_head_dim_not_sqrt.py",  # scaled
+    "segformer_correct.py",  # no output projection: the merged heads are the output
+}
+# a known miss, kept visible: a packed projection (p h d) cut with the head axis last; the projection is never
+# held whole, so trace finds no Q and departs at q, where the right stage is q_heads
+MISSES = {"audiocraft_heads_interleaved.py"}
 
 # The stage where each mistake first shows, as the reference names it. A mistake computed inside a fused kernel
 # (SDPA: scores, mask, softmax and weights V in one call) shows at "weights", the first stage the kernel hides.
@@ -35,7 +49,9 @@ FIRST_STAGES: dict[str, set[str]] = {
     "softmax_query_axis": {"weights"},
     "v_uses_k_proj": {"v"},
     "kv_proj_swapped": {"weights"},  # K through v_proj: the rows label it v; the scores change first
-    "qkv_split_order": {"weights"},
+    # the thirds of a fused projection taken in the wrong order: where Q is cut from the wrong third before the
+    # module holds it whole (DiT's (B, T, 3, H, D) view), the query heads are the first stage off
+    "qkv_split_order": {"weights", "q_heads"},
     "split_without_transpose": {"q_heads"},
     "heads_interleaved": {"weights"},  # each head's slice holds the reference's values, mixed between heads
     "gqa_kv_heads_tiled": {"weights"},
@@ -48,6 +64,13 @@ FIRST_STAGES: dict[str, set[str]] = {
     "batch_seq_swapped": {"q_heads"},
     # masks handed in the convention of its form (True = may attend): the reversed reading shows where it masks
     "mask_polarity": {"masked", "weights"},
+    "scale_head_dim_not_sqrt": {"scaled"},  # 1/D for 1/sqrt(D): the scores times another factor
+    "k_uses_q_proj": {"k"},  # the keys are the query projection's output: K is the first stage off
+    "kv_from_query": {"k"},  # K and V projected from the query instead of the context: K first (cross-attention)
+    # pads blocked as queries (rows), not as keys: the pairs both keep agree, the mask itself differs
+    "padding_on_queries": {"masked"},
+    # rotary on the queries only: the keys meet Q K^T as the plain split of the K projection, unturned
+    "rotary_q_only": {"k_heads"},
 }
 
 
@@ -83,7 +106,14 @@ def _traces(path: Path) -> dict[str, TargetTrace | str]:
     return out
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def _fresh(path: Path) -> object:
+    marks = [] if path.name in QUICK else [pytest.mark.slow]
+    if path.name in MISSES:
+        marks.append(pytest.mark.xfail(reason="departs at q, not q_heads (see MISSES)", strict=True))
+    return pytest.param(path, marks=marks, id=f"{path.parent.name.removeprefix('style_corpus_')}/{path.name}")
+
+
+@pytest.mark.parametrize("path", [*FILES, *(_fresh(p) for p in FRESH)], ids=lambda p: getattr(p, "name", None))
 def test_trace_shows_the_mistake_where_it_is(path: Path) -> None:
     expected = _constants(path)["EXPECTED"]
     traces = {k: t for k, t in _traces(path).items() if isinstance(t, TargetTrace)}
@@ -106,7 +136,7 @@ def test_trace_shows_the_mistake_where_it_is(path: Path) -> None:
 
 def test_every_corpus_mistake_has_its_first_stage() -> None:
     """A new corpus mistake must say where trace is to show it."""
-    mistakes = {_constants(p)["EXPECTED"] for p in FILES} - {"pass"}
+    mistakes = {_constants(p)["EXPECTED"] for p in [*FILES, *FRESH]} - {"pass"}
     assert mistakes <= set(FIRST_STAGES), sorted(mistakes - set(FIRST_STAGES))
 
 

@@ -50,6 +50,7 @@ from ..check.capture import (
     stage_error,
 )
 from ..check.cli import model_flag_conflicts, model_layer, say_layer_weights
+from ..check.mla import MLAAdapter
 from ..check.probe import ProbedAdapter, as_adapter
 from ..check.recipe import STAGES, stages_of
 from ..check.target import build_target
@@ -486,9 +487,27 @@ def trace_module(
     data flow places it (:func:`_flow_stages`): what meets in the score product, what reaches the softmax,
     what the weights multiply.
     """
-    adapter = as_adapter(target)
     key = query if key is None else key
     value = key if value is None else value
+    adapter, note = _reheaded(as_adapter(target), query, key, value)
+    traced = _trace_module(adapter, query, key, value, keep_mask, key_padding_mask, is_causal, name, exercise, target)
+    traced.weights += note if traced.weights else note.removeprefix("; ")
+    return traced
+
+
+def _trace_module(
+    adapter: AttentionAdapter,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    keep_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    name: str | None,
+    exercise: bool,
+    target: object,
+) -> TargetTrace:
+    """:func:`trace_module` on an adapter."""
     given: dict[str, Any] = {"keep_mask": keep_mask, "key_padding_mask": key_padding_mask, "is_causal": is_causal}
     given = {k: v for k, v in given.items() if v is not None and v is not False}
     title = name or getattr(adapter, "name", None) or type(target).__name__
@@ -516,6 +535,16 @@ def trace_module(
         what = [_added_text(masks)] if masks else []
         what += ["a separate context as key and value"] if ctx is not None else []
         reproduced.append("the same masks in self-attention" if reproduced else " and ".join(what))
+    values = _own_values(adapter, context)
+    if values is not None:  # key and value apart: a module that reads its values from the key shows only so
+        try:
+            apart: TargetTrace | None = _trace_call(adapter, title, query, cast(Tensor, context), values, {}, {})
+        except Unsupported:
+            apart = None
+        if apart is not None and apart.error is None:
+            if apart.departure is not None:
+                return apart
+            reproduced.append("the context as key and another tensor as value")
     if reproduced:
         first.also = f"traced again with {', and with '.join(reproduced)}: every stage reproduced too"
     return first
@@ -598,6 +627,47 @@ def _trace_call(
     return trace_
 
 
+def _flow_heads(adapter: ProbedAdapter, sites: list[_FlowSite], batch: int) -> int | None:
+    """The query heads of the one attention the data flow finds, where their width (what the score product sums
+    over) is not the adapter's: a module whose constructor names no head count is built with its own, and the
+    probe took the count asked for. None where they agree or the flow says nothing clear."""
+    if len(sites) != 1:
+        return None
+    p = adapter.projections()
+    q, k = sites[0].q, sites[0].k  # (L, T_q, D), (L, T_k, D)
+    D, HD, GD = q.size(-1), p.q_weight.size(0), p.k_weight.size(0)
+    if D == HD // adapter.num_heads or k.size(-1) != D or HD % D or GD % D or (HD // D) % (GD // D):
+        return None
+    return None if q.numel() % (batch * HD) else HD // D
+
+
+def _reheaded(adapter: AttentionAdapter, query: Tensor, key: Tensor, value: Tensor) -> tuple[AttentionAdapter, str]:
+    """``adapter``, or the same module probed again with the head count its data flow computes with (see
+    :func:`_flow_heads`), and what the trace's header says of it."""
+    if not isinstance(adapter, ProbedAdapter):
+        return adapter, ""
+    inputs = _input_names(query, key, value)
+    ops, error = capture_until_error(lambda: adapter(query, key, value), inputs, adapter.module)
+    heads = None if error is not None else _flow_heads(adapter, _flow_sites(ops, list(inputs.values())), query.size(0))
+    if heads is None:
+        return adapter, ""
+    try:
+        again = ProbedAdapter(
+            adapter.module,
+            num_heads=heads,
+            name=adapter.name,
+            factory=adapter.factory,
+            dropout=adapter.dropout_p,
+            embed_dim=adapter.embed_dim,
+        )
+    except Exception:  # the first reading stands; its trace shows where it parts from the flow
+        return adapter, ""
+    note = (
+        f"; {heads} heads, as its data flow computes them (it names no head count; {adapter.num_heads} were asked for)"
+    )
+    return again, note
+
+
 def _own_masks(adapter: AttentionAdapter, query: Tensor, key: Tensor) -> dict[str, Any]:
     """The masks to trace a module with when none was given: those its forward takes, as check's probe found
     them. Key padding (the last third of the first sequence's keys) wherever a mask reaches it (a key padding
@@ -629,6 +699,18 @@ def _own_context(adapter: AttentionAdapter, query: Tensor, key: Tensor, value: T
     width = int(getattr(adapter, "kdim", None) or query.size(-1))  # the context's own width, where it has one
     shape = (query.size(0), query.size(1), width)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(query)  # (B, T_k = T_q, kdim)
+
+
+def _own_values(adapter: AttentionAdapter, context: Tensor | None) -> Tensor | None:
+    """For a module whose forward takes key and value apart: values other than the context (seeded), so that V
+    read from the key shows; None otherwise."""
+    form = getattr(adapter, "form", None)
+    if context is None or form is None or form.inputs < 3:
+        return None
+    g = torch.Generator().manual_seed(2)
+    width = int(getattr(adapter, "vdim", None) or context.size(-1))
+    shape = (context.size(0), context.size(1), width)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(context)  # (B, T_k, vdim)
 
 
 def _added_text(added: dict[str, Any]) -> str:
@@ -676,9 +758,16 @@ class _FlowSite:
     k: Tensor  # (L, T_k, D)
     v: Tensor  # (L, T_k, D)
     context: Tensor  # (L, T_q, D)
-    # a fused kernel (the weights unseen) given the reference's Q and K heads and other values: the first stage off
-    # is V as it reaches the kernel (rotary or another map applied to it); set by :func:`_label` for its reference
+    # a fused kernel (the weights unseen) given the reference's Q and K heads and other values, or the reference's
+    # weights multiplying other values: the first stage off is V as it reaches the product (rotary or another map
+    # applied to it); set by :func:`_label` for its reference
     v_off: bool = False
+    # Q and K as they meet in the score product are the reference's heads: Q K^T is right, whatever reaches the
+    # softmax; set by :func:`_label`
+    qk_right: bool = False
+    # the heads stage ("q_heads", "k_heads") that meets the product as the plain split of its projection where the
+    # reference turns it by position (rotary): the map left out of that side; set by :func:`_label`
+    unturned: str | None = None
 
 
 def _flow_sites(ops: list[Op], inputs: list[Tensor]) -> list[_FlowSite]:
@@ -781,6 +870,10 @@ class _FlowVerdict:
     scale_right: bool  # the pairs both keep agree: Q K^T and its scale are the reference's
     mask_right: bool  # and every pair too
     scale_only: bool  # on the pairs both keep, they are the reference's times one factor: only the scale is off
+    # Q and K at the score product are the reference's heads (Q K^T is right), yet on pairs both keep the scores
+    # differ otherwise than by a factor: what joined Q K^T before the softmax (a bias by position) is off. A mask
+    # mistake changes which pairs are kept, never the scores of pairs both keep: it is not this.
+    joined_off: bool = False
 
 
 def _label(
@@ -817,12 +910,16 @@ def _label(
         weighted = [a for a in ops[site.weighted].args if isinstance(a, int)]
         if site.softmax is not None and len(weighted) > 1 and close(site.v, v_rep, part):
             mark(weighted[1], "v_heads")
-        site.v_off = (
-            site.softmax is None
-            and close(site.q, stages["q_heads"], part)
-            and close(site.k, k_rep, part)
-            and not close(site.v, v_rep, part)
-        )
+        q_right, k_right = close(site.q, stages["q_heads"], part), close(site.k, k_rep, part)
+        site.qk_right = q_right and k_right
+        v_right = close(site.v, v_rep, part)
+        site.v_off = site.softmax is None and site.qk_right and not v_right
+        site.unturned = None
+        if q_right != k_right:
+            side, heads = ("k", "k_heads") if q_right else ("q", "q_heads")
+            split = _unturned_heads(stages, side, H)
+            if split is not None and close(site.k if side == "k" else site.q, split, part):
+                site.unturned = heads
         if close(site.context, stages["context"], part):
             mark(site.weighted, "context")
         if site.softmax is None or site.into_softmax is None:
@@ -830,16 +927,36 @@ def _label(
         soft = _score_rows(ops, site, ops[site.softmax].out, inputs)
         if soft is not None and close(soft, stages["weights"], part):
             mark(site.softmax, "weights")
+            # the reference's weights meet other values: V departs before the context (a map that turns it)
+            site.v_off = not v_right
         into = _score_rows(ops, site, ops[site.into_softmax].out, inputs)
         want = _group_views(stages["masked"], into.size(0), part) if into is not None else []
+        # scores of another shape than the reference's (K read from the queries in cross-attention, the axes
+        # swapped) are no reading of them: the weights show it
+        want = [w for w in want if into is not None and w.shape == into.shape]
         if into is None or not want:
             continue
         gaps = min((_softmax_gaps(into, w) for w in want), key=lambda g: (g[1], g[0]))
-        verdict = _FlowVerdict(site.into_softmax, gaps[1] <= MATCH_TOL, gaps[0] <= MATCH_TOL, gaps[2])
+        joined_off = site.qk_right and MATCH_TOL < gaps[1] < float("inf") and not gaps[2]
+        verdict = _FlowVerdict(site.into_softmax, gaps[1] <= MATCH_TOL, gaps[0] <= MATCH_TOL, gaps[2], joined_off)
         verdicts.append(verdict)
         if verdict.mask_right and ops[site.into_softmax].stage not in ("scaled", "masked"):
             ops[site.into_softmax].stage = "masked" if masked else "scaled"
     return verdicts
+
+
+def _unturned_heads(stages: dict[str, Tensor], side: str, H: int) -> Tensor | None:
+    """The projection ``side`` ("q" or "k") cut into heads as it is, ``(B, H, T, D)`` (K's heads repeated to the
+    query heads), where the reference's heads differ from it (a position map turns them); None where they do not."""
+    proj, want = stages[side], stages[f"{side}_heads"]  # (B, T, n*D), (B, n, T, D)
+    B, n, T, D = want.shape
+    if proj.shape != (B, T, n * D):
+        return None
+    split = proj.view(B, T, n, D).transpose(1, 2)
+    same = stage_error(split, want)
+    if same is not None and same <= MATCH_TOL:
+        return None  # nothing turns them
+    return split.repeat_interleave(H // n, dim=1) if n != H and H % n == 0 else split
 
 
 def _label_unrotated(ops: list[Op], stages: dict[str, Tensor]) -> None:
@@ -885,7 +1002,9 @@ def _first_departure(
     matched = [s for s in STAGES if any(op.stage == s for op in ops)]
     # scores that differ otherwise than by a factor (K from the wrong head, Q K^T mixed up) are judged as before:
     # by the first stage that shows them, the weights
-    verdicts = [v for v in verdicts if v.scale_right or v.scale_only]
+    # and scores from the reference's Q and K heads that differ on pairs both keep: what joined Q K^T (a bias by
+    # position with the wrong sign) is off, at the scaled scores, where the reference adds it
+    verdicts = [v for v in verdicts if v.scale_right or v.scale_only or v.joined_off]
     wrong = next((v for v in verdicts if not v.mask_right), None)
     required = ["q", "k", "v", "q_heads"]
     if verdicts or "scores" in matched or "scaled" in matched:
@@ -893,6 +1012,8 @@ def _first_departure(
         if masked or (wrong is not None and wrong.scale_right):
             required.append("masked")
     required += ["weights", "context", "merged", "out"]
+    same_out = stage_error(stages["out"], stages["merged"]) if stages["out"].shape == stages["merged"].shape else None
+    no_out_proj = same_out is not None and same_out <= MATCH_TOL
 
     def vouched(stage: str) -> bool:
         if stage in ("q", "k", "v") and f"{stage}_heads" in matched:
@@ -904,14 +1025,26 @@ def _first_departure(
         # a later stage vouches for a missing one only if it is computed from it: the scores and weights from Q
         # and K alone, so V (a value projection mixed up) shows first in the context
         vouching = ("context", "merged", "out") if stage in ("v", "v_heads") else DOWNSTREAM
+        if stage == "out" and "merged" in matched and no_out_proj:
+            return True  # no output projection: the merged heads are the output, and one op holds both
         return any(s in matched for s in STAGES[STAGES.index(stage) + 1 :] if s in vouching)
 
     missing = next((s for s in required if s not in matched and not vouched(s)), None)
+    # one side of the product is its projection cut into heads, unturned, where the reference turns it by position
+    unturned = next((site for site in sites if site.unturned), None)
+    if unturned is not None and unturned.unturned and missing in DOWNSTREAM:
+        operands = [a for a in ops[unturned.product].args if isinstance(a, int)]
+        side = 0 if unturned.unturned == "q_heads" else 1
+        at = operands[side] if len(operands) > side and operands[side] >= 0 else unturned.product
+        return matched, unturned.unturned, ops[at], None
     off_v = next((site for site in sites if site.v_off), None)
-    if off_v is not None and (missing is None or STAGES.index(missing) > STAGES.index("v_heads")):
-        # the kernel's Q and K heads are the reference's and its V is not: V departs before anything inside it
+    fused = off_v is not None and off_v.softmax is None
+    after_v = missing is None or STAGES.index(missing) > STAGES.index("v_heads")
+    if off_v is not None and (after_v if fused else missing in ("context", "merged", "out")):
+        # Q and K heads (or the weights) are the reference's and V is not: V departs before the product's result
         fed = [a for a in ops[off_v.weighted].args if isinstance(a, int)]
-        at = fed[2] if len(fed) > 2 and fed[2] >= 0 else off_v.weighted
+        n = 2 if fused else 1  # the kernel's (q, k, v); the product's (weights, v)
+        at = fed[n] if len(fed) > n and fed[n] >= 0 else off_v.weighted
         return matched, "v_heads", ops[at], None
     if missing is None:
         return matched, None, None, None
@@ -1196,6 +1329,12 @@ def _trace_target(
     adapter = build_target(
         target, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, dropout=dropout, seed=seed
     )
+    if isinstance(adapter, MLAAdapter):  # its stages are MLA's (latents, a shared rotary key): not these
+        raise UsageError(
+            f"--target {target!r} is multi-head latent attention (DeepSeek's MLA); attnlab trace --target matches the "
+            "stages of plain multi-head attention, which MLA does not compute. Check it with attnlab check --target "
+            f"{target!r}, or trace MLA's own stages on attnlab's module with attnlab trace --mla."
+        )
     if num_kv_heads is not None and adapter.num_kv_heads != num_kv_heads:
         raise UsageError(
             f"--num-kv-heads {num_kv_heads}: {target} was built with {adapter.num_kv_heads} K/V heads (its "
