@@ -1046,13 +1046,13 @@ class ProbedAdapter(AttentionAdapter):
         return uses is not None and any(u in ("eq", "ne", "lt", "le", "gt", "ge") for u in uses)
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
-        sibling = self._sibling(copy.deepcopy(self.module).to(dtype))
+        sibling = self._sibling(copy.deepcopy(self.module).to(dtype), self._probed())
         sibling._score_map = self.projections().score_map  # read at full precision: in half it reads coarser
         return sibling
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ProbedAdapter:
         """A copy on ``device`` in ``dtype``, probed again there: its mask may read otherwise on another device."""
-        return self._sibling(copy.deepcopy(self.module).to(device=device, dtype=dtype), probed=False)
+        return self._sibling(copy.deepcopy(self.module).to(device=device, dtype=dtype), None)
 
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -1071,34 +1071,25 @@ class ProbedAdapter(AttentionAdapter):
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): a size fixed in its code"
             ) from None
         # the same code at another size: its call form and mask reading are the same; its data flow is read again
-        built = ProbedAdapter(
-            made,
-            num_heads=num_heads,
-            scale=self._scale_given,
-            mask_convention=self.convention,
-            name=self.name,
-            factory=self.factory,
-            dropout=self.dropout_p,
-            embed_dim=embed_dim,
-            materialised=self.lazy,
-            _forms=replace(self._probed(), reading=None),
-        )
+        built = self._sibling(made, replace(self._probed(), reading=None), num_heads, embed_dim)
         return _same_size(built, embed_dim, num_heads, num_kv_heads)
 
-    def _sibling(self, module: nn.Module, probed: bool = True) -> ProbedAdapter:
-        """An adapter of ``module`` built as this one was; ``probed``: with this one's call forms (else found
-        again on the first call)."""
+    def _sibling(
+        self, module: nn.Module, forms: _Probed | None, heads: int | None = None, width: int | None = None
+    ) -> ProbedAdapter:
+        """An adapter of ``module`` built as this one was, with the call forms ``forms`` (None: found again on the
+        first call); ``heads``, ``width``: another size than this one's."""
         return ProbedAdapter(
             module,
-            num_heads=self.num_heads,
+            num_heads=self.num_heads if heads is None else heads,
             scale=self._scale_given,
             mask_convention=self.convention,
             name=self.name,
             factory=self.factory,
             dropout=self.dropout_p,
-            embed_dim=self.embed_dim,
+            embed_dim=self.embed_dim if width is None else width,
             materialised=self.lazy,
-            _forms=self._probed() if probed else None,
+            _forms=forms,
         )
 
     # -- calling the module ----------------------------------------------------------------------
