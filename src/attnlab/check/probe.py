@@ -61,6 +61,7 @@ from .adapters import (
     _same_size,
     _wrap,
     mha_projections,
+    module_dropout,
 )
 from .capture import capture, capture_until_error
 from .dataflow import SOFTMAX_OPS, Reading, attention_sites, read_dataflow
@@ -79,6 +80,7 @@ __all__ = [
 
 
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "heads", "nhead", "h", "num_attention_heads", "head_count")
+_DROPOUT_ATTRS = ("dropout", "dropout_p", "attn_dropout", "p", "dropout_rate", "attention_dropout")
 _SCALE_ATTRS = ("scale", "scaling", "softmax_scale", "scale_factor", "attn_scale", "inv_sqrt_d")
 _MASK_ARGS = ("attn_mask", "mask", "attention_mask", "valid_lens", "valid_len", "src_mask")
 # mask arguments a plain self-attention call may rightly leave unused (so one that changes nothing is no mistake)
@@ -723,7 +725,7 @@ class ProbedAdapter(AttentionAdapter):
         if dropout is not None:
             self.dropout_p = float(dropout)
         else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
-            self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
+            self.dropout_p = float(mha.dropout) if mha is not None else module_dropout(module, _DROPOUT_ATTRS)
         self.padding_keeps = False  # until probed
         self.padding_note = ""  # what its own words say of its padding convention, where they contradict its behaviour
         if _forms is None:
@@ -2023,15 +2025,6 @@ def _cat(outs: list[object]) -> object:
             for parts in zip(*outs, strict=True)
         )
     return torch.cat(outs)  # type: ignore[arg-type]
-
-
-def _dropout_of(module: nn.Module) -> float:
-    """The attention dropout: a float attribute (``dropout``, ``dropout_p``, ``p``...), else the first ``nn.Dropout``."""
-    for a in ("dropout", "dropout_p", "attn_dropout", "p", "dropout_rate", "attention_dropout"):
-        v = getattr(module, a, None)
-        if isinstance(v, float | int) and not isinstance(v, bool):
-            return float(v)
-    return next((float(m.p) for m in module.modules() if isinstance(m, nn.Dropout)), 0.0)
 
 
 def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapter:
