@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from attnlab.check.mla import MLARecipe, call_form, find_mla, mla_dims, mla_recipe, mla_weights
-from attnlab.check.mla_checks import MLA_MISTAKES, _causal, _core_reference, by_id, run_mla
+from attnlab.check.mla_checks import MLA_MISTAKES, _core_reference, by_id, run_mla
 from attnlab.check.target import build_target
+from attnlab.core.functional import causal_keep
 from attnlab.core.mla import MultiHeadLatentAttention
 
 CORPUS = Path(__file__).parent / "style_corpus_mla"
@@ -120,7 +121,7 @@ def test_the_recipe_without_a_mistake_is_attnlabs_reference(layout):
     adapter = _build(CORPUS / "hf_naive_correct.py")
     adapter.float64()
     x = torch.randn(2, 8, 32, dtype=torch.float64)
-    keep = _causal(8, x.device)
+    keep = causal_keep(8, 8, x.device)[None]  # (1, T, T)
     ours = adapter.reference(x, keep, layout=layout).detach()
     assert torch.allclose(ours, _core_reference(adapter, x, keep, layout), atol=1e-12, rtol=0)
 
@@ -129,7 +130,7 @@ def test_each_mistake_changes_the_output_visibly():
     adapter = _build(CORPUS / "deepseek_absorbed_correct.py")  # N == C: every recipe but the per-head key applies
     adapter.float64()
     x = torch.randn(2, 8, 32, dtype=torch.float64)
-    keep = _causal(8, x.device)
+    keep = causal_keep(8, 8, x.device)[None]  # (1, T, T)
     right = adapter.reference(x, keep, layout="interleaved").detach()
     for m in MLA_MISTAKES:
         if not m.recipe.applies(adapter.dims):

@@ -251,11 +251,13 @@ def _first(out: Tensor | tuple) -> Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _module_dropout(module: nn.Module) -> float:
-    """The module's attention dropout: a float ``dropout`` attribute, else its first ``nn.Dropout``."""
-    p = getattr(module, "dropout", None)
-    if isinstance(p, float | int) and not isinstance(p, bool):
-        return float(p)
+def module_dropout(module: nn.Module, names: tuple[str, ...] = ("dropout",)) -> float:
+    """The module's attention dropout: the first of its attributes ``names`` that is a number, else its first
+    ``nn.Dropout``'s rate, else 0."""
+    for name in names:
+        p = getattr(module, name, None)
+        if isinstance(p, float | int) and not isinstance(p, bool):
+            return float(p)
     return next((float(m.p) for m in module.modules() if isinstance(m, nn.Dropout)), 0.0)
 
 
@@ -346,7 +348,7 @@ class ModuleAdapter(AttentionAdapter):
         own = getattr(module, "scale", None)
         self.declared_scale = float(own) if isinstance(own, float | int) and not isinstance(own, bool) else None
         self._scale = scale  # the user's; None: 1/sqrt(D)
-        self.dropout_p = _module_dropout(module)
+        self.dropout_p = module_dropout(module)
 
     @property
     def scale(self) -> float:

@@ -29,7 +29,7 @@ import functools
 import math
 import re
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -376,23 +376,16 @@ def _crash_causes(a: AttentionAdapter, rows: list[CheckResult]) -> list[Cause]:
 
 
 def _recipe_causes(
-    a: AttentionAdapter,
-    probes: list[_Probe],
-    failing: list[str],
-    *,
-    seed: int,
-    batch: int,
-    seq_len: int,
-    nan_rows: set[str],
+    a: AttentionAdapter, probes: list[_Probe], fit: Callable[..., tuple[list[Cause], dict[str, float]]]
 ) -> tuple[list[Cause], bool]:
-    """(the numerical mistakes that fit, whether the textbook formula failed a probe).
+    """(the numerical mistakes that fit, whether the textbook formula failed a probe); ``fit`` is
+    :func:`_fitting` with the failing rows and the sizes bound.
 
     Where none fits a module not found always causal, they are tried once more with the future masked on
     every call: a module that masks causally by itself but makes a mistake that lets later tokens reach
     earlier outputs (a merge that mixes positions, a mask one step off) is not found causal by the probe.
     Where a bool mask had no clear effect on the module (a mistake that mixes heads or positions blurs it), the
     masks it was handed may not be its own: the mistakes are then fitted on the unmasked probes alone."""
-    fit = functools.partial(_fitting, failing=failing, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_rows)
     found, off = fit(a, probes)
     if found or not off:
         return found, bool(off)
@@ -819,10 +812,11 @@ def diagnose(
     probes = _run_probes(a, seed) if rest or length is not None else []
     textbook_off = False
     if rest or length is not None:
-        found, textbook_off = _recipe_causes(
-            a, probes, [*rest, *(length.explains if length else ())], seed=seed, batch=batch, seq_len=seq_len,
-            nan_rows=nan_by_mistake,
-        )  # fmt: skip
+        rows_off = [*rest, *(length.explains if length else ())]
+        fit = functools.partial(
+            _fitting, failing=rows_off, seed=seed, batch=batch, seq_len=seq_len, nan_rows=nan_by_mistake
+        )
+        found, textbook_off = _recipe_causes(a, probes, fit)
         from_query = next((c for c in found[:3] if c.id == "kv_from_query"), None)
         if length is not None and from_query is not None:
             causes.remove(length)

@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ..core.functional import causal_keep
+
 __all__ = [
     "MLAAdapter",
     "MLADims",
@@ -479,7 +481,7 @@ class MLAAdapter:
         if f.causal_flag is not None:
             kwargs[f.causal_flag] = True
         if f.mask is not None:
-            blocked = ~torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
+            blocked = ~causal_keep(T, T, x.device)  # (T, T)
             if f.mask_kind == "square":
                 kwargs[f.mask] = torch.zeros(T, T, dtype=x.dtype, device=x.device).masked_fill(blocked, float("-inf"))
             else:

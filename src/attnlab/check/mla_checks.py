@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..core.functional import causal_keep
 from .mla import Layout, MLAAdapter, MLARecipe
 from .result import Cause, CheckResult, Report
 from .suite import SEQ_LEN
@@ -147,10 +148,6 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def _causal(T: int, device: torch.device) -> Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # (1, T, T)
-
-
 def _core_reference(adapter: MLAAdapter, x: Tensor, keep: Tensor, layout: Layout) -> Tensor:
     """attnlab's float64 reference (:func:`attnlab.core.mla.mla_reference`) with the module's weights copied into a
     :class:`~attnlab.core.mla.MultiHeadLatentAttention`."""
@@ -211,7 +208,7 @@ def run_mla(
     dev = next(adapter.module64.parameters()).device
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq_len, d.E, generator=g, dtype=torch.float64).to(dev)  # (B, T, E)
-    causal = _causal(seq_len, dev)  # (1, T, T)
+    causal = causal_keep(seq_len, seq_len, dev)[None]  # (1, T, T)
     pad = torch.zeros(batch, seq_len, dtype=torch.bool, device=dev)
     pad[0, -3:] = True  # the last 3 keys of sequence 0 are padding
     padded_keep = causal & ~pad[:, None, :]  # (B, T, T)

@@ -61,6 +61,7 @@ from .adapters import (
     _same_size,
     _wrap,
     mha_projections,
+    module_dropout,
 )
 from .capture import capture, capture_until_error
 from .dataflow import SOFTMAX_OPS, Reading, attention_sites, read_dataflow
@@ -79,6 +80,7 @@ __all__ = [
 
 
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "heads", "nhead", "h", "num_attention_heads", "head_count")
+_DROPOUT_ATTRS = ("dropout", "dropout_p", "attn_dropout", "p", "dropout_rate", "attention_dropout")
 _SCALE_ATTRS = ("scale", "scaling", "softmax_scale", "scale_factor", "attn_scale", "inv_sqrt_d")
 _MASK_ARGS = ("attn_mask", "mask", "attention_mask", "valid_lens", "valid_len", "src_mask")
 # mask arguments a plain self-attention call may rightly leave unused (so one that changes nothing is no mistake)
@@ -723,7 +725,7 @@ class ProbedAdapter(AttentionAdapter):
         if dropout is not None:
             self.dropout_p = float(dropout)
         else:  # what it was built with: the inner nn.MultiheadAttention's, else read off the module
-            self.dropout_p = float(mha.dropout) if mha is not None else _dropout_of(module)
+            self.dropout_p = float(mha.dropout) if mha is not None else module_dropout(module, _DROPOUT_ATTRS)
         self.padding_keeps = False  # until probed
         self.padding_note = ""  # what its own words say of its padding convention, where they contradict its behaviour
         if _forms is None:
@@ -1046,13 +1048,13 @@ class ProbedAdapter(AttentionAdapter):
         return uses is not None and any(u in ("eq", "ne", "lt", "le", "gt", "ge") for u in uses)
 
     def cast(self, dtype: torch.dtype) -> ProbedAdapter:
-        sibling = self._sibling(copy.deepcopy(self.module).to(dtype))
+        sibling = self._sibling(copy.deepcopy(self.module).to(dtype), self._probed())
         sibling._score_map = self.projections().score_map  # read at full precision: in half it reads coarser
         return sibling
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ProbedAdapter:
         """A copy on ``device`` in ``dtype``, probed again there: its mask may read otherwise on another device."""
-        return self._sibling(copy.deepcopy(self.module).to(device=device, dtype=dtype), probed=False)
+        return self._sibling(copy.deepcopy(self.module).to(device=device, dtype=dtype), None)
 
     def parameters(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -1071,34 +1073,25 @@ class ProbedAdapter(AttentionAdapter):
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): a size fixed in its code"
             ) from None
         # the same code at another size: its call form and mask reading are the same; its data flow is read again
-        built = ProbedAdapter(
-            made,
-            num_heads=num_heads,
-            scale=self._scale_given,
-            mask_convention=self.convention,
-            name=self.name,
-            factory=self.factory,
-            dropout=self.dropout_p,
-            embed_dim=embed_dim,
-            materialised=self.lazy,
-            _forms=replace(self._probed(), reading=None),
-        )
+        built = self._sibling(made, replace(self._probed(), reading=None), num_heads, embed_dim)
         return _same_size(built, embed_dim, num_heads, num_kv_heads)
 
-    def _sibling(self, module: nn.Module, probed: bool = True) -> ProbedAdapter:
-        """An adapter of ``module`` built as this one was; ``probed``: with this one's call forms (else found
-        again on the first call)."""
+    def _sibling(
+        self, module: nn.Module, forms: _Probed | None, heads: int | None = None, width: int | None = None
+    ) -> ProbedAdapter:
+        """An adapter of ``module`` built as this one was, with the call forms ``forms`` (None: found again on the
+        first call); ``heads``, ``width``: another size than this one's."""
         return ProbedAdapter(
             module,
-            num_heads=self.num_heads,
+            num_heads=self.num_heads if heads is None else heads,
             scale=self._scale_given,
             mask_convention=self.convention,
             name=self.name,
             factory=self.factory,
             dropout=self.dropout_p,
-            embed_dim=self.embed_dim,
+            embed_dim=self.embed_dim if width is None else width,
             materialised=self.lazy,
-            _forms=self._probed() if probed else None,
+            _forms=forms,
         )
 
     # -- calling the module ----------------------------------------------------------------------
@@ -2032,15 +2025,6 @@ def _cat(outs: list[object]) -> object:
             for parts in zip(*outs, strict=True)
         )
     return torch.cat(outs)  # type: ignore[arg-type]
-
-
-def _dropout_of(module: nn.Module) -> float:
-    """The attention dropout: a float attribute (``dropout``, ``dropout_p``, ``p``...), else the first ``nn.Dropout``."""
-    for a in ("dropout", "dropout_p", "attn_dropout", "p", "dropout_rate", "attention_dropout"):
-        v = getattr(module, a, None)
-        if isinstance(v, float | int) and not isinstance(v, bool):
-            return float(v)
-    return next((float(m.p) for m in module.modules() if isinstance(m, nn.Dropout)), 0.0)
 
 
 def as_adapter(target: object, *, scale: float | None = None) -> AttentionAdapter:

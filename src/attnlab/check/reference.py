@@ -83,6 +83,11 @@ def reference_attention(
     A query with no visible key gets a zero context (output = the out-projection bias).
     Differentiable with respect to the float64 inputs it is given. ``plain``: :func:`plain_attention` instead.
     """
+    if not plain and p.score_map is not None:  # the module's score map between the scale and the softmax
+        return recipe_attention(
+            p, query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, keep_mask=keep_mask,
+            key_padding_mask=key_padding_mask, bias=bias, is_causal=is_causal,
+        )["out"]  # fmt: skip
     dtype = query.dtype if plain else torch.float64
     w = p.to(dtype)
     q, k, v = _project(w, query.to(dtype), key.to(dtype), value.to(dtype), num_heads, num_kv_heads)
@@ -91,11 +96,6 @@ def reference_attention(
         B, T_q, T_k, keep_mask=keep_mask, key_padding_mask=key_padding_mask, bias=bias, is_causal=is_causal,
         device=query.device,
     )  # fmt: skip
-    if not plain and p.score_map is not None:  # the module's score map between the scale and the softmax
-        return recipe_attention(
-            p, query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, keep_mask=keep_mask,
-            key_padding_mask=key_padding_mask, bias=bias, is_causal=is_causal,
-        )["out"]  # fmt: skip
     if not plain:
         bias4 = None if bias is None else bias.to(dtype).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
         context, _ = math_attention(q, k, v, keep=keep, bias=bias4, scale=scale)  # (B, H, T_q, D)

@@ -128,6 +128,12 @@ class Context:
         """``randn(*shape)`` from ``g``, on the target's device, in ``dtype`` (default: the target's)."""
         return torch.randn(*shape, generator=g).to(self.device, self.dtype if dtype is None else dtype)
 
+    def padding(self, B: int, T: int, n: int = 3) -> Tensor:
+        """A key padding mask ``(B, T)`` on the target's device: the last ``n`` tokens of sequence 0 are padding."""
+        pad = torch.zeros(B, T, dtype=torch.bool, device=self.device)
+        pad[0, -n:] = True
+        return pad
+
     def length(self, T: int) -> int:
         """``T``, or the target's maximum length where it has a shorter one (``max_len``: a causal buffer of fixed
         size, found by experiment): no row runs it past what it can take."""
@@ -321,9 +327,7 @@ def _mask_cases(ctx: Context, g: torch.Generator) -> dict[str, dict]:
     B, T = ctx.batch, ctx.seq_len
     keep = torch.rand(B, T, T, generator=g) > 0.4  # (B, T, T)
     keep[..., 0] = True  # key 0 stays visible: causal row 0 sees only it
-    pad = torch.zeros(B, T, dtype=torch.bool)
-    pad[0, -3:] = True  # sequence 0 ends in 3 pad tokens
-    keep, pad = keep.to(ctx.device), pad.to(ctx.device)
+    keep, pad = keep.to(ctx.device), ctx.padding(B, T)  # sequence 0 ends in 3 pad tokens
     return {
         "causal": {"is_causal": True},
         "padding": {"key_padding_mask": pad},
@@ -409,8 +413,7 @@ def check_parity_head_dims(ctx: Context) -> CheckResult:
         g = ctx.generator(f"parity_head_dims[{D}]")
         x = sub.inputs(g, B, T, H * D)  # (B, T, E)
         up = sub.inputs(g, B, T, H * D)  # (B, T, E): upstream gradient
-        pad = torch.zeros(B, T, dtype=torch.bool, device=sub.device)
-        pad[0, -3:] = True
+        pad = sub.padding(B, T)
         masked: _MaskKwargs = {"is_causal": True, "key_padding_mask": pad}
         tol = sub.tol(PARITY_TOL)  # a half dtype's rule, measured on this rebuild's own weights
         for mode in MODES:
@@ -439,8 +442,7 @@ def check_odd_lengths(ctx: Context) -> CheckResult:
     for T in (1, *longs):  # 1023: a length no block size divides, next to one they all do
         cases += [(f"T={T}", T, None, {}), (f"T={T} causal", T, None, {"is_causal": True})]
     if cross:
-        pad = torch.zeros(ctx.batch, 5, dtype=torch.bool, device=ctx.device)
-        pad[0, -2:] = True
+        pad = ctx.padding(ctx.batch, 5, 2)
         T_q = ctx.length(13)
         cases += [("T_q=1, T_k=7", 1, 7, {}), ("T_q=7, T_k=1", 7, 1, {}), (f"T_q={T_q}, T_k=5", T_q, 5, {})]
         cases += [(f"T_q={T_q}, T_k=5, padding", T_q, 5, {"key_padding_mask": pad})]
@@ -490,11 +492,9 @@ def _low_precision_cases(ctx: Context, g: torch.Generator, T: int, B: int | None
     B = ctx.batch if B is None else B
     keep = torch.rand(B, T, T, generator=g) > 0.4  # (B, T, T)
     keep[..., 0] = True
-    pad = torch.zeros(B, T, dtype=torch.bool)
-    pad[0, -3:] = True
     return {
         "causal": {"is_causal": True},
-        "padding+bool": ctx.own_masks(_MaskKwargs(key_padding_mask=pad.to(ctx.device), keep_mask=keep.to(ctx.device))),
+        "padding+bool": ctx.own_masks(_MaskKwargs(key_padding_mask=ctx.padding(B, T), keep_mask=keep.to(ctx.device))),
     }
 
 
@@ -620,8 +620,7 @@ def check_grad_parity(ctx: Context) -> CheckResult:
     B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
     x = ctx.inputs(g, B, T, E)  # (B, T, E)
     up = ctx.inputs(g, B, T, E)  # (B, T, E): upstream gradient
-    pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
-    pad[0, -2:] = True
+    pad = ctx.padding(B, T, 2)
     errs = {}
     cases: dict[str, _MaskKwargs] = {"unmasked": {}, "causal+padding": {"is_causal": True, "key_padding_mask": pad}}
     for name, kw in cases.items():
@@ -650,8 +649,7 @@ def check_padding_invariance(ctx: Context) -> CheckResult:
     B, T, E = ctx.batch, ctx.seq_len, ctx.adapter.embed_dim
     n_pad = 3
     x = ctx.inputs(g, B, T, E)  # (B, T, E)
-    pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
-    pad[0, -n_pad:] = True
+    pad = ctx.padding(B, T, n_pad)
     changed = x.clone()
     changed[0, -n_pad:] += 3.0 * ctx.inputs(g, n_pad, E)  # rewrite the pad tokens of sequence 0
     before = ctx.adapter(x, x, x, key_padding_mask=pad)
@@ -668,8 +666,7 @@ def check_padded_kv_nonfinite(ctx: Context) -> CheckResult:
     B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
     x = ctx.inputs(g, B, T, E)  # (B, T, E)
     q = ctx.inputs(g, B, ctx.cross_len, E)  # (B, T_q, E): clean queries for cross-attention
-    pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
-    pad[0, -3:] = True
+    pad = ctx.padding(B, T)
     pad[-1, -1] = True
     items: dict[str, tuple[float, float]] = {}
     findings = []
@@ -781,8 +778,7 @@ def check_attention_weights(ctx: Context) -> CheckResult:
     g = ctx.generator("attention_weights")
     B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
     x = ctx.inputs(g, B, T, E)  # (B, T, E)
-    pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
-    pad[0, -3:] = True
+    pad = ctx.padding(B, T)
     cases: dict[str, _MaskKwargs] = {
         "unmasked": {},
         "causal": {"is_causal": True},
@@ -890,8 +886,7 @@ def check_deterministic_backward(ctx: Context) -> CheckResult:
     up = ctx.inputs(g, B, T, E)  # (B, T, E): upstream gradient
     params = [p for p in getattr(a, "parameters", list)() if p.requires_grad]
     a.set_training(False)
-    pad = torch.zeros(B, T, dtype=torch.bool, device=ctx.device)
-    pad[0, -5:] = True
+    pad = ctx.padding(B, T, 5)
     cases: dict[str, _MaskKwargs] = {"unmasked": {}, "causal+padding": {"is_causal": True, "key_padding_mask": pad}}
 
     def grads(kw: _MaskKwargs) -> tuple[Tensor | None, ...]:

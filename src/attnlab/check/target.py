@@ -759,9 +759,7 @@ def build_target(
             return probed
     try:
         adapter = cast(AttentionAdapter, place(as_adapter(built, scale=scale), dev, dt))
-    except TypeError as e:
-        raise TargetError(f"--target {spec!r}: {e}") from None
-    except ValueError as e:  # an adapter elsewhere without to(): its message names the fix
+    except (TypeError, ValueError) as e:  # ValueError: an adapter elsewhere without to(), its message names the fix
         raise TargetError(f"--target {spec!r}: {e}") from None
     if isinstance(adapter, AttentionAdapter) and adapter.factory is None:
         adapter.factory = factory  # the head-dim and head-layout checks rebuild the target through it

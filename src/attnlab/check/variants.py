@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention import MultiHeadAttention
+from ..core.functional import causal_keep
 from ..core.kv_cache import RollingKVCache
 from .result import CheckResult
 
@@ -128,8 +129,7 @@ def check_softcap(ctx: Any) -> CheckResult:
     if isinstance(m, str):
         return _skip(m)
     x, C = _input(ctx, "variant_softcap", m), float(m.softcap)  # type: ignore[arg-type]
-    T = x.size(1)
-    keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    keep = causal_keep(x.size(1), x.size(1), x.device)
     err = _rel(m(x, is_causal=True), _formula(m, x, keep=keep, softcap=C))
     return _row(ctx, err, f"softcap={C:g}: C * tanh(scores / C), causal")
 
@@ -155,8 +155,7 @@ def check_sinks(ctx: Any) -> CheckResult:
     if isinstance(m, str):
         return _skip(m)
     x = _input(ctx, "variant_sinks", m)
-    T = x.size(1)
-    keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    keep = causal_keep(x.size(1), x.size(1), x.device)
     err = _rel(m(x, is_causal=True), _formula(m, x, keep=keep, sinks=torch.as_tensor(m.sinks).detach()))
     return _row(ctx, err, "sinks: exp(s_h) added to every row's softmax denominator, causal")
 
