@@ -12,7 +12,8 @@ The corpora (``--corpus``, repeatable; all by default): style_corpus (the six na
 other corpus covers, from fairseq and Whisper to Swin and Falcon, each mistake with its repaired twin),
 style_corpus_fresh3 (eight more, written to measure the gap: MPT, OLMo-2, StableLM, Baichuan, InternLM2, ChatGLM,
 DINOv2's MemEffAttention, BART) and style_corpus_fresh4 (nine more: diffusers' AttnProcessor, BEiT, the Set
-Transformer, SegFormer, a Keras port, Cohere, DBRX, audiocraft, Llama 3.2 Vision's cross-attention).
+Transformer, SegFormer, a Keras port, Cohere, DBRX, audiocraft, Llama 3.2 Vision's cross-attention) and
+style_corpus_fresh5 (CodeGen's grouped qkv rows, Phi-3's sliced qkv, an mlx-lm port, GPT-2 at its own initialisation).
 style_corpus_fresh and style_corpus_fresh2 are scored by naming them.
 
 Usage:
@@ -40,6 +41,7 @@ CORPORA = (
     "style_corpus_wild",
     "style_corpus_fresh3",
     "style_corpus_fresh4",
+    "style_corpus_fresh5",
 )
 
 # an argparse/tyro usage refusal: "error: ..." at the start of a line, or after "attnlab check: "

@@ -41,7 +41,6 @@ WILD_STAGES: dict[str, set[str]] = {
     "scale_head_dim_not_sqrt": {"scaled"},
     "masked_fill_zero": {"masked"},
     "rotary_on_values": {"v_heads", "context"},
-    "rotary_q_only": {"weights", "scaled", "scores"},
     "v_uses_q_proj": {"v"},
     "padding_on_queries": {"masked"},
     "kv_from_query": {"k", "weights"},

@@ -369,10 +369,12 @@ def test_cli_trace_target_fits_80_columns_and_json_parses(capsys, monkeypatch):
     assert lines[i - 1].split() == ["2", "[2,", "10,", "8,", "8]", "view", "q_heads", "[2,", "8,", "10,", "8]"]
     verdict = " ".join(ln.strip() for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("every "))) :])
     assert verdict.startswith("every reference stage was reproduced: q, k, v, q_heads"), verdict
-    # traced again with the masks and the context its forward takes, where a mask or context mistake would show
+    # traced again with the masks and the context its forward takes, where a mask or context mistake would show, and
+    # with key and value apart, where V read from the key would show
     assert verdict.endswith(
         "traced again with key padding (the last 3 keys of the first sequence) and a separate context as key and "
-        "value, and with the same masks in self-attention: every stage reproduced too"
+        "value, and with the same masks in self-attention, and with the context as key and another tensor as value: "
+        "every stage reproduced too"
     ), verdict
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["trace", "--target", spec]) == 0

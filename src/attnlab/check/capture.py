@@ -59,10 +59,20 @@ def _in_place(func: object) -> bool:
     return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name.endswith("__"))
 
 
+_LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CASTS = {Tensor.to, Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.type, Tensor.type_as}
+
+
 class _Mode(TorchFunctionMode):
-    def __init__(self, inputs: dict[str, Tensor], names: dict[int, str], tuples: bool = False) -> None:
+    def __init__(
+        self, inputs: dict[str, Tensor], names: dict[int, str], tuples: bool = False, exact: bool = False
+    ) -> None:
         super().__init__()
         self.tuples = tuples  # record each tensor of a split/chunk/unbind as an op of its own, "split[0]" ...
+        # a float64 run stays float64: a module's own casts to a narrower float (CodeGen's q.to(float32), Phi-3's
+        # softmax(dtype=float32), a rotary table's .float()) are made to float64, so that they neither round the
+        # values a data-flow reading matches at 1e-6 (dataflow.py) nor meet float64 tensors in another dtype
+        self.exact = exact
         self.ops: list[Op] = []
         self.ids: dict[int, int] = {}  # id(tensor) -> producing op index (inputs negative)
         self.keep: list[Tensor] = []  # the tensors stay alive, so their ids stay unique
@@ -116,7 +126,12 @@ class _Mode(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             return self._inside_mha(func, args, kwargs)
         args, kwargs = _positional(func, args, kwargs)
+        if self.exact and kwargs.get("dtype") in _LOW_FLOATS:
+            kwargs = {**kwargs, "dtype": torch.float64}
         out = func(*args, **kwargs)
+        if self.exact and func in _CASTS and isinstance(out, Tensor) and out.dtype in _LOW_FLOATS:
+            src = args[0]  # a cast to a narrower float is made to float64 instead, from the values as they were
+            out = src if src.dtype == torch.float64 else src.to(torch.float64)
         flat = [b for a in args for b in (a if isinstance(a, list | tuple) else (a,))]
         tracked = [a for a in flat if isinstance(a, Tensor) and id(a) in self.ids]
         split = self.tuples and isinstance(out, tuple | list) and len(out) > 0
@@ -192,10 +207,16 @@ def capture(
 
 
 def capture_until_error(
-    fn: Callable[[], object], inputs: dict[str, Tensor], module: nn.Module | None = None, *, tuples: bool = True
+    fn: Callable[[], object],
+    inputs: dict[str, Tensor],
+    module: nn.Module | None = None,
+    *,
+    tuples: bool = True,
+    exact: bool = False,
 ) -> tuple[list[Op], Exception | None]:
-    """:func:`capture` that survives ``fn`` raising: ``(the ops recorded until then, the exception or None)``."""
-    mode = _Mode(inputs, _param_names(module), tuples)
+    """:func:`capture` that survives ``fn`` raising: ``(the ops recorded until then, the exception or None)``.
+    ``exact``: a float64 run is kept float64 (the module's casts down are not made)."""
+    mode = _Mode(inputs, _param_names(module), tuples, exact)
     try:
         with mode:
             fn()

@@ -867,7 +867,7 @@ def _read(
             return call(probe, inp)
 
         with torch.no_grad():  # read only: no graph (an in-place op on a split's view is then allowed, as in eval)
-            ops, err = capture_until_error(run, {"x": inp}, probe)
+            ops, err = capture_until_error(run, {"x": inp}, probe, exact=dtype == torch.float64)
         if err is not None:
             raise Unreadable(f"the probe call raised {type(err).__name__}: {err}")
         results.append((ops, attention_sites(ops, [inp], heads_first)))

@@ -145,6 +145,22 @@ WINDOW_PROBE = "window masks"  # distinct masks per window, two images: for a ta
 
 
 @torch.no_grad()
+def _probe_gain(a: AttentionAdapter, x: Tensor) -> float:
+    """The factor the probe inputs are taken by so that the textbook scores spread by about 1: weights
+    initialised small (GPT-2's Conv1D and HF's ``initializer_range`` 0.02) give scores of ~0.01 on unit inputs,
+    where every weighting is near uniform and a mistake in the scale, the mask fill or the softmax barely moves
+    the output (a scale of 1/D for 1/sqrt(D) was 6e-4 away and fitted no recipe). 1 where they spread by 0.1
+    or more, as nn.Linear's default initialisation gives."""
+    try:
+        with torch.no_grad():
+            spread = float(_probe_stages(a, _Probe("self", x, x, x, {}))["scaled"].std())
+    except (RuntimeError, KeyError):
+        return 1.0
+    if not math.isfinite(spread) or spread >= 0.1 or spread <= 0.0:
+        return 1.0
+    return min(math.sqrt(1.0 / spread), 100.0)  # scores grow as the square of the inputs (biases aside)
+
+
 def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
     g = torch.Generator().manual_seed(seed * 7919 + 17)
     w = a.projections().q_weight
@@ -152,6 +168,10 @@ def _run_probes(a: AttentionAdapter, seed: int) -> list[_Probe]:
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(w)  # on the target's device, in its dtype
     B, T, Tk, E = PROBE_B, PROBE_T, PROBE_TK, a.embed_dim
     x = rnd(B, T, E)  # (B, T, E)
+    gain = _probe_gain(a, x)
+    if gain != 1.0:
+        x = x * gain
+        rnd = lambda *shape: torch.randn(*shape, generator=g).to(w) * gain
     pad = torch.zeros(B, T, dtype=torch.bool, device=dev)
     pad[0, -2:] = True
     pad[1, -1] = True
@@ -208,7 +228,8 @@ def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok:
     with ``nan_ok``, whose outputs are finite); None: the recipe cannot be computed at these sizes (so it
     is not what the module does)."""
     try:
-        s = _probe_stages(a, probe, recipe)
+        with torch.no_grad():  # values compared, no gradient wanted (float() of one warns)
+            s = _probe_stages(a, probe, recipe)
     except RuntimeError:
         return None
     assert probe.out is not None
@@ -217,7 +238,7 @@ def _recipe_error(a: AttentionAdapter, recipe: Recipe, probe: _Probe, *, nan_ok:
         sees = torch.ones(probe.out.shape[:2], dtype=torch.bool, device=probe.out.device)
     if nan_ok:
         sees = sees & torch.isfinite(probe.out).all(dim=-1)
-    got, want = probe.out.double()[sees], s["out"][sees]
+    got, want = probe.out.detach().double()[sees], s["out"][sees]
     if got.shape != want.shape:
         return math.inf
     if not bool(torch.isfinite(got).all()):

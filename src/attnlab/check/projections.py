@@ -137,6 +137,29 @@ def _from(names: list[str], params: Mapping[str, Tensor]) -> RowSource:
     return RowSource(parts, tuple((b, tuple(range(params[b].size(0)))) for b in biases) if has_bias else None, 1.0)
 
 
+def _rows_taken_back(roles: dict[str, RowSource], params: Mapping[str, Tensor]) -> dict[str, RowSource]:
+    """``roles`` with the rows of one fused weight that no role reads given back: where two roles read the same
+    rows of it (Phi-3's V sliced at K's place) and as many rows go unused, the role that borrowed takes them,
+    the later of the two (q, k, v) when they lie after the shared rows, the earlier when before."""
+    pairs = [(a, b) for a, b in (("q", "k"), ("q", "v"), ("k", "v")) if roles[a].parts == roles[b].parts]
+    if len(pairs) != 1 or any(len(s.parts) != 1 for s in roles.values()):
+        return roles
+    a, b = pairs[0]
+    path, transposed, rows = roles[a].parts[0]
+    if any(s.parts[0][:2] != (path, transposed) for s in roles.values()) or params[path].dim() != 2:
+        return roles
+    used = {i for s in roles.values() for i in s.parts[0][2]}
+    free = tuple(i for i in range(params[path].size(1 if transposed else 0)) if i not in used)
+    if len(free) != len(rows):
+        return roles
+    bias = roles[a].bias
+    if bias is not None and (len(bias) != 1 or bias[0][1] != rows):
+        return roles
+    taker = b if min(free) > max(rows) else a
+    back = replace(roles[a], parts=((path, transposed, free),), bias=None if bias is None else ((bias[0][0], free),))
+    return {**roles, taker: back}
+
+
 def settle_roles(module: nn.Module, r: Reading) -> Reading:
     """The reading with each role on the weight meant for it, where the data flow alone cannot tell.
 
@@ -157,6 +180,7 @@ def settle_roles(module: nn.Module, r: Reading) -> Reading:
         if picks:
             roles[role] = _from(picks, params)
             spare = [n for n in spare if n not in picks]
+    roles = _rows_taken_back(roles, params)
     hints = {role: _hint(module, src.parts[0][0]) if len(src.parts) == 1 else None for role, src in roles.items()}
     if sorted(map(str, hints.values())) == ["k", "q", "v"] and any(h != role for role, h in hints.items()):
         roles = {cast(str, hints[role]): src for role, src in roles.items()}
