@@ -78,3 +78,29 @@ def test_a_chunked_prefill_with_the_shared_buffer_equals_one_without(kv_dtype):
         with torch.no_grad():
             out.append(prefill(model, idx, positions_from_padding(pad)[:, :70], pad, caches, chunk=16))
     assert torch.equal(out[0], out[1])
+
+
+def test_a_long_prompt_s_last_prefill_calls_give_each_layer_s_freed_memory_back(monkeypatch):
+    """Where the cache is fullest (the calls ending within three chunks of the prompt's end) each layer's freed work
+    memory goes back to the OS; the earlier calls, and a prompt of one call, leave it to the trim after the call."""
+    import attnlab.models.decoder as decoder
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, block_size=128, n_layer=3, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=32)
+    model = Decoder(cfg).eval()
+    trims: list[int] = []
+    monkeypatch.setattr(decoder, "release_freed_heap", lambda: trims.append(1) or True)
+    pad = torch.zeros(1, 80, dtype=torch.bool)
+    for T, chunk, calls_trimmed in ((70, 16, 4), (40, None, 0)):  # ends 32, 48, 64, 70 of 16 .. 70; one call
+        trims.clear()
+        with torch.no_grad():
+            prefill(
+                model,
+                torch.randint(0, 64, (1, T)),
+                positions_from_padding(pad)[:, :T],
+                pad,
+                model.setup_caches(1, 80),
+                chunk=chunk,
+            )
+        assert len(trims) == calls_trimmed * cfg.n_layer, (T, len(trims))
+        assert not decoder.trims_each_layer()  # the context is left

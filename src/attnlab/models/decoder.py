@@ -28,6 +28,7 @@ from ..core.rope import rope_cos_sin
 from ..core.validation import check_document_ids
 from ..core.variants import document_positions
 from ..quant.layers import QuantEmbedding, QuantLinear, fuse_rows
+from ..runtime import release_freed_heap, trims_each_layer
 from .blocks import Block, RMSNorm, SwiGLUMLP, make_norm
 from .config import DecoderConfig
 from .generation import check_token_ids, generate
@@ -394,6 +395,7 @@ class Decoder(nn.Module):
                 dtype=x.dtype,
                 device=x.device,
             )
+        trim = trims_each_layer() and x.device.type == "cpu" and not torch.compiler.is_compiling()
         for i, block in enumerate(self.blocks):
             x = block(
                 x,
@@ -405,6 +407,8 @@ class Decoder(nn.Module):
                 context_parallel=context_parallel,
                 key_padding_mask=key_padding_mask,
             )  # (B, T, E)
+            if trim:  # a prompt's last prefill call (attnlab.runtime.heap_trimmed_each_layer)
+                release_freed_heap()
         if only_last:
             x = x[:, -1:]  # (B, 1, E)
         return self._logits(self.final_norm(x))  # (B, T, E) @ (E, V) -> (B, T, V)

@@ -12,6 +12,7 @@ with ``torch.compile(fullgraph=True)``; the padding mask covers all ``S`` slots 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from ..core.kv_cache import KVCache, RollingKVCache
 from ..core.mla_cache import MLACache
-from ..runtime import LimitError, UsageError, check_range, release_freed_heap
+from ..runtime import LimitError, UsageError, check_range, heap_trimmed_each_layer, release_freed_heap
 from ..runtime.threads import ThreadChooser, Threads, check_threads, free_cpus, resolve_threads
 
 __all__ = [
@@ -211,13 +212,16 @@ def prefill(
     step = T if chunk is None else chunk
     ends = [*range(min(T, first), T, step), T]  # where each call's tokens end
     for start, end in zip([0, *ends[:-1]], ends, strict=True):
-        logits = model(
-            idx[:, start:end],
-            positions=positions[:, start:end],
-            key_padding_mask=key_padding_mask[:, :end] if padded else None,  # (B, end): the keys attended
-            caches=caches,
-            only_last=True,
-        )
+        # the last calls of several, where the cache is fullest, free their work memory layer by layer
+        last = end > T - 3 * step and start > 0 and idx.device.type == "cpu"
+        with heap_trimmed_each_layer() if last else contextlib.nullcontext():
+            logits = model(
+                idx[:, start:end],
+                positions=positions[:, start:end],
+                key_padding_mask=key_padding_mask[:, :end] if padded else None,  # (B, end): the keys attended
+                caches=caches,
+                only_last=True,
+            )
         if end < T and idx.device.type == "cpu":
             release_freed_heap()  # this call's work memory, freed (see PREFILL_CHUNK)
     return logits[:, -1]  # (B, V)

@@ -12,10 +12,12 @@ from .memory import (
     available_bytes,
     check_fits,
     gib,
+    heap_trimmed_each_layer,
     memory_limit,
     out_of_memory,
     out_of_memory_line,
     release_freed_heap,
+    trims_each_layer,
 )
 from .optional import import_advice
 from .run_lock import LOCK_NAME, RunLock
@@ -56,7 +58,9 @@ __all__ = [
     "nbytes",
     "out_of_memory",
     "out_of_memory_line",
+    "heap_trimmed_each_layer",
     "release_freed_heap",
+    "trims_each_layer",
     "resolve_device",
     "resolve_dtype",
     "writing",
