@@ -395,7 +395,7 @@ class Decoder(nn.Module):
                 dtype=x.dtype,
                 device=x.device,
             )
-        trim = trims_each_layer() and x.device.type == "cpu" and not torch.compiler.is_compiling()
+        trim = not torch.compiler.is_compiling() and x.device.type == "cpu" and trims_each_layer()
         for i, block in enumerate(self.blocks):
             x = block(
                 x,
