@@ -407,7 +407,7 @@ class Decoder(nn.Module):
                 context_parallel=context_parallel,
                 key_padding_mask=key_padding_mask,
             )  # (B, T, E)
-            if trim:  # a prompt's last prefill call (attnlab.runtime.heap_trimmed_each_layer)
+            if trim:  # a long prompt's last prefill calls (attnlab.runtime.heap_trimmed_each_layer)
                 release_freed_heap()
         if only_last:
             x = x[:, -1:]  # (B, 1, E)
