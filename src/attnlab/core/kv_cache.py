@@ -505,7 +505,7 @@ CPU_FUSED_KV_DTYPE: KVDtype = "float16"
 # ... up to this many bytes of float16 cache; a call whose cache would hold more stores int8 (issue 51: peak RSS).
 # SmolLM2 caches 23,040 bytes a position in float16, 12,960 in int8: over 32 MB from 1389 positions, 189 MB against
 # 106 MB at its 8192. The int8 cache's cost (docs/howto/real-models.md, "The 8-bit KV cache against the float32
-# cache"): teacher-forced over 20 chat prompts it takes the float32 cache's greedy token at 97.1% of the positions,
+# cache"): teacher-forced over 20 chat prompts it takes the float32 cache's greedy token at 97.0% of the positions,
 # where the float32 cache itself, summed in another order (2 threads instead of 1), takes it at 97.7%.
 CPU_FUSED_FLOAT16_MAX_BYTES = 32_000_000
 CPU_FUSED_LONG_KV_DTYPE: KVDtype = "int8"
@@ -542,7 +542,7 @@ def resolve_kv_dtype(
             return long, (
                 f"{where}, {slots} positions: {kv_cache_bytes(long, slots * per_slot) / 1e6:.0f} MB against "
                 f"{half / 1e6:.0f} MB in float16, over {CPU_FUSED_FLOAT16_MAX_BYTES / 1e6:.0f} MB; greedy agreement with "
-                f"float32, teacher-forced: 97.1%, against 97.7% for float32 summed in another order"
+                f"float32, teacher-forced: 97.0%, against 97.7% for float32 summed in another order"
             )
         return None, f"{flag} auto: the compute dtype, exact (no compact-cache kernel on this path)"
     if name not in KV_DTYPES:

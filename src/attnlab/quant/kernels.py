@@ -243,7 +243,9 @@ def decode_attention(
         k_scale, v_scale: ``(B, G, S, D / block)`` float32, the int8 cache's scales.
         key_padding_mask: ``(B, S)`` bool, True = a padding slot (weight 0).
         scale: of the scores; default ``1 / sqrt(D)``.
-        isa: 0 plain C++, 1 AVX2, 2 AVX-512; -1 the best this CPU has.
+        isa: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI (an int8 cache's keys multiplied by the query
+            rounded to int8 per block of 32, GGML's q8_0 dot product; other caches as 2); -1 the best this CPU
+            has (3 where it has VNNI).
 
     Returns ``(B, H, D)`` float32. Needs the compiled kernels (:func:`kernel_status`).
     """
