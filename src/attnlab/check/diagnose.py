@@ -495,31 +495,21 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
         )
     out = full.detach()[:, 2]  # (B, E)
     inference = a(x, x, x, keep_mask=keep)[:, 2]  # (B, E): no_grad may take another path (torch's MHA fast path)
-    if bool(torch.isfinite(out).all()) and not bool(torch.isfinite(inference).all()):
-        n = int((~torch.isfinite(inference)).sum())
-        return _cause(
-            by_id("fully_masked_nan"),
-            a,
-            f"query 2 with every key masked: finite with autograd, but {n} of {inference.numel()} outputs NaN/inf "
-            f"under torch.no_grad (another code path, e.g. nn.MultiheadAttention's fast path)",
-            ["fully_masked_rows"],
+    bad = lambda t: int((~torch.isfinite(t)).sum())  # its NaN/inf entries
+    what = "query 2 with every key masked:"
+    if not bad(out) and bad(inference):
+        nan = (
+            f"{what} finite with autograd, but {bad(inference)} of {inference.numel()} outputs NaN/inf under "
+            f"torch.no_grad (another code path, e.g. nn.MultiheadAttention's fast path)"
         )
-    if grad is not None and not bool(torch.isfinite(grad).all()):
-        n = int((~torch.isfinite(grad)).sum())
-        return _cause(
-            by_id("fully_masked_nan"),
-            a,
-            f"query 2 with every key masked: outputs finite, but {n} input gradients NaN/inf (autograd through a softmax of -inf)",
-            ["fully_masked_rows"],
-        )
-    if not bool(torch.isfinite(out).all()):
-        n = int((~torch.isfinite(out)).sum())
-        return _cause(
-            by_id("fully_masked_nan"),
-            a,
-            f"query 2 with every key masked: {n} of {out.numel()} outputs NaN/inf",
-            ["fully_masked_rows"],
-        )
+    elif grad is not None and bad(grad):
+        nan = f"{what} outputs finite, but {bad(grad)} input gradients NaN/inf (autograd through a softmax of -inf)"
+    elif bad(out):
+        nan = f"{what} {bad(out)} of {out.numel()} outputs NaN/inf"
+    else:
+        nan = ""
+    if nan:
+        return _cause(by_id("fully_masked_nan"), a, nan, ["fully_masked_rows"])
     s = stages_of(a, x, x, x)
     p = a.projections().to(torch.float64)
     rep = a.num_heads // a.num_kv_heads
