@@ -75,7 +75,9 @@ def _dims(a: AttentionAdapter, **extra: object) -> dict[str, object]:
     }
 
 
-def _cause(m: Mistake, a: AttentionAdapter, evidence: str, explains: Sequence[str], **extra: object) -> Cause:
+def _cause(m: Mistake | str, a: AttentionAdapter, evidence: str, explains: Sequence[str], **extra: object) -> Cause:
+    """The cause ``m`` (a mistake or its id) names, its texts filled with ``a``'s sizes and ``extra``."""
+    m = by_id(m) if isinstance(m, str) else m
     dims = _dims(a, **extra)
     return Cause(m.id, m.text("found", dims), evidence, m.text("fix", dims), m.seed, tuple(explains), m.hardening)
 
@@ -495,31 +497,21 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
         )
     out = full.detach()[:, 2]  # (B, E)
     inference = a(x, x, x, keep_mask=keep)[:, 2]  # (B, E): no_grad may take another path (torch's MHA fast path)
-    if bool(torch.isfinite(out).all()) and not bool(torch.isfinite(inference).all()):
-        n = int((~torch.isfinite(inference)).sum())
-        return _cause(
-            by_id("fully_masked_nan"),
-            a,
-            f"query 2 with every key masked: finite with autograd, but {n} of {inference.numel()} outputs NaN/inf "
-            f"under torch.no_grad (another code path, e.g. nn.MultiheadAttention's fast path)",
-            ["fully_masked_rows"],
+    bad = lambda t: int((~torch.isfinite(t)).sum())  # its NaN/inf entries
+    what = "query 2 with every key masked:"
+    if not bad(out) and bad(inference):
+        nan = (
+            f"{what} finite with autograd, but {bad(inference)} of {inference.numel()} outputs NaN/inf under "
+            f"torch.no_grad (another code path, e.g. nn.MultiheadAttention's fast path)"
         )
-    if grad is not None and not bool(torch.isfinite(grad).all()):
-        n = int((~torch.isfinite(grad)).sum())
-        return _cause(
-            by_id("fully_masked_nan"),
-            a,
-            f"query 2 with every key masked: outputs finite, but {n} input gradients NaN/inf (autograd through a softmax of -inf)",
-            ["fully_masked_rows"],
-        )
-    if not bool(torch.isfinite(out).all()):
-        n = int((~torch.isfinite(out)).sum())
-        return _cause(
-            by_id("fully_masked_nan"),
-            a,
-            f"query 2 with every key masked: {n} of {out.numel()} outputs NaN/inf",
-            ["fully_masked_rows"],
-        )
+    elif grad is not None and bad(grad):
+        nan = f"{what} outputs finite, but {bad(grad)} input gradients NaN/inf (autograd through a softmax of -inf)"
+    elif bad(out):
+        nan = f"{what} {bad(out)} of {out.numel()} outputs NaN/inf"
+    else:
+        nan = ""
+    if nan:
+        return _cause("fully_masked_nan", a, nan, ["fully_masked_rows"])
     s = stages_of(a, x, x, x)
     p = a.projections().to(torch.float64)
     rep = a.num_heads // a.num_kv_heads
@@ -530,7 +522,7 @@ def _fully_masked(a: AttentionAdapter, seed: int) -> Cause | None:
     err = float((out.double() - uniform).abs().max() / uniform.abs().max())
     if err <= HYPOTHESIS_TOL:
         return _cause(
-            by_id("fully_masked_uniform"),
+            "fully_masked_uniform",
             a,
             f"query 2 with every key masked equals the plain average of all values to {err:.1e}, not the zero context",
             ["fully_masked_rows"],
@@ -548,21 +540,18 @@ def _dropout(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause | None:
     band = 5.0 * math.sqrt(p * (1 - p) / n)
     if abs(frac - (1 - p)) <= band and abs(frac - p) > band:
         return _cause(
-            by_id("dropout_keep_prob"),
-            a,
-            f"{frac:.3f} of the weights dropped, p = {p:g}: that is 1 - p",
-            ["dropout_rate"],
+            "dropout_keep_prob", a, f"{frac:.3f} of the weights dropped, p = {p:g}: that is 1 - p", ["dropout_rate"]
         )
     if abs(frac - p) <= band and abs(kept - 1.0) < 0.1 * (1 / (1 - p) - 1):
         return _cause(
-            by_id("dropout_no_rescale"),
+            "dropout_no_rescale",
             a,
             f"dropped fraction {frac:.3f} = p, but kept weights x{kept:.4f}, want x{1 / (1 - p):.4f}",
             ["dropout_rate"],
         )
     if frac < p / 4:
         return _cause(
-            by_id("dropout_inactive"),
+            "dropout_inactive",
             a,
             f"in training, {frac:.4f} of {n} one-key weights were dropped, want p = {p:g}",
             ["dropout_rate"],
@@ -597,7 +586,7 @@ def _float64(
         _name_by_stage(a64, x, ops)
         where = _call_text(ops.index(low), ops, ["x"])
         return _cause(
-            by_id("float64_downcast"),
+            "float64_downcast",
             a,
             f"in a float64 run, op #{ops.index(low) + 1} `{where}` returns {str(low.dtype).removeprefix('torch.')}",
             grads,
@@ -647,7 +636,7 @@ def _low_precision(
         if isinstance(worst.measured, float)
         else worst.detail
     )
-    return _cause(by_id("low_precision_loss"), a, evidence + where, names)
+    return _cause("low_precision_loss", a, evidence + where, names)
 
 
 # What an op's result is called in a message: the reference stage it equals, in the seed's words.
@@ -688,7 +677,7 @@ def _mask_polarity(a: AttentionAdapter, rows: dict[str, CheckResult]) -> Cause |
         else "mask with masked_fill(attn_mask, float('-inf')) so that True = blocked; or pass --mask-convention keep"
     )
     return _cause(
-        by_id("mask_polarity"),
+        "mask_polarity",
         a,
         f"a bool mask reads {r.measured} here ({r.detail}); expected {declared}",
         ["mask_semantics"],
@@ -817,7 +806,7 @@ def diagnose(
         d = report["determinism"]
         add(
             _cause(
-                by_id("dropout_in_eval"),
+                "dropout_in_eval",
                 a,
                 f"two eval calls on the same input differ by {d.measured:.2e}, with dropout p={getattr(a, 'dropout_p', 0):g}"
                 if isinstance(d.measured, float)
@@ -879,7 +868,7 @@ def diagnose(
             if form is not None and form.padding_arg is None
             else "zero the padded rows of V before the weighted sum: v.masked_fill(key_padding_mask[:, None, :, None], 0.0)"
         )
-        add(_cause(by_id("padded_values_nan"), a, why, ["padded_kv_nonfinite"], pad_fix=pad_fix), force=True)
+        add(_cause("padded_values_nan", a, why, ["padded_kv_nonfinite"], pad_fix=pad_fix), force=True)
     left = {r.name: r for r in failing if r.name not in explained}
     add(_dropout(a, left))
     left = {r.name: r for r in failing if r.name not in explained}
@@ -900,15 +889,7 @@ def diagnose(
             causes[i] = replace(causes[i], explains=(*causes[i].explains, "scale_attribute"))
             explained.add("scale_attribute")
         elif declared is not None:
-            add(
-                _cause(
-                    by_id("scale_attribute"),
-                    a,
-                    report["scale_attribute"].detail,
-                    ["scale_attribute"],
-                    declared=declared,
-                )
-            )
+            add(_cause("scale_attribute", a, report["scale_attribute"].detail, ["scale_attribute"], declared=declared))
     left_names = [r.name for r in failing if r.name not in explained]
     if left_names and textbook_off and not any(c.id in _NUMERIC for c in causes):
         try:

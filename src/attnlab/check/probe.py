@@ -40,7 +40,8 @@ import functools
 import inspect
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
@@ -112,18 +113,15 @@ def materialise(module: nn.Module, embed_dim: int) -> bool:
     if not is_lazy(module):
         return False
     form = read_call_form(module)
-    training = module.training
-    module.eval()
     x = torch.zeros(2, 5, embed_dim).normal_(generator=torch.Generator().manual_seed(7))  # (B, T, E)
     try:
-        _call(module, form, (x, x, x), {})
+        with evaluating(module):
+            _call(module, form, (x, x, x), {})
     except Exception as e:
         raise NotAttention(
             f"{type(module).__name__} has lazy weights (nn.LazyLinear) that one call on (B, T, E) = (2, 5, {embed_dim}) "
             f"should create, but {form.describe()} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
-    finally:
-        module.train(training)
     for layer in module.modules():  # a lazy projection the call never used (V computed with W_k): at width E
         if isinstance(layer, nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params():
             layer(torch.zeros(1, embed_dim))
@@ -353,8 +351,6 @@ def _refused(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallFo
         return form
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     x = torch.randn(2, 5, widths[0], generator=torch.Generator().manual_seed(92)).to(dtype)
-    training = module.training
-    module.eval()
 
     def refused(tries: list[dict], qkv: tuple[Tensor, ...] = (x, x, x)) -> bool:
         for kwargs in tries:
@@ -367,7 +363,7 @@ def _refused(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallFo
             return False
         return True
 
-    try:
+    with evaluating(module):
         if not any((form.mask_arg, form.padding_arg, form.weights_arg, form.inputs == 3)):
             return form
         try:
@@ -383,8 +379,6 @@ def _refused(module: nn.Module, form: CallForm, embed_dim: int | None) -> CallFo
         weights = None if form.weights_arg and refused([{form.weights_arg: True}]) else form.weights_arg
         causal = None if form.causal_arg and refused([{form.causal_arg: True}]) else form.causal_arg
         self_only = form.inputs == 3 and refused([{}], (x, x.clone(), x.clone()))
-    finally:
-        module.train(training)
     return replace(
         form, mask_arg=mask, padding_arg=pad, weights_arg=weights, causal_arg=causal, self_only=self_only,
         average_arg=form.average_arg if weights else None, torch_form=form.torch_form and None not in (mask, pad, weights),
@@ -436,9 +430,7 @@ def _context_refused(module: nn.Module, form: CallForm, embed_dim: int | None) -
     g = torch.Generator().manual_seed(93)
     x = torch.randn(2, 5, widths[0], generator=g).to(dtype)
     alone = replace(form, inputs=1, input_names=form.input_names[:1], context_optional=False, rest_by_name=False)
-    training = module.training
-    module.eval()
-    try:
+    with evaluating(module):
         try:
             out = _first(_call(module, alone, (x, x, x), {}))
         except Exception:
@@ -454,8 +446,6 @@ def _context_refused(module: nn.Module, form: CallForm, embed_dim: int | None) -
             if isinstance(out, Tensor) and out.shape == x.shape:
                 return form  # it takes a context
         return alone
-    finally:
-        module.train(training)
 
 
 @torch.no_grad()
@@ -490,9 +480,7 @@ def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | No
     widths = [embed_dim] if embed_dim else []
     widths += [p.size(-1) for p in module.parameters() if p.dim() == 2]
     g = torch.Generator().manual_seed(99)
-    training = module.training
-    module.eval()
-    try:
+    with evaluating(module):
         for E in dict.fromkeys(w for w in widths if w):
             try:
                 dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
@@ -519,8 +507,6 @@ def _layout_by_experiment(module: nn.Module, form: CallForm, embed_dim: int | No
             # rows mixed either way (a mistaken split or merge): the masks say, else the keys' axis of the scores
             found = _layout_by_padding(module, form, x)
             return found if found.time_first else _layout_by_keys(module, form, x)
-    finally:
-        module.train(training)
     return form
 
 
@@ -616,6 +602,17 @@ SEEN = 1e-4  # a visible key's input changing moves the outputs by more than thi
 
 def _first(out: object) -> Tensor:
     return out[0] if isinstance(out, tuple | list) else out  # type: ignore[return-value]
+
+
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block (the experiments compare calls: dropout off), its own mode after."""
+    training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(training)
 
 
 @dataclass(frozen=True)
@@ -1189,14 +1186,11 @@ class ProbedAdapter(AttentionAdapter):
         x = torch.randn(4, T, self.embed_dim, generator=g).to(w)  # (nW * B, T, E): 2 windows, 2 images
         keep = torch.rand(2, T, T, generator=g) > 0.5  # (nW, T, T)
         keep[..., 0] = True
-        training = self.module.training
-        self.module.eval()
         try:
-            outs = [_first(self._invoke(x, x, x, {arg: self._mask(k)})) for k in (keep, keep.flip(0))]
+            with evaluating(self.module):
+                outs = [_first(self._invoke(x, x, x, {arg: self._mask(k)})) for k in (keep, keep.flip(0))]
         except Exception:
             return mf
-        finally:
-            self.module.train(training)
         if any(not isinstance(o, Tensor) or o.shape != x.shape or not bool(torch.isfinite(o).all()) for o in outs):
             return mf
         size = float(outs[0].abs().max().clamp_min(1e-12))
@@ -1303,30 +1297,27 @@ class ProbedAdapter(AttentionAdapter):
         x = torch.randn(B, T, self.embed_dim, generator=torch.Generator().manual_seed(4324)).to(w)  # (B, T, E)
         keep = torch.ones(T, T, dtype=torch.bool, device=w.device)
         keep[:, 2] = False  # (T, T): key 2 hidden
-        training = self.module.training
-        self.module.eval()
         try:
-            mask = self._mask(keep if masks.two_d else keep.expand(B, T, T))
-            plain = _first(self._invoke(x, x, x, {}))
-            size = float(plain.abs().max().clamp_min(1e-12))
-            if float((_first(self._invoke(x, x, x, {form.mask_arg: mask})) - plain).abs().max()) <= SEEN * size:
-                return form, masks  # the first mask changes nothing either: nothing to compare with
-            for name in others:
-                try:
-                    out = _first(self._invoke(x, x, x, {name: mask}))
-                except Exception:
-                    continue  # it takes another form: not ignored
-                if isinstance(out, Tensor) and out.shape == plain.shape and torch.equal(out, plain):
-                    note = (
-                        f"{name} changes nothing (a mask hiding a key, in the form {form.mask_arg} takes, leaves "
-                        f"every output as it is) while {form.mask_arg} masks: the checks hand their masks through "
-                        f"{name}"
-                    )
-                    return replace(form, mask_arg=name), replace(masks, note=note)
+            with evaluating(self.module):
+                mask = self._mask(keep if masks.two_d else keep.expand(B, T, T))
+                plain = _first(self._invoke(x, x, x, {}))
+                size = float(plain.abs().max().clamp_min(1e-12))
+                if float((_first(self._invoke(x, x, x, {form.mask_arg: mask})) - plain).abs().max()) <= SEEN * size:
+                    return form, masks  # the first mask changes nothing either: nothing to compare with
+                for name in others:
+                    try:
+                        out = _first(self._invoke(x, x, x, {name: mask}))
+                    except Exception:
+                        continue  # it takes another form: not ignored
+                    if isinstance(out, Tensor) and out.shape == plain.shape and torch.equal(out, plain):
+                        note = (
+                            f"{name} changes nothing (a mask hiding a key, in the form {form.mask_arg} takes, leaves "
+                            f"every output as it is) while {form.mask_arg} masks: the checks hand their masks through "
+                            f"{name}"
+                        )
+                        return replace(form, mask_arg=name), replace(masks, note=note)
         except Exception:
             return form, masks
-        finally:
-            self.module.train(training)
         return form, masks
 
     def _stated_padding(self) -> tuple[bool, str]:
@@ -1389,8 +1380,6 @@ class ProbedAdapter(AttentionAdapter):
         g = torch.Generator().manual_seed(4325)
         x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
         c = torch.randn(B, T - 1, self.embed_dim, generator=g).to(w)  # (B, T_k, E): a context, for cross calls
-        training = self.module.training
-        self.module.eval()
 
         def acts(name: str, q: Tensor, kv: Tensor) -> tuple[bool, bool] | None:
             """(True = keep, on keys) for ``name`` on the call (q, kv, kv); None: no padding argument there."""
@@ -1409,7 +1398,7 @@ class ProbedAdapter(AttentionAdapter):
                 return keeps, True
             return (keeps, False) if q is kv and bool((moved[:, p] > SEEN).all()) else None
 
-        try:
+        with evaluating(self.module):
             for name in others:
                 try:
                     found = acts(name, x, x)
@@ -1426,8 +1415,6 @@ class ProbedAdapter(AttentionAdapter):
                         cross = None
                     self_only = cross is None or cross != (keeps, True)
                 return replace(form, padding_arg=name, padding_self_only=self_only), keeps
-        finally:
-            self.module.train(training)
         return form, self.padding_keeps
 
     @torch.no_grad()
@@ -1449,27 +1436,24 @@ class ProbedAdapter(AttentionAdapter):
         moved[:, 0] += 2.0
         first = torch.zeros(2, 6, dtype=torch.bool, device=x.device)
         first[:, 0] = True
-        training = self.module.training
-        self.module.eval()
+
+        def hides(m: Tensor) -> bool:
+            a = _first(self._invoke(x, x, x, {arg: m}))
+            b = _first(self._invoke(moved, moved, moved, {arg: m}))
+            return float((a - b)[:, 1:].abs().max()) <= EXACT * float(a.abs().max().clamp_min(1e-12))
+
+        def sees_others(m: Tensor) -> bool:  # the keys it keeps reach the other queries: a key mask
+            other = x.clone()
+            other[:, 2] += 2.0
+            a = _first(self._invoke(x, x, x, {arg: m}))
+            b = _first(self._invoke(other, other, other, {arg: m}))
+            return float((a - b)[:, [1, 3, 4, 5]].abs().max()) > SEEN * float(a.abs().max().clamp_min(1e-12))
+
         try:
-
-            def hides(m: Tensor) -> bool:
-                a = _first(self._invoke(x, x, x, {arg: m}))
-                b = _first(self._invoke(moved, moved, moved, {arg: m}))
-                return float((a - b)[:, 1:].abs().max()) <= EXACT * float(a.abs().max().clamp_min(1e-12))
-
-            def sees_others(m: Tensor) -> bool:  # the keys it keeps reach the other queries: a key mask
-                other = x.clone()
-                other[:, 2] += 2.0
-                a = _first(self._invoke(x, x, x, {arg: m}))
-                b = _first(self._invoke(other, other, other, {arg: m}))
-                return float((a - b)[:, [1, 3, 4, 5]].abs().max()) > SEEN * float(a.abs().max().clamp_min(1e-12))
-
-            return not hides(first) and hides(~first) and sees_others(~first)
+            with evaluating(self.module):
+                return not hides(first) and hides(~first) and sees_others(~first)
         except Exception:
             return False
-        finally:
-            self.module.train(training)
 
     @torch.no_grad()
     def probe_max_len(self) -> int | None:
@@ -1490,9 +1474,7 @@ class ProbedAdapter(AttentionAdapter):
                 return False
             return isinstance(out, Tensor) and out.shape == x.shape
 
-        training = self.module.training
-        self.module.eval()
-        try:
+        with evaluating(self.module):
             if runs(LONGEST) or not runs(8):
                 return None
             lo, hi = 8, LONGEST  # runs(lo), not runs(hi)
@@ -1503,8 +1485,6 @@ class ProbedAdapter(AttentionAdapter):
             if not all(runs(T) for T in {lo - 1, lo // 2 + 1, (lo + 8) // 2}):
                 return None
             return lo
-        finally:
-            self.module.train(training)
 
     @torch.no_grad()
     def probe_causal(self) -> bool:
@@ -1516,20 +1496,17 @@ class ProbedAdapter(AttentionAdapter):
         w = self.projections().q_weight
         B, T, p = 2, 7, 4
         x = torch.randn(B, T, self.embed_dim, generator=g).to(w)  # (B, T, E)
-        training = self.module.training
-        self.module.eval()
         try:
-            base = self._plain(x)
-            if not isinstance(base, Tensor) or base.shape != x.shape or not bool(torch.isfinite(base).all()):
-                return False
-            moved = {i: x.clone() for i in (1, p)}
-            for i, t in moved.items():
-                t[:, i] += 3.0 * torch.randn(B, self.embed_dim, generator=g).to(w)
-            late, early = self._plain(moved[p]) - base, self._plain(moved[1]) - base  # (B, T, E) each
+            with evaluating(self.module):
+                base = self._plain(x)
+                if not isinstance(base, Tensor) or base.shape != x.shape or not bool(torch.isfinite(base).all()):
+                    return False
+                moved = {i: x.clone() for i in (1, p)}
+                for i, t in moved.items():
+                    t[:, i] += 3.0 * torch.randn(B, self.embed_dim, generator=g).to(w)
+                late, early = self._plain(moved[p]) - base, self._plain(moved[1]) - base  # (B, T, E) each
         except Exception:
             return False
-        finally:
-            self.module.train(training)
         size = base.abs().max().clamp_min(1e-12)
         past_alone = float(late[:, :p].abs().max() / size) <= EXACT
         reaches_later = float(late[:, p + 1 :].abs().max() / size) > SEEN
@@ -1540,12 +1517,8 @@ class ProbedAdapter(AttentionAdapter):
     def _softmaxes(self, x: Tensor, call: Callable[[], object]) -> list[Tensor]:
         """The ``(..., T, T)`` attention weights of every softmax ``call`` (self-attention of ``x`` ``(B, T, E)``)
         computes; none where it raises."""
-        training = self.module.training
-        self.module.eval()
-        try:
+        with evaluating(self.module):
             ops, err = capture_until_error(call, {"x": x}, self.module)
-        finally:
-            self.module.train(training)
         T = x.size(1)
         return [] if err else [op.out for op in ops if op.func in SOFTMAX_OPS and tuple(op.out.shape[-2:]) == (T, T)]
 
@@ -1570,15 +1543,12 @@ class ProbedAdapter(AttentionAdapter):
         moved = x.clone()
         moved[:, p] += 3.0 * torch.randn(B, self.embed_dim, generator=g).to(w)
         every = torch.ones(T, T, dtype=torch.bool, device=w.device)  # (T, T): every key kept
-        training = self.module.training
-        self.module.eval()
         try:
-            base = _first(self._run(x, x, x, every, None, False, weights=False))
-            late = _first(self._run(moved, moved, moved, every, None, False, weights=False)) - base
+            with evaluating(self.module):
+                base = _first(self._run(x, x, x, every, None, False, weights=False))
+                late = _first(self._run(moved, moved, moved, every, None, False, weights=False)) - base
         except Exception:
             return False
-        finally:
-            self.module.train(training)
         size = base.abs().max().clamp_min(1e-12)
         run = lambda: self._run(x, x, x, every, None, False, weights=False)
         return float(late[:, :p].abs().max() / size) > SEEN and not self._weights_causal(x, run)
@@ -1589,16 +1559,13 @@ class ProbedAdapter(AttentionAdapter):
         default = MaskForm(None, "bool", self.convention, "b1qk")
         if self.form.mask_arg is None:
             return replace(default, note="no mask argument")
-        training = self.module.training
-        self.module.eval()
         try:
-            return self._probe()
+            with evaluating(self.module):
+                return self._probe()
         except Unsupported:
             raise
         except Exception as e:  # the module fails on a plain call: the checks will say so, row by row
             return replace(default, note=f"not probed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        finally:
-            self.module.train(training)
 
     def _probe(self) -> MaskForm:
         g = torch.Generator().manual_seed(12345)
@@ -1878,12 +1845,8 @@ class HeadMap:
 def find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G: int) -> dict[str, HeadMap]:
     """The maps the module applies to each Q or K vector before the scores (qk-norm), found in eval mode (the
     experiments compare calls: dropout off); see :func:`_find_head_maps`."""
-    training = module.training
-    module.eval()
-    try:
+    with evaluating(module):
         return _find_head_maps(module, form, p, H, G)
-    finally:
-        module.train(training)
 
 
 def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G: int) -> dict[str, HeadMap]:

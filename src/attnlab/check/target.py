@@ -408,18 +408,17 @@ def _annotated_default(
     return None
 
 
+# the words _guess reads a size off: a head's size, a width
+_HEAD_SIZES = frozenset({"d_k", "d_v", "dk", "dim_head", "d_head"})
+_WIDTH_WORDS = frozenset("dim size state feat feats width channels hidden embd embed model features units".split())
+
+
 def _guess(name: str, E: int, H: int, G: int) -> object:
     """A value for a size no list names, from what its name suggests: tried, and kept only when the module
     then runs as attention (see :func:`_constructor_kwargs`); ``_MISSING`` when nothing is suggested."""
     key = name.lower()
     words = set(re.split(r"[_\d]+", key))
-    if ("head" in key and words & {"size", "dim", "d", "channels", "width"}) or key in (
-        "d_k",
-        "d_v",
-        "dk",
-        "dim_head",
-        "d_head",
-    ):
+    if ("head" in key and words & {"size", "dim", "d", "channels", "width"}) or key in _HEAD_SIZES:
         return E // H
     if "kv" in key or "group" in key:
         return G
@@ -427,21 +426,7 @@ def _guess(name: str, E: int, H: int, G: int) -> object:
         return H
     if words & {"window", "len", "length", "ctx", "max", "block", "positions", "pos", "context"}:
         return 1024
-    if words & {
-        "dim",
-        "size",
-        "state",
-        "feat",
-        "feats",
-        "width",
-        "channels",
-        "hidden",
-        "embd",
-        "embed",
-        "model",
-        "features",
-        "units",
-    }:
+    if words & _WIDTH_WORDS:
         return E
     if words & {"theta", "base"}:
         return 10000.0
@@ -458,11 +443,7 @@ def _candidates(name: str, E: int, H: int, G: int) -> list[object]:
     """Values to try for a required argument or config field no list names, the suggested one first."""
     first = _guess(name, E, H, G)
     values: list[object] = [] if first is _MISSING else [first]
-    return list(
-        dict.fromkeys(
-            [*values, E, H, E // H, G, 1024, False, True, 1.0, 0.0],
-        )
-    )
+    return list(dict.fromkeys([*values, E, H, E // H, G, 1024, False, True, 1.0, 0.0]))
 
 
 def _takes_module(param: inspect.Parameter) -> bool:
@@ -560,16 +541,16 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             except TargetError:
                 if params[n].default is inspect.Parameter.empty:
                     raise  # else a config of its own by default: built as it is
-    E0, H0 = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
-    G0 = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H0)
+    E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
+    G = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H)
     for name, value in list(kwargs.items()):  # config fields no list names: first guesses, then each candidate
         fields = getattr(value, "__dict__", {}).get("_attnlab_guessed")
-        if not fields or _runs(obj, kwargs, E0, H0):
+        if not fields or _runs(obj, kwargs, E, H):
             continue
-        for combo in itertools.islice(itertools.product(*(_candidates(f, E0, H0, G0) for f in fields)), 200):
+        for combo in itertools.islice(itertools.product(*(_candidates(f, E, H, G) for f in fields)), 200):
             for f, v in zip(fields, combo, strict=True):
                 setattr(value, f, v)
-            if _runs(obj, kwargs, E0, H0):
+            if _runs(obj, kwargs, E, H):
                 break
         else:  # no value of them makes it run as attention: say which fields, as before any was tried
             if name in params and params[name].default is not inspect.Parameter.empty:
@@ -579,8 +560,6 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
     unguessable = [n for n in params if n in required and n not in kwargs]
     layers = [n for n in unguessable if _takes_module(params[n])]  # torchtune's q_proj: nn.Module handed in
     if unguessable and len(unguessable) - len(layers) <= 3 and len(layers) <= 4:  # tried, kept where it runs
-        E, H = cast(int, wanted["embed_dim"]), cast(int, wanted["num_heads"])
-        G = cast(int | None, wanted.get("num_kv_heads")) or default_kv_heads(H)
         options = [_linears(E, H, G, kwargs) if n in layers else _candidates(n, E, H, G) for n in unguessable]
         for combo in itertools.islice(itertools.product(*options), 64):
             trial = {**kwargs, **dict(zip(unguessable, combo, strict=True))}
@@ -594,16 +573,11 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             f"a config object, layer_idx, block_size and bias); "
             f"give them defaults, or point --target at a factory: def make(embed_dim, num_heads): return {what}(...)."
         )
-    kwargs = _kv_heads_set(obj, kwargs, E0, H0, cast(int | None, wanted.get("num_kv_heads")))
-    if (
-        wanted.get("num_kv_heads") is None
-        and G0 != H0
-        and _takes(obj, "num_kv_heads")
-        and not _runs(obj, kwargs, E0, H0)
-    ):
+    kwargs = _kv_heads_set(obj, kwargs, E, H, cast(int | None, wanted.get("num_kv_heads")))
+    if wanted.get("num_kv_heads") is None and G != H and _takes(obj, "num_kv_heads") and not _runs(obj, kwargs, E, H):
         # H/2 K/V heads were our choice, not asked for: a module that runs only with as many as heads is built so
-        whole = _constructor_kwargs(spec, obj, {**wanted, "num_kv_heads": H0})
-        return whole if _runs(obj, whole, E0, H0) else kwargs
+        whole = _constructor_kwargs(spec, obj, {**wanted, "num_kv_heads": H})
+        return whole if _runs(obj, whole, E, H) else kwargs
     return kwargs
 
 
