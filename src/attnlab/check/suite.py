@@ -128,6 +128,11 @@ class Context:
         """``randn(*shape)`` from ``g``, on the target's device, in ``dtype`` (default: the target's)."""
         return torch.randn(*shape, generator=g).to(self.device, self.dtype if dtype is None else dtype)
 
+    def self_input(self, name: str) -> tuple[torch.Generator, Tensor]:
+        """Check ``name``'s generator and its first draw: the self-attention input ``(B, T, E)``."""
+        g = self.generator(name)
+        return g, self.inputs(g, self.batch, self.seq_len, self.adapter.embed_dim)
+
     def padding(self, B: int, T: int, n: int = 3) -> Tensor:
         """A key padding mask ``(B, T)`` on the target's device: the last ``n`` tokens of sequence 0 are padding."""
         pad = torch.zeros(B, T, dtype=torch.bool, device=self.device)
@@ -285,8 +290,7 @@ def _kind(num_heads: int, num_kv_heads: int) -> str:
 
 # -- 1. output parity in float32 -------------------------------------------------------------
 def check_parity_self(ctx: Context) -> CheckResult:
-    g = ctx.generator("parity_self")
-    x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
+    _, x = ctx.self_input("parity_self")  # (B, T, E)
     ref = ctx.reference(x, x, x)
     errs = {mode: _rel(_call(ctx.adapter, mode, x, x, x), ref) for mode in MODES}
     worst = max(errs, key=errs.__getitem__)
@@ -348,8 +352,7 @@ def window_masks(ctx: Context, g: torch.Generator, windows: int = 2, images: int
 
 
 def check_parity_masked(ctx: Context) -> CheckResult:
-    g = ctx.generator("parity_masked")
-    x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
+    g, x = ctx.self_input("parity_masked")  # (B, T, E)
     errs = {}
     cases = [(name, x, kw) for name, kw in _mask_cases(ctx, g).items()]
     if getattr(ctx.adapter, "window_masks", False):  # one mask per window: distinct windows, two images
@@ -616,9 +619,8 @@ def check_gradcheck(ctx: Context, case: str) -> CheckResult:
 
 def check_grad_parity(ctx: Context) -> CheckResult:
     a = ctx.adapter
-    g = ctx.generator("grad_parity")
+    g, x = ctx.self_input("grad_parity")  # (B, T, E)
     B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
-    x = ctx.inputs(g, B, T, E)  # (B, T, E)
     up = ctx.inputs(g, B, T, E)  # (B, T, E): upstream gradient
     pad = ctx.padding(B, T, 2)
     errs = {}
@@ -633,9 +635,8 @@ def check_grad_parity(ctx: Context) -> CheckResult:
 
 # -- 4. properties -------------------------------------------------------------------------------
 def check_no_causal_leak(ctx: Context) -> CheckResult:
-    g = ctx.generator("no_causal_leak")
+    g, x = ctx.self_input("no_causal_leak")  # (B, T, E)
     B, T, E = ctx.batch, ctx.seq_len, ctx.adapter.embed_dim
-    x = ctx.inputs(g, B, T, E)  # (B, T, E)
     half = T // 2
     future = x.clone()
     future[:, half:] += 3.0 * ctx.inputs(g, B, T - half, E)  # only positions >= half change
@@ -645,10 +646,9 @@ def check_no_causal_leak(ctx: Context) -> CheckResult:
 
 
 def check_padding_invariance(ctx: Context) -> CheckResult:
-    g = ctx.generator("padding_invariance")
+    g, x = ctx.self_input("padding_invariance")  # (B, T, E)
     B, T, E = ctx.batch, ctx.seq_len, ctx.adapter.embed_dim
     n_pad = 3
-    x = ctx.inputs(g, B, T, E)  # (B, T, E)
     pad = ctx.padding(B, T, n_pad)
     changed = x.clone()
     changed[0, -n_pad:] += 3.0 * ctx.inputs(g, n_pad, E)  # rewrite the pad tokens of sequence 0
@@ -662,9 +662,8 @@ def check_padding_invariance(ctx: Context) -> CheckResult:
 def check_padded_kv_nonfinite(ctx: Context) -> CheckResult:
     """NaN or inf in the padded key/value rows must not reach any output of a real query."""
     a = ctx.adapter
-    g = ctx.generator("padded_kv_nonfinite")
+    g, x = ctx.self_input("padded_kv_nonfinite")  # (B, T, E)
     B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
-    x = ctx.inputs(g, B, T, E)  # (B, T, E)
     q = ctx.inputs(g, B, ctx.cross_len, E)  # (B, T_q, E): clean queries for cross-attention
     pad = ctx.padding(B, T)
     pad[-1, -1] = True
@@ -698,8 +697,7 @@ def check_permutation_equivariance(ctx: Context) -> CheckResult:
         return _skip("the target turns Q and K by position (rotary): position order matters to it by design")
     if getattr(ctx.adapter.projections().score_map, "positional", False):
         return _skip("the target biases its scores by position: position order matters to it by design")
-    g = ctx.generator("permutation_equivariance")
-    x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
+    g, x = ctx.self_input("permutation_equivariance")  # (B, T, E)
     perm = torch.randperm(ctx.seq_len, generator=g).to(ctx.device)
     xp = x[:, perm]  # (B, T, E), positions shuffled
     err, tol = _rel(ctx.adapter(xp, xp, xp), ctx.adapter(x, x, x)[:, perm]), ctx.tol(PARITY_TOL)
@@ -708,9 +706,8 @@ def check_permutation_equivariance(ctx: Context) -> CheckResult:
 
 def check_fully_masked_rows(ctx: Context) -> CheckResult:
     a = ctx.adapter
-    g = ctx.generator("fully_masked_rows")
+    _, x = ctx.self_input("fully_masked_rows")  # (B, T, E)
     T = ctx.seq_len
-    x = ctx.inputs(g, ctx.batch, T, a.embed_dim)  # (B, T, E)
     keep = torch.ones(T, T, dtype=torch.bool, device=ctx.device)
     keep[2] = False  # query 2 may see no key: its context must be zeros, its output the out bias
     ref = ctx.reference(x, x, x, keep_mask=keep)
@@ -739,9 +736,8 @@ def check_fully_masked_rows(ctx: Context) -> CheckResult:
 # -- 5. mask semantics -------------------------------------------------------------------------
 def check_mask_semantics(ctx: Context) -> CheckResult:
     a = ctx.adapter
-    g = ctx.generator("mask_semantics")
+    g, x = ctx.self_input("mask_semantics")  # (B, T, E)
     T = ctx.seq_len
-    x = ctx.inputs(g, ctx.batch, T, a.embed_dim)  # (B, T, E)
     mask = torch.rand(T, T, generator=g) > 0.5  # (T, T)
     rows = torch.arange(T)
     mask[rows, rows] = True
@@ -775,9 +771,8 @@ def check_mask_semantics(ctx: Context) -> CheckResult:
 def check_attention_weights(ctx: Context) -> CheckResult:
     """The weights a target returns (``need_weights``): per head, or averaged over heads as torch's default."""
     a = ctx.adapter
-    g = ctx.generator("attention_weights")
-    B, T, E = ctx.batch, ctx.seq_len, a.embed_dim
-    x = ctx.inputs(g, B, T, E)  # (B, T, E)
+    _, x = ctx.self_input("attention_weights")  # (B, T, E)
+    B, T = ctx.batch, ctx.seq_len
     pad = ctx.padding(B, T)
     cases: dict[str, _MaskKwargs] = {
         "unmasked": {},
@@ -844,9 +839,8 @@ def check_scale_attribute(ctx: Context) -> CheckResult:
 
 # -- 6. KV cache ---------------------------------------------------------------------------------
 def check_kv_cache(ctx: Context) -> CheckResult:
-    g = ctx.generator("kv_cache")
+    _, x = ctx.self_input("kv_cache")  # (B, T, E)
     T = ctx.seq_len
-    x = ctx.inputs(g, ctx.batch, T, ctx.adapter.embed_dim)  # (B, T, E)
     chunks = [T - 3, 1, 1, 1]  # a prefill, then token-by-token decode
     try:
         out = ctx.adapter.decode_with_cache(x, chunks)
@@ -858,8 +852,7 @@ def check_kv_cache(ctx: Context) -> CheckResult:
 
 # -- 7. eval mode --------------------------------------------------------------------------------
 def check_determinism(ctx: Context) -> CheckResult:
-    g = ctx.generator("determinism")
-    x = ctx.inputs(g, ctx.batch, ctx.seq_len, ctx.adapter.embed_dim)  # (B, T, E)
+    _, x = ctx.self_input("determinism")  # (B, T, E)
     first, second = ctx.adapter(x, x, x).detach(), ctx.adapter(x, x, x).detach()
     if not bool(torch.isfinite(first).all()):  # NaN != NaN: two calls agree when they agree bit for bit
         same = _bitwise_equal(first, second)
@@ -917,8 +910,7 @@ def check_dropout_off_in_eval(ctx: Context) -> CheckResult:
     p = float(getattr(a, "dropout_p", 0.0))
     if p == 0.0:
         return _skip("target has dropout 0; build it with dropout > 0 to check that eval turns it off")
-    g = ctx.generator("dropout_off_in_eval")
-    x = ctx.inputs(g, ctx.batch, ctx.seq_len, a.embed_dim)  # (B, T, E)
+    _, x = ctx.self_input("dropout_off_in_eval")  # (B, T, E)
     a.set_training(True)
     try:
         train_gap = float((a(x, x, x) - a(x, x, x)).detach().abs().max())
