@@ -148,6 +148,11 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+def _row(name: str, err: float, detail: str) -> CheckResult:
+    """Row ``name``: it passes when the relative error ``err`` is within :data:`TOL`."""
+    return CheckResult(name, "pass" if err <= TOL else "fail", err, TOL, detail)
+
+
 def _core_reference(adapter: MLAAdapter, x: Tensor, keep: Tensor, layout: Layout) -> Tensor:
     """attnlab's float64 reference (:func:`attnlab.core.mla.mla_reference`) with the module's weights copied into a
     :class:`~attnlab.core.mla.MultiHeadLatentAttention`."""
@@ -245,11 +250,9 @@ def run_mla(
         adapter.layout = min(errors, key=errors.__getitem__)
         err = errors[adapter.layout]
         rows.append(
-            CheckResult(
+            _row(
                 "mla_parity[causal]",
-                "pass" if err <= TOL else "fail",
                 err,
-                TOL,
                 f"relative max error against attnlab.core.mla.mla_reference (float64, the module's weights), causal, "
                 f"rotary pairs {adapter.layout} (interleaved {errors['interleaved']:.1e}, half-split {errors['half']:.1e})",
             )
@@ -270,13 +273,7 @@ def run_mla(
     elif d.shared_rope_key:
         err = _rel(y_pad, _core_reference(adapter, x, padded_keep, adapter.layout))
         rows.append(
-            CheckResult(
-                "mla_parity[padding]",
-                "pass" if err <= TOL else "fail",
-                err,
-                TOL,
-                "causal, the last 3 keys of sequence 0 hidden by the additive mask",
-            )
+            _row("mla_parity[padding]", err, "causal, the last 3 keys of sequence 0 hidden by the additive mask")
         )
     else:
         rows.append(CheckResult("mla_parity[padding]", "skip", detail="no reference for these shapes"))
@@ -292,15 +289,8 @@ def run_mla(
     x2[:, -1] = torch.randn(batch, d.E, generator=g, dtype=torch.float64).to(dev)
     with torch.no_grad():
         moved = _rel(adapter(x2)[:, :-1], y[:, :-1])
-    rows.append(
-        CheckResult(
-            "mla_causal_leak",
-            "pass" if moved <= TOL else "fail",
-            moved,
-            TOL,
-            "how far the outputs of positions 0..T-2 move when the last token changes (causal: not at all)",
-        )
-    )
+    what = "how far the outputs of positions 0..T-2 move when the last token changes (causal: not at all)"
+    rows.append(_row("mla_causal_leak", moved, what))
 
     config = {
         "embed_dim": d.E,
@@ -346,11 +336,9 @@ def _gradients(adapter: MLAAdapter, x: Tensor, keep: Tensor) -> CheckResult:
             err = _rel(a, b) if b.abs().max() > 0 else float(a.abs().max())
         if err > worst:
             worst, where = err, name
-    return CheckResult(
+    return _row(
         "mla_gradients",
-        "pass" if worst <= TOL else "fail",
         worst,
-        TOL,
         f"gradients of a weighted output sum w.r.t. the input and all {len(params)} weights against the paper's "
         f"equations (float64, causal); worst: {where}",
     )
