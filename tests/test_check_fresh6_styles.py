@@ -19,6 +19,13 @@ Two parts:
   where its source runs the softmax or the RMS norm in float32), a mistake misses by more than 1e-3 on at least one;
 * **check**: each module built as ``attnlab check --target FILE:TARGET`` builds it and judged: a correct module or
   twin passes, a mistake fails with its mistake named first.
+
+What they exposed in check, by cause: a module causal by itself only when handed no mask (Gemma 3's own mask) had
+its causal rows run with check's mask, so a mistake in its own mask passed; a rotary table built at the keys' length
+(ESM-2) raised on cross-attention of other lengths and was reported as a crash; a constructor of five sizes no list
+names (OpenFold) was refused; all-zero output and gate weights (AlphaFold's inits) left the output a constant; and
+a qk-norm after a per-head packed projection (Persimmon) was found neither as a map nor through it, so the rows were
+cut in thirds. Not yet: OpenFold's output gate (NOT_YET below).
 """
 
 from __future__ import annotations
