@@ -8,8 +8,9 @@ copy; bytes read + written over time, median of 5). The attention alone (the ker
 caches, ``attnlab_quant::decode_attention``) is timed too.
 
 ``--baseline-src DIR`` (a ``src`` folder of another attnlab, e.g. the commit before the kernel, exported with
-``git archive BASE src | tar -x -C DIR/..``) runs the same rows (float32 only, the only cache it has) in a
-child process, alternating with this tree's child, ``--repeats`` times: a same-run A/B.
+``git archive BASE src | tar -x -C DIR/..``) runs the same contexts over ``--baseline-kv-dtypes`` (default float32,
+the only cache the first kernel had) in a child process, alternating with this tree's child, ``--repeats`` times:
+a same-run A/B.
 
     python scripts/bench_decode_attention.py [--contexts 512 2048 7000 8192] [--baseline-src /tmp/base/src]
         [--repeats 2] [--threads 2] [--out bench_decode_attention.json]
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 7000, 8192])
     p.add_argument("--kv-dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--baseline-src", type=Path, default=None, help="another attnlab's src folder, run alternated")
+    p.add_argument("--baseline-kv-dtypes", nargs="+", default=["float32"], choices=DTYPES, help="the baseline's caches")
     p.add_argument("--repeats", type=int, default=2, help="child runs per side, alternated")
     p.add_argument("--steps", type=int, default=9, help="timed steps per row (median)")
     p.add_argument("--threads", type=int, default=1, help="1: CPU time measures the step on a busy machine")
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = Path(__file__).resolve().parents[1] / "src"
     sides = [("this tree", ours, args.kv_dtypes)]
     if args.baseline_src is not None:
-        sides.insert(0, ("baseline", args.baseline_src.resolve(), ["float32"]))
+        sides.insert(0, ("baseline", args.baseline_src.resolve(), args.baseline_kv_dtypes))
     runs: dict[str, list[list[dict[str, object]]]] = {name: [] for name, _, _ in sides}
     for r in range(args.repeats):
         for name, src, dtypes in sides:

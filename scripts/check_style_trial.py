@@ -13,7 +13,9 @@ other corpus covers, from fairseq and Whisper to Swin and Falcon, each mistake w
 style_corpus_fresh3 (eight more, written to measure the gap: MPT, OLMo-2, StableLM, Baichuan, InternLM2, ChatGLM,
 DINOv2's MemEffAttention, BART) and style_corpus_fresh4 (nine more: diffusers' AttnProcessor, BEiT, the Set
 Transformer, SegFormer, a Keras port, Cohere, DBRX, audiocraft, Llama 3.2 Vision's cross-attention) and
-style_corpus_fresh5 (CodeGen's grouped qkv rows, Phi-3's sliced qkv, an mlx-lm port, GPT-2 at its own initialisation).
+style_corpus_fresh5 (CodeGen's grouped qkv rows, Phi-3's sliced qkv, an mlx-lm port, GPT-2 at its own initialisation)
+and style_corpus_fresh6 (OPT, Granite's attention_multiplier, OpenFold's gated attention, ESM-2's time-first rotary,
+Persimmon's per-head fused qkv with qk LayerNorms and partial rotary, Gemma 3's own sliding causal mask).
 style_corpus_fresh and style_corpus_fresh2 are scored by naming them.
 
 Usage:
@@ -42,6 +44,7 @@ CORPORA = (
     "style_corpus_fresh3",
     "style_corpus_fresh4",
     "style_corpus_fresh5",
+    "style_corpus_fresh6",
 )
 
 # an argparse/tyro usage refusal: "error: ..." at the start of a line, or after "attnlab check: "

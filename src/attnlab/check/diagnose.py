@@ -446,6 +446,8 @@ def _fitting(
             or p.raw_bool is not None
             or (only and set(p.masks) == {"key_padding_mask"})
             or p.name == WINDOW_PROBE  # per-window masks: the one path a window mask has
+            # causal without a mask where it masks causally by itself when handed none: its own mask, no float's
+            or (p.masks == {"is_causal": True} and getattr(a, "causal_unless_masked", False))
         ]
     textbook = {p.name: _recipe_error(a, Recipe(), p) for p in ran}
     off = {n: e for n, e in textbook.items() if e is not None and e > DISTINCT}

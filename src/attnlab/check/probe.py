@@ -759,6 +759,33 @@ class ProbedAdapter(AttentionAdapter):
             self.bool_mask_convention = self.convention
         self.supports_cross_attention = self.form.inputs > 1 and not self.form.self_only
         self.shared_kv = self.form.inputs == 2
+        self.one_length = self.supports_cross_attention and self._one_length()
+        self.supports_cross_attention = self.supports_cross_attention and not self.one_length
+
+    @torch.no_grad()
+    def _one_length(self) -> bool:
+        """Whether the module turns Q and K by position with one table for both, so that keys of another length
+        than the queries raise (ESM-2's rotary, built at the keys' length and cut to the queries'): cross-attention
+        then has no positions to relate, and it is checked as self-attention. Keys of the queries' length run."""
+        if self._projections().rotary is None:
+            return False
+        w = self._projections().q_weight
+        g = torch.Generator().manual_seed(95)
+        q, kv, other = (torch.randn(2, t, self.embed_dim, generator=g).to(w) for t in (7, 7, 5))
+        training = self.module.training
+        self.module.eval()
+        try:
+            try:
+                _call(self.module, self.form, (q, kv, kv.clone()), {})
+            except Exception:
+                return False
+            try:
+                _call(self.module, self.form, (q, other, other.clone()), {})
+            except Exception:
+                return True
+            return False
+        finally:
+            self.module.train(training)
 
     def _default_convention(self) -> Literal["keep", "block"]:
         """What a bool mask should mean to it: torch's True = blocked for nn.MultiheadAttention's call form or a
@@ -822,6 +849,10 @@ class ProbedAdapter(AttentionAdapter):
             parts.append("always causal (no later token reaches an earlier output)")
         elif f.mask_arg is None and f.causal_arg is None:
             parts.append("no attention-mask argument" if f.padding_arg else "no mask argument")
+        if self.one_length:
+            parts.append(
+                "keys of another length than the queries raise (one position table for both): checked as self-attention"
+            )
         if self.max_len is not None:
             parts.append(self._longest().removeprefix("; "))
         parts.append(self.describe_weights())
@@ -830,7 +861,7 @@ class ProbedAdapter(AttentionAdapter):
             names = {id(m): n for n, m in self.module.named_modules()}
             each = ", ".join(f"{names.get(id(h.module), type(h.module).__name__)} on {r}" for r, h in maps.items())
             parts.append(f"a per-vector map of the heads before the scores ({each}; qk-norm), applied by the reference")
-            if self._mapless is not None and self._mapless.rotary is not None:
+            if self._mapless is not None and self._mapless.rotary is not None and not self.use_reading:
                 parts.append(f"then {self._mapless.rotary.describe()}, read with those maps taken out")
         if self.projections().score_map is not None:
             parts.append(self.projections().score_map.describe())
@@ -856,8 +887,12 @@ class ProbedAdapter(AttentionAdapter):
             return f"fused {found.qkv} {order}; out {found.out}"
         lazy = " (LazyLinear, materialised by one call)" if self.lazy else ""
         copies = getattr(self.module, "_attnlab_redrawn", ())  # see attnlab.check.target.distinct_copies
-        if copies:
-            lazy += f" ({', '.join(copies)} were copies of an earlier projection's weights: redrawn, seeded)"
+        zero = [c.removesuffix(" (all zero)") for c in copies if c.endswith(" (all zero)")]
+        same = [c for c in copies if not c.endswith(" (all zero)")]
+        said = [f"{', '.join(zero)} all zero"] * bool(zero)
+        said += [f"{', '.join(same)} were copies of an earlier projection's weights"] * bool(same)
+        if said:
+            lazy += f" ({'; '.join(said)}: redrawn, seeded)"
         if found.listed is not None:
             return f"projections {found.listed}[0..3] taken as q, k, v, out{lazy}"
         return f"projections {found.q}, {found.k}, {found.v}, {found.out}{lazy}"
@@ -879,6 +914,11 @@ class ProbedAdapter(AttentionAdapter):
             if self._head_maps and p.rotary is None:
                 form = replace(self.form, time_first=self.form.time_first or self.form.declared_batch_first)
                 self._mapless = _read(_without(self.module, self._head_maps), form, self.embed_dim)
+                if self.reading is None and self._mapless is not None:  # the rows, too, as read without them
+                    settled = settle_roles(self.module, self._mapless)
+                    if find_projections(self.module, settled) is None:  # rows no name reads (packed per head)
+                        self.reading, self.found, self.use_reading = settled, None, True
+                        p = self._projections()
         if self._mapless is not None and self._mapless.rotary is not None and p.rotary is None:
             p = replace(p, rotary=self._mapless.rotary)
         p = replace(p, head_maps=self._head_maps) if self._head_maps else p
@@ -1135,6 +1175,8 @@ class ProbedAdapter(AttentionAdapter):
         if self.causal_unless_masked and keep is None and not is_causal:  # mask-less it would be causal: all keys
             keep = torch.ones(T_q, T_k, dtype=torch.bool, device=query.device)  # (T_q, T_k)
         if is_causal and not self.always_causal:  # an always-causal module masks the future by itself
+            if self.causal_unless_masked and keep is None and T_q == T_k:  # so does one handed no mask: its own
+                return self._invoke(query, key, value, kwargs)  # causal mask is then what is checked
             if form.causal_arg is not None and not form.torch_form:
                 kwargs[form.causal_arg] = True
             else:
@@ -1508,7 +1550,9 @@ class ProbedAdapter(AttentionAdapter):
         except Exception:
             return False
         size = base.abs().max().clamp_min(1e-12)
-        past_alone = float(late[:, :p].abs().max() / size) <= EXACT
+        # output 0 aside: a mask that hides each query's own key leaves query 0 none, and its fill decides what it
+        # sees (a finite fill: every key, evenly)
+        past_alone = float(late[:, 1:p].abs().max() / size) <= EXACT
         reaches_later = float(late[:, p + 1 :].abs().max() / size) > SEEN
         earlier_reaches = float(early[:, 2:].abs().max() / size) > SEEN
         return (past_alone or self._weights_causal(x, lambda: self._plain(x))) and reaches_later and earlier_reaches
@@ -1527,6 +1571,7 @@ class ProbedAdapter(AttentionAdapter):
         where its outputs mix positions afterwards (a mistaken merge)."""
         weights = self._softmaxes(x, call)
         above = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).triu(1)
+        above[0] = False  # query 0 aside, as in probe_causal
         return bool(weights) and all(bool((w[..., above] == 0).all()) for w in weights)
 
     @torch.no_grad()
@@ -1887,6 +1932,8 @@ def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G
         if not (isinstance(t, Tensor) and isinstance(out, Tensor) and out.shape == t.shape and t.dim() >= 3):
             continue
         axis = next((a for r, a in refs if r.shape == t.shape and torch.allclose(t, r, rtol=1e-4, atol=1e-5)), None)
+        if axis is None and t.dim() == 4:  # heads cut from any earlier layer's output (Persimmon's (B, T, H, 3, D))
+            axis = _heads_of_a_layer(t, [o for _, _, o in calls[:index]], B, T, (H, G))
         # on (B, n, T, D) or (B, T, n, D) a map may differ per head (one norm per head, a weight per head and
         # feature), applied to the heads in the reference's order
         heads_axis = None if axis is None or t.dim() != 4 else 3 - axis
@@ -1896,6 +1943,25 @@ def _find_head_maps(module: nn.Module, form: CallForm, p: Projections, H: int, G
         if side is not None and side not in found:
             found[side] = HeadMap(sub, flat=t.size(-1) != p.q_weight.size(0) // H, heads_last=heads_axis == 2)
     return found
+
+
+def _heads_of_a_layer(t: Tensor, outputs: list[object], B: int, T: int, counts: tuple[int, int]) -> int | None:
+    """The position axis of ``t`` ((B, T, n, D): 1, or (B, n, T, D): 2), n one of ``counts`` (all the Q or all
+    the K/V heads: not one head of a norm per head), where each head is one D-wide slice of an earlier layer's
+    ``(B, T, width)`` output, at every batch row and position; None where none is."""
+    for axis in (1, 2):
+        heads = t if axis == 1 else t.transpose(1, 2)  # (B, T, n, D)
+        if heads.shape[:2] != (B, T) or heads.size(2) not in counts:
+            continue
+        D = heads.size(-1)
+        for o in outputs:
+            if not (isinstance(o, Tensor) and o.dim() == 3 and o.shape[:2] == (B, T) and o.size(-1) % D == 0):
+                continue
+            chunks = o.reshape(B, T, -1, D)  # (B, T, width / D, D)
+            close = (heads[:, :, :, None] - chunks[:, :, None]).abs().amax(dim=(0, 1, 4))  # (n, width / D)
+            if bool((close <= 1e-5 + 1e-4 * chunks.abs().max()).any(dim=1).all()):
+                return axis
+    return None
 
 
 def _without(module: nn.Module, maps: dict[str, HeadMap]) -> nn.Module:

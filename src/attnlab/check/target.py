@@ -160,12 +160,14 @@ REDRAWN = "_attnlab_redrawn"  # the module attribute naming the layers distinct_
 
 
 def distinct_copies(module: nn.Module, seed: int) -> list[str]:
-    """Redraw, seeded, each ``nn.Linear`` whose weight equals an earlier one's; returns their names.
+    """Redraw, seeded, each ``nn.Linear`` whose weight is all zero or equals an earlier one's; returns their names.
 
     The Annotated Transformer builds its four projections with ``clones`` (deep copies of one Linear) and
     redraws them only later, in ``make_model``. Built alone, such a module computes Q, K and V with one
     matrix, so a q/k/v mix-up (V through the key projection, K and V swapped) changes nothing and would pass.
     Each copy gets ``nn.Linear``'s own initial distribution, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), weight and bias.
+    So does a weight of zeros: AlphaFold's "final" init of the output projection (and its gate's) leaves the module's
+    output a constant, which any mistake before it would match.
     """
     g = torch.Generator().manual_seed(seed + 1)
     seen: list[Tensor] = []
@@ -175,12 +177,13 @@ def distinct_copies(module: nn.Module, seed: int) -> list[str]:
             if not isinstance(layer, nn.Linear) or isinstance(layer.weight, nn.parameter.UninitializedParameter):
                 continue
             w = layer.weight
-            if any(o.shape == w.shape and torch.equal(o, w) for o in seen):
+            zero = not bool(w.any())
+            if zero or any(o.shape == w.shape and torch.equal(o, w) for o in seen):
                 bound = 1.0 / math.sqrt(w.shape[1])
                 w.copy_((torch.rand(w.shape, generator=g) * 2 - 1) * bound)
                 if layer.bias is not None:
                     layer.bias.copy_((torch.rand(layer.bias.shape, generator=g) * 2 - 1) * bound)
-                redrawn.append(name)
+                redrawn.append(f"{name} (all zero)" if zero else name)
             seen.append(w.detach().clone())
     if redrawn:
         object.__setattr__(module, REDRAWN, tuple(redrawn))
@@ -482,9 +485,10 @@ def _oversized(obj: Callable, kwargs: dict[str, object]) -> bool:
     return sum(t.numel() for t in held) > _TRIAL_ELEMENTS
 
 
-def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
+def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int, *, square: bool = False) -> bool:
     """Whether ``obj(**kwargs)`` builds a module whose self-attention of ``(2, 7, E)`` returns ``(2, 7, E)``,
-    finite, and whose data flow has H heads where it can be read."""
+    finite, and whose data flow has H heads where it can be read; ``square``: and whose every matrix is
+    ``(E, E)``."""
     from .probe import _call, context_required, read_call_form
 
     if _oversized(obj, kwargs):
@@ -494,6 +498,8 @@ def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int) -> bool:
             made = obj(**kwargs)
             if not isinstance(made, nn.Module):
                 return True
+            if square and any(p.dim() == 2 and tuple(p.shape) != (E, E) for p in made.parameters()):
+                return False
             made.eval()
             form = context_required(made, read_call_form(made), E)
             x = torch.randn(2, 7, E)
@@ -559,12 +565,16 @@ def _constructor_kwargs(spec: str, obj: Callable, wanted: dict[str, object]) -> 
             raise _unfillable(spec, obj, name, fields)
     unguessable = [n for n in params if n in required and n not in kwargs]
     layers = [n for n in unguessable if _takes_module(params[n])]  # torchtune's q_proj: nn.Module handed in
-    if unguessable and len(unguessable) - len(layers) <= 3 and len(layers) <= 4:  # tried, kept where it runs
+    if unguessable and len(unguessable) - len(layers) <= 6 and len(layers) <= 4:  # tried, kept where it runs
         options = [_linears(E, H, G, kwargs) if n in layers else _candidates(n, E, H, G) for n in unguessable]
-        for combo in itertools.islice(itertools.product(*options), 64):
-            trial = {**kwargs, **dict(zip(unguessable, combo, strict=True))}
-            if _runs(obj, trial, E, H):
-                return trial
+        # beyond three sizes, the first that runs may be any width (OpenFold's Attention(c_q, c_k, c_v,
+        # c_hidden, no_heads): c_hidden = E runs, heads of E each): one whose every matrix is E by E is kept first
+        square = len(unguessable) - len(layers) > 3
+        for strict in (True, False) if square else (False,):
+            for combo in itertools.islice(itertools.product(*options), 200 if square else 64):
+                trial = {**kwargs, **dict(zip(unguessable, combo, strict=True))}
+                if _runs(obj, trial, E, H, square=strict):
+                    return trial
     if unguessable:
         what = getattr(obj, "__name__", "it")
         raise TargetError(

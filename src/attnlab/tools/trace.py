@@ -520,6 +520,8 @@ def _trace_module(
     # with a context and without: a module may hand key padding to another argument in cross-attention (one that
     # folds it into the attention mask) than in self-attention, and a mistake in either shows only in its call
     tries = [(context, added)] + ([(None, added)] if context is not None and added else [])
+    if getattr(adapter, "causal_unless_masked", False):  # causal by itself when handed no mask: its own mask first
+        tries.insert(0, (None, {"is_causal": True}))
     reproduced: list[str] = []
     for ctx, masks in tries:
         if ctx is None and not masks:
