@@ -499,8 +499,12 @@ def decoder_positions(
 # What ``--kv-dtype auto`` stores on a CPU where the fused C++ decode step reads the cache (SmolLM2 from its GGUF).
 # Measured (scripts/bench_decode_attention.py, AMD EPYC Zen 5, 1 thread, CPU time on a loaded machine): the step at
 # 7000 slots took 25.6 ms over float32, 20.1 over float16, 21.6 over int8 (the old kernel: 51.5); at 8192 30.9,
-# 22.2, 23.6. float16 is the fastest (int8's widening and scaling cost more than its bytes save here) and the
-# closest to float32 (scripts/kv_cache_agreement.py); int8 holds the fewest bytes, for memory.
+# 22.2, 23.6: float16 was the fastest then (int8's widening and scaling cost more than its bytes saved). Since the
+# int8 keys meet the query in int8 products on AVX-512 VNNI (qmatmul.cpp, scores_q8_vnni), the same script (AMD EPYC
+# Zen 4, 2 threads, quiet, wall time, medians of 2 alternated runs) gives float16 / int8: 6.17 / 6.22 ms at 512
+# slots, 9.46 / 8.20 at 2048, 19.00 / 14.07 at 8192. So float16 stays the default while its cache is small: as fast
+# as int8 there, and the closest to float32 (scripts/kv_cache_agreement.py); int8 takes over where it is both the
+# faster and the smaller.
 CPU_FUSED_KV_DTYPE: KVDtype = "float16"
 # ... up to this many bytes of float16 cache; a call whose cache would hold more stores int8 (issue 51: peak RSS).
 # SmolLM2 caches 23,040 bytes a position in float16, 12,960 in int8: over 32 MB from 1389 positions, 189 MB against

@@ -898,6 +898,13 @@ def _label(
         errs = [stage_error(t, w) for w in _group_views(want, t.size(0), part)]
         return any(e is not None and e <= MATCH_TOL for e in errs)
 
+    def scaled(t: Tensor, want: Tensor, part: tuple[int, int]) -> bool:
+        # the same up to a positive factor: Q or K with the softmax scale folded in (ESM's and fairseq's
+        # q *= scaling before the heads meet) is still the side the position map did or did not turn
+        unit = t / t.norm().clamp_min(1e-30)
+        errs = [stage_error(unit, w / w.norm().clamp_min(1e-30)) for w in _group_views(want, t.size(0), part)]
+        return any(e is not None and e <= MATCH_TOL for e in errs)
+
     def mark(i: int | None, stage: str) -> None:
         if i is not None and i >= 0 and ops[i].stage is None:
             ops[i].stage = stage
@@ -905,14 +912,14 @@ def _label(
     for site, part in zip(sites, _parts(sites, H), strict=True):
         product = ops[site.product]
         operands = [a for a in product.args if isinstance(a, int)]
-        if operands and close(site.q, stages["q_heads"], part):
+        if operands and scaled(site.q, stages["q_heads"], part):  # the query heads, a folded scale or not
             mark(operands[0], "q_heads")
         if product.func == "einsum" and len(operands) > 1 and close(site.k, k_rep, part):
             mark(operands[1], "k_heads")
         weighted = [a for a in ops[site.weighted].args if isinstance(a, int)]
         if site.softmax is not None and len(weighted) > 1 and close(site.v, v_rep, part):
             mark(weighted[1], "v_heads")
-        q_right, k_right = close(site.q, stages["q_heads"], part), close(site.k, k_rep, part)
+        q_right, k_right = scaled(site.q, stages["q_heads"], part), scaled(site.k, k_rep, part)
         site.qk_right = q_right and k_right
         v_right = close(site.v, v_rep, part)
         site.v_off = site.softmax is None and site.qk_right and not v_right
@@ -920,7 +927,7 @@ def _label(
         if q_right != k_right:
             side, heads = ("k", "k_heads") if q_right else ("q", "q_heads")
             split = _unturned_heads(stages, side, H)
-            if split is not None and close(site.k if side == "k" else site.q, split, part):
+            if split is not None and scaled(site.k if side == "k" else site.q, split, part):
                 site.unturned = heads
         if close(site.context, stages["context"], part):
             mark(site.weighted, "context")
