@@ -601,3 +601,24 @@ def test_the_console_script_is_the_launcher():
 
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "attnlab"]
     assert script.value == "attnlab_launch:main"
+
+
+def test_a_decode_shorter_than_the_prefills_noise_is_a_flagged_floor_not_a_negative_rate(
+    tiny_llama, tmp_path, capsys, monkeypatch
+):
+    # measured in a loaded make test-all: the 1-token run took longer than the 3-token run, and HF's rate was
+    # printed as -1051.8 tokens/s; the step is the difference of the two runs, which such noise makes negative
+    from attnlab.bench import decode
+
+    real = decode._time
+
+    def noisy(fn, k, device):
+        t, out = real(fn, k, device)
+        return (t + 1.0 if k == 1 else t), out  # the 1-token run the slower one by a second
+
+    monkeypatch.setattr(decode, "_time", noisy)
+    assert main(_model(tiny_llama, "--out-dir", str(tmp_path), "--no-hf")) == 0
+    out = capsys.readouterr().out
+    assert "the decode took less than the prefill's run-to-run noise" in " ".join(out.split())
+    (row,) = json.loads((tmp_path / "decode_model.json").read_text())["results"]
+    assert row["attnlab"]["decode_unresolved"] is True and row["attnlab"]["tokens_per_s"] > 0

@@ -326,13 +326,14 @@ def bench_decode(
                         outs[name] = out
             row: dict[str, Any] = {"context": ctx}
             for name, (_, n) in runners.items():
-                t1, tn = statistics.median(times[name][1]), statistics.median(times[name][n])
-                per_token = (tn - t1) / (n - 1)
+                t1 = statistics.median(times[name][1])
+                per_token, unresolved = _step_time(times[name][1], times[name][n], n, f"{name} (context {ctx})")
                 row[name] = {
                     "ms_per_token": 1e3 * per_token,
                     "tokens_per_s": 1.0 / per_token,
                     "prefill_ms": 1e3 * t1,
                     "new_tokens": n,
+                    "decode_unresolved": unresolved,
                 }
             # A decode step reads every weight once plus the cached K/V of the context: its memory traffic.
             step_bytes = gpt.num_params() * dt.itemsize + ctx * gpt.kv_cache_bytes_per_token
@@ -885,8 +886,9 @@ def _measure_model_row(
     limit_s = step_bytes / bandwidth
     row: dict[str, Any] = {"dtype": dtype_name, "batch": batch, "step_bytes": step_bytes, "limit_ms": 1e3 * limit_s}
     for name in runners:
-        t1, tn = statistics.median(times[name][1]), statistics.median(times[name][max_new_tokens])
-        per_token = (tn - t1) / (max_new_tokens - 1)
+        t1 = statistics.median(times[name][1])
+        per_token, unresolved = _step_time(times[name][1], times[name][max_new_tokens], max_new_tokens,
+                                           f"{name} ({dtype_name}, batch {batch})")  # fmt: skip
         row[name] = {
             "ms_per_token": 1e3 * per_token,
             "tokens_per_s": batch / per_token,  # every row of the batch gains a token per step
@@ -894,11 +896,32 @@ def _measure_model_row(
             "bytes_per_token": own_bytes[name],
             "bandwidth_fraction": own_bytes[name] / bandwidth / per_token,
             "warmup_s": warmup_s[name],
+            "decode_unresolved": unresolved,  # True: the rates are the whole run's (see above)
         }
     ref_name = "attnlab" if "attnlab" in outs else next(iter(outs))  # attnlab's tokens, or the first that ran
     row["same_tokens"] = {name: bool(torch.equal(out, outs[ref_name])) for name, out in outs.items()}
     row["same_tokens_reference"] = ref_name
     return row
+
+
+def _step_time(one: list[float], many: list[float], n: int, label: str) -> tuple[float, bool]:
+    """Seconds a decode step takes, from the runs of 1 and of ``n`` new tokens (their medians' difference over
+    n - 1), and whether that difference failed to resolve it.
+
+    Where the prefill's run-to-run noise is larger than the decode itself (a tiny model, few new tokens, a busy
+    machine) the difference is no measure: it was read as a negative rate (-1051.8 tokens/s in a loaded test run).
+    The ``n``-token run's whole time per token then stands in, prefill included (a floor of the rate), said on
+    stdout and flagged ``decode_unresolved`` in the row."""
+    t1, tn = statistics.median(one), statistics.median(many)
+    per_token = (tn - t1) / (n - 1)
+    if per_token > 0:
+        return per_token, False
+    note = (
+        f"{label}: the decode took less than the prefill's run-to-run noise; its rate is the whole run's ({n} "
+        "tokens, prefill included), a floor; raise --max-new-tokens to time the steps"
+    )
+    print(wrap(note), flush=True)
+    return tn / n, True
 
 
 def _best(row: dict[str, Any]) -> str | None:
