@@ -244,11 +244,7 @@ def test_the_reference_reads_persimmon_s_per_head_triples_as_the_module_splits_t
 
 
 # What check does not yet get right here, by cause; strict expected failures
-GATE = "the output gate sigmoid(linear_g(q_x)) before linear_o is not modelled: the reference has no gate"
 NOT_YET: dict[str, str] = {
-    "openfold_correct": GATE,
-    "openfold_scale_embed_dim": GATE + " (the departure is named as a stage, not the scale)",
-    "openfold_scale_embed_dim_repaired": GATE,
     # rows packed per head (B, T, H, 3, D) are read by data flow, each role by its use: Q and K taking each other's
     # rows is then a correct module with other rows, and no order within a head's triple is held to
     "persimmon_qkv_split_order": "per-head packed rows are read by use: a (key, query, value) unpacking passes",

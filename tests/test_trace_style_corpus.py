@@ -47,11 +47,6 @@ MISSES = {
     # the stage that is off (the weights' axis; the merge)
     "codegen_softmax_query_axis.py",
     "opt_merge_without_transpose.py",
-    # OpenFold's output gate, sigmoid(linear_g(q_x)) before linear_o, is in no reference: the correct module and
-    # the twin depart at the merged heads, and so does the scale mistake
-    "openfold_correct.py",
-    "openfold_scale_embed_dim.py",
-    "openfold_scale_embed_dim_repaired.py",
     # Persimmon's (B, T, H, 3, D) rows are read by their use: a (key, query, value) unpacking computes attention
     # with other weights, and nothing departs (check passes it too: tests/test_check_fresh6_styles.py)
     "persimmon_qkv_split_order.py",

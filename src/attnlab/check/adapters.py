@@ -105,6 +105,10 @@ class Projections:
     # what the module does to its scaled scores before the softmax (a bias by position, a soft-cap), found by
     # attnlab.check.scoremap: the reference applies the same (an object with apply(scores (B, H, T_q, T_k)))
     score_map: Any = None
+    # an elementwise gate the module multiplies the merged heads by before the output projection, computed from the
+    # input alone (OpenFold's sigmoid(linear_g(q_x))), found by attnlab.check.gate: the reference multiplies by the
+    # module's own gate values (an object with apply(query, key, value) -> (B, T_q, H*D))
+    gate: Any = None
 
     def to(self, dtype: torch.dtype) -> Projections:
         """Detached copies in ``dtype``: the reference must not feed gradients into the target."""
@@ -112,7 +116,7 @@ class Projections:
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(dtype)
 
-        maps = ("rotary", "head_maps", "score_map")
+        maps = ("rotary", "head_maps", "score_map", "gate")
         weights = {f: cast(getattr(self, f)) for f in self.__dataclass_fields__ if f not in maps}
         return Projections(**weights, **{f: getattr(self, f) for f in maps})  # type: ignore[arg-type]
 
@@ -125,6 +129,10 @@ class Projections:
     def mapped(self, scores: Tensor, *, negated: bool = False) -> Tensor:
         """Scaled ``scores`` ``(B, H, T_q, T_k)`` through the module's score map (none: as they are)."""
         return scores if self.score_map is None else self.score_map.apply(scores, negated=negated)
+
+    def gated(self, merged: Tensor, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """``merged`` ``(B, T_q, H*D)`` times the module's output gate for these inputs (none: as it is)."""
+        return merged if self.gate is None else merged * self.gate.apply(query, key, value).to(merged)
 
     def rotate(self, x: Tensor, crossed: bool = False) -> Tensor:
         """``x`` ``(B, n, T, D)`` at positions ``0 .. T-1`` through the module's position map (none: as it is);

@@ -66,6 +66,7 @@ from .adapters import (
 )
 from .capture import capture, capture_until_error
 from .dataflow import SOFTMAX_OPS, Reading, attention_sites, read_dataflow
+from .gate import OutputGate, find_gate
 from .projections import NotAttention, _Found, find_projections, linear_weights, name_key, settle_roles
 from .recipe import mask_period, recipe_attention
 from .scoremap import Sample, ScoreMap, read_score_map, scores_of
@@ -927,7 +928,12 @@ class ProbedAdapter(AttentionAdapter):
         if not hasattr(self, "_score_map"):
             self._score_map: ScoreMap | None = None  # while it is read, the module runs without one
             self._score_map = read_score_map(partial(self._score_sample, p), PROBE_T)
-        return p if self._score_map is None else replace(p, score_map=self._score_map)
+        p = p if self._score_map is None else replace(p, score_map=self._score_map)
+        if not hasattr(self, "_gate"):
+            self._gate: OutputGate | None = None  # while it is read, the reference has none
+            with evaluating(self.module):
+                self._gate = find_gate(self, self.module, self.embed_dim, self.kdim, self.num_heads, p.q_weight.size(0))
+        return p if self._gate is None else replace(p, gate=self._gate)
 
     @torch.no_grad()
     def _score_sample(self, p: Projections, T_q: int, T_k: int, gain: float) -> Sample:

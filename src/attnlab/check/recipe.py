@@ -332,7 +332,8 @@ def recipe_attention(
     s["weights"] = weights  # (B, H, T_q, T_k)
     s["context"] = weights @ v.masked_fill(unseen, 0.0)  # (B, H, T_q, D); unseen keys: 0
     s["merged"] = _merge(s["context"], recipe.merge)  # (B, T_q, H*D)
-    s["out"] = F.linear(s["merged"], w.out_weight, w.out_bias) if recipe.out_proj else s["merged"]  # (B, T_q, E)
+    merged = w.gated(s["merged"], query, key, value)  # the module's output gate, where it has one
+    s["out"] = F.linear(merged, w.out_weight, w.out_bias) if recipe.out_proj else merged  # (B, T_q, E)
     return s
 
 

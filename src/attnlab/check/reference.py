@@ -57,10 +57,10 @@ def _project(
     return p.rotate(p.normed("q", q)), p.rotate(p.normed("k", k)), v
 
 
-def _merge(p: Projections, context: Tensor) -> Tensor:
+def _merge(p: Projections, context: Tensor, inputs: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     B, H, T_q, D = context.shape
     merged = context.transpose(1, 2).reshape(B, T_q, H * D)  # (B, T_q, H*D): heads merged after transpose
-    return F.linear(merged, p.out_weight, p.out_bias)  # (B, T_q, E)
+    return F.linear(p.gated(merged, *inputs), p.out_weight, p.out_bias)  # (B, T_q, E); gated where the module is
 
 
 def reference_attention(
@@ -99,7 +99,7 @@ def reference_attention(
     if not plain:
         bias4 = None if bias is None else bias.to(dtype).reshape(-1, 1, T_q, T_k)  # (B or 1, 1, T_q, T_k)
         context, _ = math_attention(q, k, v, keep=keep, bias=bias4, scale=scale)  # (B, H, T_q, D)
-        return _merge(w, context)
+        return _merge(w, context, (query, key, value))
     rep = num_heads // num_kv_heads
     k = k.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
     v = v.repeat_interleave(rep, dim=1)  # (B, H, T_k, D)
@@ -107,7 +107,7 @@ def reference_attention(
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # (B, H, T_q, T_k), in the low dtype
-    return _merge(w, weights @ v)  # (B, H, T_q, D) merged -> (B, T_q, E)
+    return _merge(w, weights @ v, (query, key, value))  # (B, H, T_q, D) merged -> (B, T_q, E)
 
 
 def plain_attention(p: Projections, query: Tensor, key: Tensor, value: Tensor, **heads_and_masks) -> Tensor:

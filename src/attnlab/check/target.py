@@ -489,10 +489,12 @@ def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int, *, square: b
     """Whether ``obj(**kwargs)`` builds a module whose self-attention of ``(2, 7, E)`` returns ``(2, 7, E)``,
     finite, and whose data flow has H heads where it can be read; ``square``: and whose every matrix is
     ``(E, E)``."""
+    from .capture import SOFTMAX_OPS, capture
     from .probe import _call, context_required, read_call_form
 
     if _oversized(obj, kwargs):
         return False
+    outs: list[object] = []
     try:
         with torch.random.fork_rng():
             made = obj(**kwargs)
@@ -504,10 +506,15 @@ def _runs(obj: Callable, kwargs: dict[str, object], E: int, H: int, *, square: b
             form = context_required(made, read_call_form(made), E)
             x = torch.randn(2, 7, E)
             with torch.no_grad():
-                out = _call(made, form, (x, x, x), {})
+                run = lambda: outs.append(_call(made, form, (x, x, x), {}))
+                ops = capture(run, {"query": x}, made) if square else (run() or [])
     except Exception:
         return False
-    y = out[0] if isinstance(out, tuple | list) else out
+    y = outs[0][0] if isinstance(outs[0], tuple | list) else outs[0]
+    if square:  # E by E matrices hold H heads of E / H or one of E: the softmax's size tells which
+        weights = [op.shape for op in ops if op.func in SOFTMAX_OPS]
+        if weights and not any(math.prod(w) == 2 * H * 7 * 7 for w in weights):
+            return False
     return isinstance(y, torch.Tensor) and tuple(y.shape) == (2, 7, E) and bool(torch.isfinite(y).all())
 
 
