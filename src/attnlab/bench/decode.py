@@ -326,8 +326,8 @@ def bench_decode(
                         outs[name] = out
             row: dict[str, Any] = {"context": ctx}
             for name, (_, n) in runners.items():
-                t1 = statistics.median(times[name][1])
-                per_token, unresolved = _step_time(times[name][1], times[name][n], n, f"{name} (context {ctx})")
+                t1, tn = statistics.median(times[name][1]), statistics.median(times[name][n])
+                per_token, unresolved = _step_time(t1, tn, n, f"{name} (context {ctx})")
                 row[name] = {
                     "ms_per_token": 1e3 * per_token,
                     "tokens_per_s": 1.0 / per_token,
@@ -886,9 +886,8 @@ def _measure_model_row(
     limit_s = step_bytes / bandwidth
     row: dict[str, Any] = {"dtype": dtype_name, "batch": batch, "step_bytes": step_bytes, "limit_ms": 1e3 * limit_s}
     for name in runners:
-        t1 = statistics.median(times[name][1])
-        per_token, unresolved = _step_time(times[name][1], times[name][max_new_tokens], max_new_tokens,
-                                           f"{name} ({dtype_name}, batch {batch})")  # fmt: skip
+        t1, tn = statistics.median(times[name][1]), statistics.median(times[name][max_new_tokens])
+        per_token, unresolved = _step_time(t1, tn, max_new_tokens, f"{name} ({dtype_name}, batch {batch})")
         row[name] = {
             "ms_per_token": 1e3 * per_token,
             "tokens_per_s": batch / per_token,  # every row of the batch gains a token per step
@@ -904,15 +903,14 @@ def _measure_model_row(
     return row
 
 
-def _step_time(one: list[float], many: list[float], n: int, label: str) -> tuple[float, bool]:
-    """Seconds a decode step takes, from the runs of 1 and of ``n`` new tokens (their medians' difference over
-    n - 1), and whether that difference failed to resolve it.
+def _step_time(t1: float, tn: float, n: int, label: str) -> tuple[float, bool]:
+    """Seconds a decode step takes, from the (median) times of runs of 1 and of ``n`` new tokens (their difference
+    over n - 1), and whether that difference failed to resolve it.
 
     Where the prefill's run-to-run noise is larger than the decode itself (a tiny model, few new tokens, a busy
     machine) the difference is no measure: it was read as a negative rate (-1051.8 tokens/s in a loaded test run).
     The ``n``-token run's whole time per token then stands in, prefill included (a floor of the rate), said on
     stdout and flagged ``decode_unresolved`` in the row."""
-    t1, tn = statistics.median(one), statistics.median(many)
     per_token = (tn - t1) / (n - 1)
     if per_token > 0:
         return per_token, False
